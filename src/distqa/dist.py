@@ -1,0 +1,124 @@
+"""The distributed life cycle and rank policy, in one place.
+
+torchrun (or any launcher that sets the same variables) gives each process RANK, LOCAL_RANK and
+WORLD_SIZE. Without them we are a single process and create no process group at all: every helper
+below is then a no-op, so the trainer runs one code path for 1 or N processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from distqa.errors import DistqaError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistqaError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def init_distributed() -> DistInfo:
+    """Read the launcher's variables, pick the device, and join the process group.
+
+    The CUDA device is set *before* init_process_group so that NCCL binds each rank to its own GPU
+    (otherwise every rank's communicator would land on cuda:0).
+    """
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    if not 0 <= rank < world_size:
+        raise DistqaError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
+
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise DistqaError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                "use --nproc-per-node <= the number of GPUs"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+
+    if world_size > 1 and not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def cleanup() -> None:
+    """Leave the process group. Safe to call twice and when none was created."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (in place, returned for chaining). Every rank must call it."""
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send a picklable object from `src` to every rank (used for small decisions, not tensors)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@contextlib.contextmanager
+def main_process_first(info: DistInfo) -> Iterator[None]:
+    """Rank 0 runs the body first (e.g. builds a cache); the others wait, then run it (e.g. read it)."""
+    if not info.is_main:
+        barrier()
+    yield
+    if info.is_main:
+        barrier()
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """print() on rank 0 only, so N processes do not repeat every line N times."""
+    if _env_int("RANK", 0) == 0:
+        print(*args, **kwargs, flush=True)  # type: ignore[call-overload]

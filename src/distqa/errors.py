@@ -1,0 +1,18 @@
+"""The one exception type that means "the user asked for something we cannot do".
+
+Everything raised as a `DistqaError` is reported by the CLI as a single line naming the problem
+and what to do about it, with a non-zero exit and no traceback (set `DISTQA_DEBUG=1` to see one).
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class DistqaError(Exception):
+    """A problem with the user's input or environment, reported as one clear line."""
+
+    exit_code = 2
+
+
+class ConfigError(DistqaError):
+    """An unknown configuration key, a value of the wrong type, or a value out of range."""

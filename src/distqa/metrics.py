@@ -1,0 +1,94 @@
+"""Metrics: accumulated on every rank, all-reduced, then written by rank 0 alone.
+
+Rank 0 appends one JSON object per logged step to `metrics.jsonl` and mirrors it to TensorBoard
+(`tb/`); the other ranks construct the same object but write nothing, so calling code never
+branches on the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from distqa.dist import DistInfo, all_reduce_sum
+
+
+class ThroughputMeter:
+    """Sums loss, examples and tokens between two log points without a host sync per step.
+
+    The running sums stay on the device (`.item()` every step would stall a GPU pipeline); the
+    all-reduce at log time is the only synchronisation.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, micro-steps, samples, tokens
+        self._start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, samples: int, tokens: int) -> None:
+        self._sums[0] += loss.detach().to(torch.float64)
+        self._sums[1] += 1
+        self._sums[2] += samples
+        self._sums[3] += tokens
+
+    def reduce_and_reset(self) -> dict[str, float]:
+        """Global figures since the last call. Every rank must call it (it all-reduces)."""
+        sums = all_reduce_sum(self._sums.clone()).tolist()
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        self._sums.zero_()
+        self._start = time.perf_counter()
+        loss_sum, micro_steps, samples, tokens = sums
+        return {
+            "loss": loss_sum / max(micro_steps, 1.0),
+            "samples_per_s": samples / elapsed,
+            "tokens_per_s": tokens / elapsed,
+        }
+
+
+class MetricsWriter:
+    """metrics.jsonl + TensorBoard on rank 0; a silent stand-in elsewhere."""
+
+    def __init__(self, output_dir: Path, info: DistInfo, *, resume_step: int = 0) -> None:
+        self.enabled = info.is_main
+        self.path = output_dir / "metrics.jsonl"
+        self._tb: SummaryWriter | None = None
+        if self.enabled:
+            self._truncate_after(resume_step)
+            # purge_step drops TensorBoard events past the resume point, as _truncate_after does
+            # for the JSON lines: a resumed run's curves continue instead of doubling back.
+            self._tb = SummaryWriter(str(output_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+
+    def _truncate_after(self, step: int) -> None:
+        """Keep the lines of steps <= `step` (the checkpoint we resume from); drop the rest."""
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash mid-write
+        self.path.write_text("".join(f"{line}\n" for line in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        assert self._tb is not None
+        step = int(record["step"])
+        for key, value in record.items():
+            if key not in ("step", "epoch") and isinstance(value, (int, float)):
+                self._tb.add_scalar(f"train/{key}", value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

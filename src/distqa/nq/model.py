@@ -1,0 +1,159 @@
+"""BERT-joint question answering: any Hugging Face encoder with an extractive-QA head, plus an
+answer-type head on [CLS].
+
+The model wraps an `AutoModelForQuestionAnswering` instead of a bare `AutoModel` so that the span
+head *is* Hugging Face's own (`qa_outputs` for BERT, RoBERTa, ELECTRA, ...): the exported folder
+is then a standard extractive-QA checkpoint that any tool taking a Hugging Face QA model can load,
+with the answer-type head riding along as one extra weight. It also avoids BERT's pooler, which a
+span head never uses and which would make DDP fail on unused parameters.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForQuestionAnswering, BertConfig, PretrainedConfig
+from transformers.utils import logging as hf_logging
+
+from distqa.config import ModelConfig
+from distqa.errors import DistqaError
+
+# 0 unknown, 1 yes, 2 no, 3 short, 4 long (the order of the Natural Questions baseline).
+ANSWER_TYPES = ("unknown", "yes", "no", "short", "long")
+ANSWER_TYPE_HEAD = "answer_type_head"  # attribute and key prefix of the extra weights
+
+# `model.name=tiny`: bert-base-uncased's vocabulary and positions, a fraction of its width and
+# depth. Random weights, no download: for smoke runs, tests and the quick start.
+TINY_BERT = dict(
+    vocab_size=30522,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=512,
+    max_position_embeddings=512,
+)
+
+
+def _set_dropout(config: PretrainedConfig, rate: float) -> None:
+    """Set every dropout rate the encoder's config has (names differ between architectures)."""
+    for key, value in config.to_dict().items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, rate)
+
+
+def _answer_type_head_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The answer-type head stored in a distqa export (empty for any other checkpoint)."""
+    if not path.is_file():
+        return {}
+    prefix = f"{ANSWER_TYPE_HEAD}."
+    return {k[len(prefix) :]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
+
+
+def _offline_hint(name: str, err: Exception) -> DistqaError:
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    return DistqaError(
+        f"cannot load model {name!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
+        + ("HF_HUB_OFFLINE=1 is set: " if offline else "")
+        + "download it once where the Hugging Face hub is reachable (it is cached in HF_HOME), "
+        "or set model.name to a local folder or 'tiny'"
+    )
+
+
+class BertJointQA(nn.Module):
+    """Encoder + start/end span head + 5-way answer-type head on the first ([CLS]) token."""
+
+    def __init__(self, qa_model: nn.Module) -> None:
+        super().__init__()
+        self.qa = qa_model
+        self.config: PretrainedConfig = qa_model.config
+        self.answer_type_head = nn.Linear(self.config.hidden_size, len(ANSWER_TYPES))
+
+    @classmethod
+    def build(cls, cfg: ModelConfig) -> "BertJointQA":
+        """The model `model.name` asks for: 'tiny', a Hugging Face id, or a local folder."""
+        kwargs: dict[str, Any] = {}
+        if cfg.attn_implementation is not None:
+            kwargs["attn_implementation"] = cfg.attn_implementation
+        if cfg.name == "tiny":
+            config = BertConfig(**TINY_BERT)
+            if cfg.dropout is not None:
+                _set_dropout(config, cfg.dropout)
+            return cls(AutoModelForQuestionAnswering.from_config(config, **kwargs))
+        try:
+            config = AutoConfig.from_pretrained(cfg.name)
+        except (OSError, ValueError) as err:
+            raise _offline_hint(cfg.name, err) from err
+        if cfg.dropout is not None:
+            _set_dropout(config, cfg.dropout)
+        head = _answer_type_head_weights(Path(cfg.name) / "model.safetensors")
+        # A folder distqa exported holds `answer_type_head.*` beside the QA weights; Hugging Face
+        # would report them as unexpected, but we load them ourselves just below.
+        quiet = hf_logging.get_verbosity() if head else None
+        if head:
+            hf_logging.set_verbosity_error()
+        try:
+            # A plain encoder checkpoint (bert-base-uncased) gets a freshly initialised span head.
+            qa = AutoModelForQuestionAnswering.from_pretrained(cfg.name, config=config, **kwargs)
+        except OSError as err:
+            raise _offline_hint(cfg.name, err) from err
+        except ValueError as err:  # e.g. an architecture with no extractive-QA class
+            raise DistqaError(f"model.name={cfg.name!r} cannot be used for extractive QA: {err}") from err
+        finally:
+            if quiet is not None:
+                hf_logging.set_verbosity(quiet)
+        model = cls(qa)
+        if head:
+            model.answer_type_head.load_state_dict(head)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "BertJointQA":
+        """Load a folder written by `save_pretrained` (the trained model, both heads)."""
+        return cls.build(ModelConfig(name=str(directory)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+    ) -> dict[str, torch.Tensor]:
+        # Hugging Face's own QA forward gives the span logits exactly as any HF tool computes
+        # them; the last hidden state (already kept for backward) feeds the answer-type head.
+        out = self.qa(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            output_hidden_states=True,
+        )
+        cls_state = out.hidden_states[-1][:, 0]
+        return {
+            "start_logits": out.start_logits,
+            "end_logits": out.end_logits,
+            "answer_type_logits": self.answer_type_head(cls_state),
+        }
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Hugging Face form: config.json + model.safetensors with the QA model's own key names
+        and the answer-type head as extra `answer_type_head.*` weights."""
+        state = dict(self.qa.state_dict())
+        for key, value in self.answer_type_head.state_dict().items():
+            state[f"{ANSWER_TYPE_HEAD}.{key}"] = value
+        self.qa.save_pretrained(str(directory), state_dict=state)
+
+
+def bert_joint_loss(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean of the start, end and answer-type cross-entropies (the BERT-joint baseline's loss).
+
+    Computed in fp32 whatever the autocast dtype: the log-softmax over 512 positions is where
+    half precision loses most.
+    """
+    start = F.cross_entropy(outputs["start_logits"].float(), batch["start_positions"])
+    end = F.cross_entropy(outputs["end_logits"].float(), batch["end_positions"])
+    kind = F.cross_entropy(outputs["answer_type_logits"].float(), batch["answer_type"])
+    return (start + end + kind) / 3.0

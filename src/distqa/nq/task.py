@@ -1,0 +1,90 @@
+"""The Natural Questions task, as the generic trainer sees it (see `distqa.task.Task`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from transformers import AutoTokenizer
+
+from distqa.config import Config
+from distqa.errors import DistqaError
+from distqa.nq.dummy import DummyDataset
+from distqa.nq.model import BertJointQA, bert_joint_loss
+from distqa.task import Batch, Task
+
+
+def load_tokenizer(cfg: Config) -> Optional[Any]:
+    """The tokenizer `model.tokenizer` (default: `model.name`) names; none for a bare 'tiny'.
+
+    'tiny' has bert-base-uncased's vocabulary size but no tokenizer of its own: dummy data needs
+    none, and loading bert-base-uncased's would need a download.
+    """
+    name = cfg.model.tokenizer or cfg.model.name
+    if name == "tiny":
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise DistqaError(
+            f"cannot load tokenizer {name!r} ({str(err).splitlines()[0]}): download it once where the "
+            "Hugging Face hub is reachable, or set model.tokenizer to a local folder"
+        ) from err
+
+
+class NQTask(Task):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.tokenizer = load_tokenizer(cfg)
+
+    def build_model(self) -> nn.Module:
+        model = BertJointQA.build(self.cfg.model)
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        if max_positions is not None and self.cfg.data.max_seq_len > max_positions:
+            raise DistqaError(
+                f"data.max_seq_len={self.cfg.data.max_seq_len} exceeds the {max_positions} positions "
+                f"model {self.cfg.model.name!r} was built for"
+            )
+        if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
+            raise DistqaError(
+                f"tokenizer {self.cfg.model.tokenizer or self.cfg.model.name!r} has {len(self.tokenizer)} tokens, "
+                f"more than model {self.cfg.model.name!r}'s vocabulary of {model.config.vocab_size}"
+            )
+        self._vocab_size = model.config.vocab_size
+        return model
+
+    def build_train_dataset(self) -> Dataset:
+        data = self.cfg.data
+        if data.train != "dummy":
+            raise DistqaError(
+                f"data.train={data.train!r}: training on Natural Questions files is not available in this "
+                "version yet (it arrives with `distqa prepare`); use data.train=dummy"
+            )
+        special: dict[str, int] = {}
+        if self.tokenizer is not None:  # the real model's own [CLS]/[SEP]/[PAD] ids
+            special = {
+                "cls_id": self.tokenizer.cls_token_id,
+                "sep_id": self.tokenizer.sep_token_id,
+                "pad_id": self.tokenizer.pad_token_id,
+            }
+            special = {k: v for k, v in special.items() if v is not None}
+        return DummyDataset(
+            data.dummy_size, data.max_seq_len, vocab_size=self._vocab_size, seed=self.cfg.seed, **special
+        )
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        outputs = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            token_type_ids=batch["token_type_ids"],
+        )
+        return bert_joint_loss(outputs, dict(batch))
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        assert isinstance(model, BertJointQA)
+        model.save_pretrained(directory)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(directory))

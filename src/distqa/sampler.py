@@ -1,0 +1,80 @@
+"""Data order that depends on (seed, epoch) alone, never on the number of processes.
+
+PyTorch's DistributedSampler deals indices round-robin, so the examples that meet in one optimizer
+step change with the world size, and a run on 8 GPUs cannot be compared with one on 1. Here the
+epoch's permutation is cut into *global* batches of `batch_size * grad_accum * world_size`
+examples; optimizer step k always sees global batch k, and each rank takes a contiguous slice of
+it, split into `grad_accum` micro-batches. 1 process x batch 8 and 2 processes x batch 4 therefore
+average the gradient over exactly the same 8 examples at every step.
+
+The sampler can start in the middle of an epoch (`start_step`), which is how a resumed run picks up
+at the exact position in the data without replaying the loader.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from distqa.errors import ConfigError
+
+
+def steps_per_epoch(num_examples: int, batch_size: int, grad_accum: int, world_size: int) -> int:
+    """Optimizer steps in one epoch; the incomplete last global batch is dropped."""
+    global_batch = batch_size * grad_accum * world_size
+    steps = num_examples // global_batch
+    if steps == 0:
+        raise ConfigError(
+            f"the training set has {num_examples} examples, fewer than one global batch "
+            f"(train.batch_size={batch_size} x train.grad_accum={grad_accum} x {world_size} processes "
+            f"= {global_batch}): lower train.batch_size or use more data"
+        )
+    return steps
+
+
+def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+    # SeedSequence mixes (seed, epoch) properly: seeds 1/epoch 2 and seeds 2/epoch 1 differ.
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches (lists of dataset indices) for one epoch."""
+
+    def __init__(
+        self,
+        num_examples: int,
+        *,
+        batch_size: int,
+        grad_accum: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        epoch: int,
+        start_step: int = 0,
+    ) -> None:
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.grad_accum = grad_accum
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.epoch = epoch
+        self.steps = steps_per_epoch(num_examples, batch_size, grad_accum, world_size)
+        if not 0 <= start_step <= self.steps:
+            raise ValueError(f"start_step={start_step} outside the epoch's {self.steps} steps")
+        self.start_step = start_step
+
+    def __len__(self) -> int:
+        return (self.steps - self.start_step) * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = epoch_permutation(self.num_examples, self.seed, self.epoch)
+        per_rank = self.batch_size * self.grad_accum
+        global_batch = per_rank * self.world_size
+        for step in range(self.start_step, self.steps):
+            begin = step * global_batch + self.rank * per_rank
+            mine = order[begin : begin + per_rank]
+            for micro in range(self.grad_accum):
+                yield mine[micro * self.batch_size : (micro + 1) * self.batch_size].tolist()

@@ -1,0 +1,249 @@
+"""The generic DDP training loop. It knows nothing of Natural Questions: see `distqa.task.Task`.
+
+One optimizer step = `grad_accum` micro-batches per rank. Gradients are all-reduced once per step,
+on the last micro-batch (`no_sync` on the others), then clipped and applied. Every rank runs the
+same code; rank 0 alone prints, writes metrics, checkpoints and the final model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from distqa import checkpoint as ckpt
+from distqa.config import Config, to_yaml
+from distqa.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed, print0
+from distqa.errors import ConfigError, DistqaError
+from distqa.metrics import MetricsWriter, ThroughputMeter
+from distqa.optim import build_optimizer, build_scheduler
+from distqa.sampler import GlobalBatchSampler, steps_per_epoch
+from distqa.task import Batch, Task, load_task
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Keys that may change between a run and its resumption without changing what is computed.
+_RESUME_MAY_DIFFER = {"output_dir", "train.resume", "train.max_steps", "train.epochs", "train.log_every",
+                      "train.checkpoint_every", "data.num_workers"}  # fmt: skip
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class Trainer:
+    def __init__(self, cfg: Config, task: Task, info: DistInfo) -> None:
+        self.cfg, self.task, self.info = cfg, task, info
+        self.out = Path(cfg.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * info.world_size
+        self.autocast_dtype = _AUTOCAST_DTYPES.get(cfg.train.precision)
+
+    # ----------------------------------------------------------------------------- set-up
+    def _prepare_output_dir(self) -> None:
+        """Rank 0 creates output_dir; every rank learns whether that worked, so none hangs in a
+        barrier waiting for a rank 0 that has already failed."""
+        problem: Optional[str] = None
+        if self.info.is_main:
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / "config.yaml").write_text(to_yaml(self.cfg))
+            except OSError as err:
+                problem = f"output_dir={str(self.out)!r} cannot be written: {err.strerror or err}"
+        problem = broadcast_object(problem)
+        if problem:
+            raise DistqaError(problem)
+
+    def _checkpoint_to_resume(self) -> Optional[Path]:
+        mode = self.cfg.train.resume
+        if mode == "never":
+            if ckpt.list_checkpoints(self.ckpt_root):
+                raise ConfigError(
+                    f"train.resume=never, but {self.ckpt_root} already holds checkpoints that this run would "
+                    "overwrite: use another output_dir, or train.resume=auto to continue"
+                )
+            return None
+        if mode == "auto":
+            found = ckpt.list_checkpoints(self.ckpt_root)
+            return found[-1] if found else None
+        return Path(mode)
+
+    def _check_resumable(self, directory: Path, total_steps: int) -> None:
+        state = ckpt.read_trainer_state(directory)
+        if state["global_batch"] != self.global_batch:
+            raise ConfigError(
+                f"checkpoint {directory} was trained with a global batch of {state['global_batch']} examples, "
+                f"this run has {self.global_batch} (train.batch_size x train.grad_accum x processes): resume "
+                "with the same global batch, or start afresh in another output_dir"
+            )
+        if state["step"] > total_steps:
+            raise ConfigError(f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps")
+        saved, now = _flatten(state["config"]), _flatten(dataclasses.asdict(self.cfg))
+        changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in _RESUME_MAY_DIFFER)
+        if changed:
+            print0(f"warning: resuming {directory} with changed settings: {', '.join(changed)}")
+
+    def _loader(self, dataset: Dataset, epoch: int, start_step: int) -> DataLoader:
+        sampler = GlobalBatchSampler(
+            len(dataset),  # type: ignore[arg-type]
+            batch_size=self.cfg.train.batch_size,
+            grad_accum=self.cfg.train.grad_accum,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            seed=self.cfg.seed,
+            epoch=epoch,
+            start_step=start_step,
+        )
+        # The loader draws its workers' base seed from this generator, not from the global RNG:
+        # otherwise creating a loader after a resume would shift the dropout stream.
+        generator = torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch)
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=self.task.collate,
+            num_workers=self.cfg.data.num_workers,
+            pin_memory=self.info.device.type == "cuda",
+            generator=generator,
+        )
+
+    # ----------------------------------------------------------------------------- the loop
+    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.info.device, non_blocking=True) for k, v in batch.items()}
+
+    def _train_step(self, batches: Iterator[Batch], meter: ThroughputMeter) -> None:
+        accum = self.cfg.train.grad_accum
+        for micro in range(accum):
+            cpu_batch = next(batches)
+            tokens = self.task.count_tokens(cpu_batch)  # on the CPU copy: no device sync
+            samples = len(next(iter(cpu_batch.values())))
+            batch = self._to_device(cpu_batch)
+            # All-reduce only on the last micro-batch: earlier backward passes just accumulate
+            # locally, which saves (accum - 1) rounds of communication per step.
+            last = micro == accum - 1
+            sync = contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
+            with sync:
+                with torch.autocast(self.info.device.type, dtype=self.autocast_dtype or torch.float32,
+                                    enabled=self.autocast_dtype is not None):  # fmt: skip
+                    loss = self.task.loss(self.model, batch)
+                # Each micro-batch's loss is a mean over its examples; dividing by accum makes the
+                # accumulated gradient the mean over the whole global batch.
+                self.scaler.scale(loss / accum).backward()
+            meter.add(loss, samples, tokens)
+        if self.cfg.train.max_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
+            nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.train.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _save(self, step: int, epoch_steps: int) -> None:
+        state = {
+            "step": step,
+            "epoch": step // epoch_steps,
+            "step_in_epoch": step % epoch_steps,
+            "global_batch": self.global_batch,
+            "world_size": self.info.world_size,
+            "config": dataclasses.asdict(self.cfg),
+        }
+        ckpt.save_checkpoint(self.ckpt_root, model=self.raw_model, optimizer=self.optimizer,
+                             scheduler=self.scheduler, scaler=self.scaler, trainer_state=state, info=self.info)  # fmt: skip
+
+    def fit(self) -> Path:
+        cfg, info = self.cfg, self.info
+        self._prepare_output_dir()
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        elif info.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 matmuls for the fp32 parts
+
+        # Same seed on every rank, so every rank builds identical weights (DDP would broadcast
+        # rank 0's anyway, but identical construction keeps RNG streams aligned too).
+        seed_everything(cfg.seed)
+        self.raw_model = self.task.build_model().to(info.device)
+        dataset = self.task.build_train_dataset()
+        epoch_steps = steps_per_epoch(len(dataset), cfg.train.batch_size, cfg.train.grad_accum, info.world_size)  # type: ignore[arg-type]
+        total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * epoch_steps
+        self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train, total_steps)
+        self.scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")
+        self.model: nn.Module = self.raw_model
+        if info.is_distributed:
+            device_ids = [info.local_rank] if info.device.type == "cuda" else None
+            self.model = DDP(self.raw_model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+        step = 0
+        resume_from = self._checkpoint_to_resume()
+        if resume_from is not None:
+            self._check_resumable(resume_from, total_steps)
+            step = ckpt.load_checkpoint(resume_from, model=self.raw_model, optimizer=self.optimizer,
+                                        scheduler=self.scheduler, scaler=self.scaler, info=info)["step"]  # fmt: skip
+            print0(f"resumed from {resume_from} at step {step}")
+        else:
+            # Different dropout masks per rank: identical masks would correlate the ranks' noise.
+            seed_everything(cfg.seed + info.rank)
+
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        print0(f"distqa: {info.world_size} process(es) on {info.device.type}, {n_params / 1e6:.1f}M parameters, "
+               f"{len(dataset)} examples, global batch {self.global_batch}, steps {step}->{total_steps}")  # type: ignore[arg-type]  # fmt: skip
+        metrics = MetricsWriter(self.out, info, resume_step=step)
+        meter = ThroughputMeter(info.device)
+        progress = tqdm(total=total_steps, initial=step, disable=not info.is_main, desc="train", dynamic_ncols=True)
+        self.model.train()
+        try:
+            while step < total_steps:
+                epoch, in_epoch = divmod(step, epoch_steps)
+                batches = iter(self._loader(dataset, epoch, in_epoch))
+                for _ in range(in_epoch, min(epoch_steps, in_epoch + total_steps - step)):
+                    lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+                    self._train_step(batches, meter)
+                    step += 1
+                    progress.update(1)
+                    if step % cfg.train.log_every == 0 or step == total_steps:
+                        record = {"step": step, "epoch": round(step / epoch_steps, 4), "lr": lr,
+                                  **meter.reduce_and_reset()}  # fmt: skip
+                        if not math.isfinite(record["loss"]):
+                            raise DistqaError(f"loss is {record['loss']} at step {step}: lower train.lr or use bf16")
+                        metrics.log(record)
+                        progress.set_postfix(loss=f"{record['loss']:.4f}")
+                    if step % cfg.train.checkpoint_every == 0 or step == total_steps:
+                        self._save(step, epoch_steps)
+        finally:
+            progress.close()
+            metrics.close()
+
+        if info.is_main:
+            self.task.save_model(self.raw_model, self.out / "model")
+            print0(f"model written to {self.out / 'model'}")
+        barrier()
+        return self.out / "model"
+
+
+def train(cfg: Config) -> Path:
+    """Entry point of `distqa train`: one call per process, under torchrun or alone."""
+    info = init_distributed()
+    try:
+        return Trainer(cfg, load_task(cfg), info).fit()
+    finally:
+        cleanup()
