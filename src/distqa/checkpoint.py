@@ -19,7 +19,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
 def _gather_to_main(obj: Any, info: DistInfo) -> list[Any]:
     if not info.is_distributed:
         return [obj]
-    out: Optional[list[Any]] = [None] * info.world_size if info.is_main else None
+    out: list[Any] | None = [None] * info.world_size if info.is_main else None
     dist.gather_object(obj, out, dst=0)
     return out or []
 
@@ -128,6 +128,11 @@ def load_checkpoint(
     optimizer.load_state_dict(training_state["optimizer"])
     scheduler.load_state_dict(training_state["scheduler"])
     scaler.load_state_dict(training_state["scaler"])
-    rng = torch.load(directory / f"rng-rank{info.rank}.pt", weights_only=True)
-    restore_rng_state(rng, info.device)
-    return read_trainer_state(directory)
+    state = read_trainer_state(directory)
+    rng_path = directory / f"rng-rank{info.rank}.pt"
+    # A run resumed on more processes (same global batch) has ranks the checkpoint never saw;
+    # the caller seeds those afresh, and says so.
+    state["rng_restored"] = rng_path.is_file()
+    if state["rng_restored"]:
+        restore_rng_state(torch.load(rng_path, weights_only=True), info.device)
+    return state

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 import textwrap
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from distqa.config import describe_keys
 from distqa.errors import DistqaError
@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -39,9 +40,9 @@ def _check_min(key: str, value: float, low: float, *, strict: bool = False) -> N
 @dataclass
 class ModelConfig:
     name: str = _f("tiny", "'tiny' (small random BERT, no download), a Hugging Face id, or a local folder")
-    tokenizer: Optional[str] = _f(None, "tokenizer id or folder (default: model.name; none for 'tiny')")
-    dropout: Optional[float] = _f(None, "dropout for every dropout rate of the encoder (default: keep its own)")
-    attn_implementation: Optional[str] = _f(
+    tokenizer: str | None = _f(None, "tokenizer id or folder (default: model.name; none for 'tiny')")
+    dropout: float | None = _f(None, "dropout for every dropout rate of the encoder (default: keep its own)")
+    attn_implementation: str | None = _f(
         None, "attention kernel: sdpa | eager | flash_attention_2 (default: SDPA where supported)"
     )
 
@@ -137,7 +138,7 @@ def _raise_config_error(err: OmegaConfBaseException, source: str) -> None:
     raise ConfigError(f"bad value for '{key}' in {source}: {detail}") from err
 
 
-def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
     """Defaults < YAML file < `key=value` overrides, checked against the schema."""
     merged = OmegaConf.structured(Config)
     if path is not None:
@@ -170,4 +171,3 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] | list[st
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-

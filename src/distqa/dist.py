@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -93,12 +93,6 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values
-
-
 def broadcast_object(obj: object, src: int = 0) -> object:
     """Send a picklable object from `src` to every rank (used for small decisions, not tensors)."""
     if not dist.is_initialized():
@@ -109,12 +103,14 @@ def broadcast_object(obj: object, src: int = 0) -> object:
 
 
 @contextlib.contextmanager
-def main_process_first(info: DistInfo) -> Iterator[None]:
-    """Rank 0 runs the body first (e.g. builds a cache); the others wait, then run it (e.g. read it)."""
-    if not info.is_main:
+def local_main_first(info: DistInfo) -> Iterator[None]:
+    """Local rank 0 of each node runs the body first (e.g. downloads a model into the node's
+    Hugging Face cache); the node's other ranks wait, then run it and find the files there.
+    Without this, N processes would download the same files at once into the same cache."""
+    if info.local_rank != 0:
         barrier()
     yield
-    if info.is_main:
+    if info.local_rank == 0:
         barrier()
 
 

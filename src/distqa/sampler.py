@@ -13,7 +13,7 @@ at the exact position in the data without replaying the loader.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from torch.utils.data import Sampler

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +25,7 @@ from tqdm.auto import tqdm
 
 from distqa import checkpoint as ckpt
 from distqa.config import Config, to_yaml
-from distqa.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed, print0
+from distqa.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed, local_main_first, print0
 from distqa.errors import ConfigError, DistqaError
 from distqa.metrics import MetricsWriter, ThroughputMeter
 from distqa.optim import build_optimizer, build_scheduler
@@ -32,8 +34,20 @@ from distqa.task import Batch, Task, load_task
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Keys that may change between a run and its resumption without changing what is computed.
-_RESUME_MAY_DIFFER = {"output_dir", "train.resume", "train.max_steps", "train.epochs", "train.log_every",
-                      "train.checkpoint_every", "data.num_workers"}  # fmt: skip
+_RESUME_MAY_DIFFER = {
+    "output_dir",
+    "train.resume",
+    "train.max_steps",
+    "train.epochs",
+    "train.log_every",
+    "train.checkpoint_every",
+    "data.num_workers",
+}
+
+
+def derive_seed(*parts: int) -> int:
+    """One 32-bit seed from several numbers, without the collisions of `seed + rank`."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
 def seed_everything(seed: int) -> None:
@@ -64,7 +78,7 @@ class Trainer:
     def _prepare_output_dir(self) -> None:
         """Rank 0 creates output_dir; every rank learns whether that worked, so none hangs in a
         barrier waiting for a rank 0 that has already failed."""
-        problem: Optional[str] = None
+        problem: str | None = None
         if self.info.is_main:
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +89,7 @@ class Trainer:
         if problem:
             raise DistqaError(problem)
 
-    def _checkpoint_to_resume(self) -> Optional[Path]:
+    def _checkpoint_to_resume(self) -> Path | None:
         mode = self.cfg.train.resume
         if mode == "never":
             if ckpt.list_checkpoints(self.ckpt_root):
@@ -100,7 +114,9 @@ class Trainer:
         if state["step"] > total_steps:
             raise ConfigError(f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps")
         saved, now = _flatten(state["config"]), _flatten(dataclasses.asdict(self.cfg))
-        changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in _RESUME_MAY_DIFFER)
+        changed = sorted(
+            k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in _RESUME_MAY_DIFFER
+        )
         if changed:
             print0(f"warning: resuming {directory} with changed settings: {', '.join(changed)}")
 
@@ -143,8 +159,11 @@ class Trainer:
             last = micro == accum - 1
             sync = contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
             with sync:
-                with torch.autocast(self.info.device.type, dtype=self.autocast_dtype or torch.float32,
-                                    enabled=self.autocast_dtype is not None):  # fmt: skip
+                with torch.autocast(
+                    self.info.device.type,
+                    dtype=self.autocast_dtype or torch.float32,
+                    enabled=self.autocast_dtype is not None,
+                ):
                     loss = self.task.loss(self.model, batch)
                 # Each micro-batch's loss is a mean over its examples; dividing by accum makes the
                 # accumulated gradient the mean over the whole global batch.
@@ -167,13 +186,22 @@ class Trainer:
             "world_size": self.info.world_size,
             "config": dataclasses.asdict(self.cfg),
         }
-        ckpt.save_checkpoint(self.ckpt_root, model=self.raw_model, optimizer=self.optimizer,
-                             scheduler=self.scheduler, scaler=self.scaler, trainer_state=state, info=self.info)  # fmt: skip
+        ckpt.save_checkpoint(
+            self.ckpt_root,
+            model=self.raw_model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            trainer_state=state,
+            info=self.info,
+        )
 
     def fit(self) -> Path:
         cfg, info = self.cfg, self.info
         self._prepare_output_dir()
         if cfg.train.deterministic:
+            # cuBLAS is only deterministic with a fixed workspace; it must be set before its first use.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         elif info.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls for the fp32 parts
@@ -181,7 +209,8 @@ class Trainer:
         # Same seed on every rank, so every rank builds identical weights (DDP would broadcast
         # rank 0's anyway, but identical construction keeps RNG streams aligned too).
         seed_everything(cfg.seed)
-        self.raw_model = self.task.build_model().to(info.device)
+        with local_main_first(info):
+            self.raw_model = self.task.build_model().to(info.device)
         dataset = self.task.build_train_dataset()
         epoch_steps = steps_per_epoch(len(dataset), cfg.train.batch_size, cfg.train.grad_accum, info.world_size)  # type: ignore[arg-type]
         total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * epoch_steps
@@ -197,16 +226,33 @@ class Trainer:
         resume_from = self._checkpoint_to_resume()
         if resume_from is not None:
             self._check_resumable(resume_from, total_steps)
-            step = ckpt.load_checkpoint(resume_from, model=self.raw_model, optimizer=self.optimizer,
-                                        scheduler=self.scheduler, scaler=self.scaler, info=info)["step"]  # fmt: skip
+            state = ckpt.load_checkpoint(
+                resume_from,
+                model=self.raw_model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                info=info,
+            )
+            step = state["step"]
+            if not state["rng_restored"]:
+                seed_everything(derive_seed(cfg.seed, info.rank, step))
+                print(
+                    f"warning: rank {info.rank} has no RNG state in {resume_from} (it was written by "
+                    f"{state['world_size']} processes): seeded afresh, so dropout differs from an "
+                    "uninterrupted run",
+                    flush=True,
+                )
             print0(f"resumed from {resume_from} at step {step}")
         else:
             # Different dropout masks per rank: identical masks would correlate the ranks' noise.
-            seed_everything(cfg.seed + info.rank)
+            seed_everything(derive_seed(cfg.seed, info.rank))
 
         n_params = sum(p.numel() for p in self.raw_model.parameters())
-        print0(f"distqa: {info.world_size} process(es) on {info.device.type}, {n_params / 1e6:.1f}M parameters, "
-               f"{len(dataset)} examples, global batch {self.global_batch}, steps {step}->{total_steps}")  # type: ignore[arg-type]  # fmt: skip
+        print0(
+            f"distqa: {info.world_size} process(es) on {info.device.type}, {n_params / 1e6:.1f}M parameters, "
+            f"{len(dataset)} examples, global batch {self.global_batch}, steps {step}->{total_steps}"
+        )  # type: ignore[arg-type]
         metrics = MetricsWriter(self.out, info, resume_step=step)
         meter = ThroughputMeter(info.device)
         progress = tqdm(total=total_steps, initial=step, disable=not info.is_main, desc="train", dynamic_ncols=True)
@@ -221,8 +267,12 @@ class Trainer:
                     step += 1
                     progress.update(1)
                     if step % cfg.train.log_every == 0 or step == total_steps:
-                        record = {"step": step, "epoch": round(step / epoch_steps, 4), "lr": lr,
-                                  **meter.reduce_and_reset()}  # fmt: skip
+                        record = {
+                            "step": step,
+                            "epoch": round(step / epoch_steps, 4),
+                            "lr": lr,
+                            **meter.reduce_and_reset(),
+                        }
                         if not math.isfinite(record["loss"]):
                             raise DistqaError(f"loss is {record['loss']} at step {step}: lower train.lr or use bf16")
                         metrics.log(record)
@@ -244,6 +294,8 @@ def train(cfg: Config) -> Path:
     """Entry point of `distqa train`: one call per process, under torchrun or alone."""
     info = init_distributed()
     try:
-        return Trainer(cfg, load_task(cfg), info).fit()
+        with local_main_first(info):  # the task may download a tokenizer
+            task = load_task(cfg)
+        return Trainer(cfg, task, info).fit()
     finally:
         cleanup()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ class BertJointQA(nn.Module):
         self.answer_type_head = nn.Linear(self.config.hidden_size, len(ANSWER_TYPES))
 
     @classmethod
-    def build(cls, cfg: ModelConfig) -> "BertJointQA":
+    def build(cls, cfg: ModelConfig) -> BertJointQA:
         """The model `model.name` asks for: 'tiny', a Hugging Face id, or a local folder."""
         kwargs: dict[str, Any] = {}
         if cfg.attn_implementation is not None:
@@ -113,15 +113,15 @@ class BertJointQA(nn.Module):
         return model
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "BertJointQA":
+    def from_pretrained(cls, directory: str | Path) -> BertJointQA:
         """Load a folder written by `save_pretrained` (the trained model, both heads)."""
         return cls.build(ModelConfig(name=str(directory)))
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         # Hugging Face's own QA forward gives the span logits exactly as any HF tool computes
         # them; the last hidden state (already kept for backward) feeds the answer-type head.

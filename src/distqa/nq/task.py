@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from distqa.nq.model import BertJointQA, bert_joint_loss
 from distqa.task import Batch, Task
 
 
-def load_tokenizer(cfg: Config) -> Optional[Any]:
+def load_tokenizer(cfg: Config) -> Any | None:
     """The tokenizer `model.tokenizer` (default: `model.name`) names; none for a bare 'tiny'.
 
     'tiny' has bert-base-uncased's vocabulary size but no tokenizer of its own: dummy data needs

@@ -1,0 +1,51 @@
+# distqa: the two-command quick start is `make train` then `make test`.
+# Everything installs into .venv from the pinned requirements; nothing touches the system Python.
+
+PYTHON  ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+RESULTS ?= results/quickstart
+# Extra KEY=VALUE settings for `make train`, e.g. make train ARGS="train.max_steps=50"
+ARGS    ?=
+
+.PHONY: help install install-dev train test test-fast lint clean
+
+help:
+	@echo "make train      create .venv, install, train the tiny model on the DummyDataset into $(RESULTS)"
+	@echo "make test       install the test tools and run the test suite"
+	@echo "make test-fast  unit tests only (no torchrun launches)"
+	@echo "make lint       ruff"
+	@echo "make clean      remove .venv and results/"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python requirements.txt pyproject.toml
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	@touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+# One process per local GPU, or 2 CPU processes without one (scripts/run_local.sh decides).
+train: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/run_local.sh --config configs/quickstart.yaml output_dir=$(RESULTS) $(ARGS)
+
+test: install-dev
+	$(BIN)/python -m pytest
+
+test-fast: install-dev
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: install-dev
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) results

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Train on this machine with torchrun's standalone rendezvous: one process per GPU, or
+# NPROC_PER_NODE CPU processes (default 2) where there is no GPU. Arguments go to `distqa train`.
+#   scripts/run_local.sh --config configs/quickstart.yaml output_dir=results/run1
+set -euo pipefail
+
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  if (( gpus > 0 )); then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
+fi
+
+exec torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" -m distqa train "$@"

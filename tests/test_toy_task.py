@@ -1,0 +1,69 @@
+"""The seam: a second task, nothing like Natural Questions, trained by the same trainer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_train, subprocess_env
+from toy_task import BlobsDataset, ToyClassifier
+
+
+@pytest.mark.slow
+def test_toy_classifier_trains_through_the_generic_trainer(tmp_path):
+    out = tmp_path / "toy"
+    run_train(
+        [
+            f"output_dir={out}",
+            "task=toy_task:ToyClassificationTask",
+            "data.dummy_size=1024",
+            "data.num_workers=0",
+            "train.optimizer=sgd",
+            "train.lr=0.1",
+            "train.momentum=0.9",
+            "train.batch_size=16",
+            "train.max_steps=40",
+            "train.log_every=5",
+            "train.checkpoint_every=20",
+        ],
+        nproc=2,
+    )
+    model = ToyClassifier()
+    model.load_state_dict(load_file(str(out / "model" / "model.safetensors")))
+    # Held-out points: indices past the training set are fresh draws from the same blobs.
+    data = BlobsDataset(2048, seed=42)
+    held_out = torch.utils.data.default_collate([data[i] for i in range(1024, 2048)])
+    accuracy = (model(held_out["features"]).argmax(-1) == held_out["label"]).float().mean().item()
+    assert accuracy > 0.9
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < 0.3 * losses[0]
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-20", "step-40"]
+
+
+def test_core_never_imports_the_nq_task():
+    code = (
+        "import sys, distqa.trainer, distqa.checkpoint, distqa.metrics, distqa.cli; "
+        "leaked = [m for m in sys.modules if m.startswith('distqa.nq')]; "
+        "assert not leaked, leaked"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(), timeout=120)
+
+
+def test_task_names_are_checked():
+    from distqa.config import Config
+    from distqa.errors import ConfigError
+    from distqa.task import load_task
+
+    for name, message in [
+        ("nosuch", "neither"),
+        ("no_such_module:Task", "cannot import"),
+        ("toy_task:Missing", "no Task subclass"),
+        ("toy_task:BlobsDataset", "no Task subclass"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_task(Config(task=name))

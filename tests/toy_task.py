@@ -1,0 +1,65 @@
+"""The smallest task: a classifier on synthetic Gaussian blobs, trained by the unchanged trainer.
+
+It exists to prove the seam (`distqa.task.Task`): nothing of Natural Questions, BERT or text is
+involved. Run it like any task:
+
+    PYTHONPATH=tests torchrun --nproc-per-node 2 -m distqa train task=toy_task:ToyClassificationTask
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import Dataset
+
+from distqa.task import Batch, Task
+
+FEATURES, CLASSES = 16, 4
+
+
+class BlobsDataset(Dataset):
+    """Example i: a point near one of CLASSES fixed centres; a pure function of (seed, i)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+        self.centres = np.random.default_rng([seed, 2**31]).normal(0.0, 2.0, size=(CLASSES, FEATURES))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, index])
+        label = int(rng.integers(CLASSES))
+        point = self.centres[label] + rng.normal(0.0, 1.0, size=FEATURES)
+        return {"features": torch.tensor(point, dtype=torch.float32), "label": torch.tensor(label)}
+
+
+class ToyClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features)
+
+
+class ToyClassificationTask(Task):
+    def build_model(self) -> nn.Module:
+        return ToyClassifier()
+
+    def build_train_dataset(self) -> Dataset:
+        return BlobsDataset(self.cfg.data.dummy_size, self.cfg.seed)
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(model(batch["features"]), batch["label"])
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(model.state_dict(), str(directory / "model.safetensors"))
+        (directory / "toy.json").write_text(json.dumps({"features": FEATURES, "classes": CLASSES}))
