@@ -173,8 +173,15 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
             nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.train.max_grad_norm)
         self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
+        if self.scaler.is_enabled():
+            # fp16: the scaler skips the optimizer step when gradients overflowed (and then lowers
+            # its scale); the schedule must not advance past a step that never happened.
+            scale = self.scaler.get_scale()
+            self.scaler.update()
+            if self.scaler.get_scale() >= scale:
+                self.scheduler.step()
+        else:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _save(self, step: int, epoch_steps: int) -> None:

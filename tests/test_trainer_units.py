@@ -1,0 +1,113 @@
+"""The trainer in-process, as a single process (no torchrun, no process group): precision modes,
+gradient clipping, determinism, and the errors a user meets before training starts."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import SMALL, load_weights, max_abs_diff
+from distqa.config import load_config
+from distqa.errors import ConfigError, DistqaError
+from distqa.trainer import train
+
+
+def run(tmp_path, name, *overrides):
+    cfg = load_config(None, [*SMALL, f"output_dir={tmp_path / name}", "train.batch_size=2", *overrides])
+    train(cfg)
+    return tmp_path / name
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
+    a = run(tmp_path, "a", "train.max_steps=2", "model.dropout=0.1")
+    b = run(tmp_path, "b", "train.max_steps=2", "model.dropout=0.1")
+    c = run(tmp_path, "c", "train.max_steps=2", "model.dropout=0.1", "seed=7")
+    assert max_abs_diff(load_weights(a), load_weights(b)) == 0.0
+    assert max_abs_diff(load_weights(a), load_weights(c)) > 1e-3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs_under_autocast(tmp_path, precision):
+    fp32 = run(tmp_path, "fp32", "train.max_steps=3", "model.dropout=0.0", "train.lr=1e-3")
+    with warnings.catch_warnings():
+        # The fp16 scaler skips steps whose gradients overflow; the LR schedule must skip them too
+        # (torch warns when a scheduler steps past an optimizer that did not).
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
+        mixed = run(
+            tmp_path,
+            precision,
+            "train.max_steps=3",
+            "model.dropout=0.0",
+            "train.lr=1e-3",
+            f"train.precision={precision}",
+        )
+    assert all(torch.isfinite(t).all() for t in load_weights(mixed).values())
+    # Step 1 sees the same data and weights: its loss agrees to half-precision accuracy, but not
+    # bit for bit (which would mean autocast never engaged).
+    first32, first_mixed = losses(fp32)[0], losses(mixed)[0]
+    assert first32 == pytest.approx(first_mixed, rel=1e-2)
+    assert first32 != first_mixed
+    # Weights are kept in fp32 whatever the compute precision.
+    assert all(t.dtype == torch.float32 for t in load_weights(mixed).values())
+
+
+def test_fp16_gradient_scaler_state_is_checkpointed(tmp_path):
+    out = run(tmp_path, "fp16", "train.max_steps=2", "train.precision=fp16")
+    state = torch.load(out / "checkpoints" / "step-2" / "training_state.pt", weights_only=True)
+    assert state["scaler"]["scale"] > 0  # an enabled scaler has a scale; a disabled one saves {}
+    state32 = torch.load(
+        run(tmp_path, "fp32", "train.max_steps=1") / "checkpoints" / "step-1" / "training_state.pt", weights_only=True
+    )
+    assert state32["scaler"] == {}
+
+
+def test_gradient_clipping_bounds_the_update(tmp_path):
+    """With SGD at lr 1 and no momentum, one update is -grad: its norm is the clipped norm."""
+    common = [
+        "train.max_steps=1",
+        "train.optimizer=sgd",
+        "train.lr=1.0",
+        "train.lr_schedule=constant",
+        "train.warmup_ratio=0",
+        "train.weight_decay=0",
+        "model.dropout=0.0",
+    ]
+    initial = run(tmp_path, "init", *common, "train.lr=1e-30")  # same init, no real update
+    clipped = run(tmp_path, "clipped", *common, "train.max_grad_norm=0.001")
+    free = run(tmp_path, "free", *common, "train.max_grad_norm=0")
+
+    def update_norm(out):
+        w0, w1 = load_weights(initial), load_weights(out)
+        return torch.sqrt(sum(((w1[k] - w0[k]) ** 2).sum() for k in w0)).item()
+
+    assert update_norm(clipped) == pytest.approx(0.001, rel=1e-2)
+    assert update_norm(free) > 0.01
+
+
+def test_unwritable_output_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cfg = load_config(None, [*SMALL, f"output_dir={blocker / 'run'}", "train.max_steps=1"])
+    with pytest.raises(DistqaError, match="cannot be written"):
+        train(cfg)
+
+
+def test_too_small_dataset_names_the_keys(tmp_path):
+    cfg = load_config(None, [*SMALL, f"output_dir={tmp_path / 'x'}", "data.dummy_size=3", "train.batch_size=4"])
+    with pytest.raises(ConfigError, match="train.batch_size=4"):
+        train(cfg)
+
+
+def test_real_data_path_is_refused_not_replaced_by_dummy(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    cfg = load_config(None, [*SMALL, f"output_dir={tmp_path / 'x'}", f"data.train={data}"])
+    with pytest.raises(DistqaError, match="data.train"):
+        train(cfg)
