@@ -33,7 +33,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", metavar="FILE", help="YAML file of settings (see configs/)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
+
+    prepare = commands.add_parser(
+        "prepare",
+        help="turn Natural Questions JSONL into cached model features",
+        description="Tokenize and window a Natural Questions JSONL file into a `datasets` folder "
+        "(reused when input, tokenizer and settings are unchanged). Keys as for train "
+        "(model.tokenizer, data.max_seq_len, data.doc_stride, data.max_query_len, data.keep_unknown, "
+        "data.skip_bad_lines, seed).",
+    )
+    prepare.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL (train, dev or test format)")
+    prepare.add_argument("--output", required=True, metavar="DIR", help="folder to write the features to")
+    prepare.add_argument("--num-proc", type=int, default=1, metavar="N", help="processes (default: 1)")
+    prepare.add_argument(
+        "--mode",
+        choices=("train", "eval"),
+        default="train",
+        help="train: keep data.keep_unknown of the windows without an answer; eval: keep every window",
+    )
+    prepare.add_argument("--config", metavar="FILE", help="YAML file of settings")
+    prepare.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     return parser
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from distqa.config import load_config
+    from distqa.errors import ConfigError
+    from distqa.nq.data import feature_settings, tokenizer_name
+    from distqa.nq.prepare import prepare_features
+
+    if args.num_proc < 1:
+        raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
+    cfg = load_config(args.config, args.overrides)
+    result = prepare_features(
+        args.input,
+        args.output,
+        tokenizer_name=tokenizer_name(cfg),
+        settings=feature_settings(cfg, training=args.mode == "train"),
+        num_proc=args.num_proc,
+        skip_bad_lines=cfg.data.skip_bad_lines,
+    )
+    if result.reused:
+        print(f"reused {result.path}: same input, tokenizer and settings, nothing to do")
+        return
+    if result.bad_lines:
+        shown = ", ".join(str(line) for line, _ in result.bad_lines[:10])
+        print(
+            f"skipped {len(result.bad_lines)} malformed line(s) of {args.input}: line {shown}"
+            + (" ..." if len(result.bad_lines) > 10 else "")
+        )
+        print(f"first reason: {result.bad_lines[0][1]}")
+    print(
+        f"wrote {result.features} features of {result.docs} documents to {result.path} "
+        f"in {result.seconds:.1f} s with {args.num_proc} process(es): {result.docs_per_s:.1f} docs/s"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -42,6 +95,8 @@ def _run(args: argparse.Namespace) -> int:
         from distqa.trainer import train
 
         train(load_config(args.config, args.overrides))
+    elif args.command == "prepare":
+        _prepare(args)
     return 0
 
 

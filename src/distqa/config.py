@@ -53,8 +53,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = _f("dummy", "'dummy' (synthetic DummyDataset) or a path to training data")
+    train: str = _f("dummy", "'dummy' (DummyDataset), an NQ JSONL file, or a folder `distqa prepare` wrote")
+    valid: str | None = _f(None, "validation data, as data.train (default: none)")
     max_seq_len: int = _f(512, "tokens per input sequence, special tokens included")
+    doc_stride: int = _f(128, "document tokens between the starts of two windows")
+    max_query_len: int = _f(64, "question tokens kept (the rest is cut)")
+    keep_unknown: float = _f(0.02, "fraction of training windows without the answer that are kept")
+    skip_bad_lines: bool = _f(False, "skip (and count) malformed JSONL lines instead of stopping")
+    cache_dir: str | None = _f(None, "where prepared features are cached (default: HF_HOME/distqa)")
     dummy_size: int = _f(4096, "number of examples in the DummyDataset")
     num_workers: int = _f(2, "DataLoader worker processes per rank (0 = load in the training process)")
 
@@ -62,9 +68,14 @@ class DataConfig:
         _check_min("data.max_seq_len", self.max_seq_len, 8)
         _check_min("data.dummy_size", self.dummy_size, 1)
         _check_min("data.num_workers", self.num_workers, 0)
-        if self.train != "dummy" and not Path(self.train).exists():
-            # Never fall back to dummy data silently: a typo would train on noise for hours.
-            raise ConfigError(f"data.train={self.train!r} does not exist (use data.train=dummy for synthetic data)")
+        _check_min("data.doc_stride", self.doc_stride, 1)
+        _check_min("data.max_query_len", self.max_query_len, 1)
+        if not 0.0 <= self.keep_unknown <= 1.0:
+            raise ConfigError(f"data.keep_unknown={self.keep_unknown} must be in [0, 1]")
+        for key, value in (("data.train", self.train), ("data.valid", self.valid)):
+            if value not in (None, "dummy") and not Path(value).exists():
+                # Never fall back to dummy data silently: a typo would train on noise for hours.
+                raise ConfigError(f"{key}={value!r} does not exist (use data.train=dummy for synthetic data)")
 
 
 @dataclass
@@ -84,6 +95,7 @@ class TrainConfig:
     deterministic: bool = _f(False, "use deterministic kernels only (slower on GPU; CPU runs are already)")
     checkpoint_every: int = _f(500, "save a checkpoint every N steps (and always at the end)")
     log_every: int = _f(10, "log metrics every N steps")
+    eval_every: int = _f(0, "evaluate on data.valid every N steps (0: only at the end)")
     resume: str = _f("auto", "auto (newest checkpoint in output_dir) | never | a checkpoint folder")
 
     def __post_init__(self) -> None:
@@ -96,6 +108,7 @@ class TrainConfig:
         _check_min("train.momentum", self.momentum, 0.0)
         _check_min("train.weight_decay", self.weight_decay, 0.0)
         _check_min("train.max_grad_norm", self.max_grad_norm, 0.0)
+        _check_min("train.eval_every", self.eval_every, 0)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():

@@ -218,7 +218,8 @@ class Trainer:
         seed_everything(cfg.seed)
         with local_main_first(info):
             self.raw_model = self.task.build_model().to(info.device)
-        dataset = self.task.build_train_dataset()
+        with local_main_first(info):  # one process per node builds a data cache, the others then read it
+            dataset = self.task.build_train_dataset()
         epoch_steps = steps_per_epoch(len(dataset), cfg.train.batch_size, cfg.train.grad_accum, info.world_size)  # type: ignore[arg-type]
         total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * epoch_steps
         self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from distqa.config import Config
 from distqa.errors import DistqaError
+from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.model import BertJointQA, bert_joint_loss
 from distqa.task import Batch, Task
@@ -58,22 +59,31 @@ class NQTask(Task):
 
     def build_train_dataset(self) -> Dataset:
         data = self.cfg.data
-        if data.train != "dummy":
-            raise DistqaError(
-                f"data.train={data.train!r}: training on Natural Questions files is not available in this "
-                "version yet (it arrives with `distqa prepare`); use data.train=dummy"
+        if data.train == "dummy":
+            return DummyDataset(
+                data.dummy_size,
+                data.max_seq_len,
+                vocab_size=self._vocab_size,
+                seed=self.cfg.seed,
+                **self._special_ids(),
             )
-        special: dict[str, int] = {}
-        if self.tokenizer is not None:  # the real model's own [CLS]/[SEP]/[PAD] ids
-            special = {
-                "cls_id": self.tokenizer.cls_token_id,
-                "sep_id": self.tokenizer.sep_token_id,
-                "pad_id": self.tokenizer.pad_token_id,
-            }
-            special = {k: v for k, v in special.items() if v is not None}
-        return DummyDataset(
-            data.dummy_size, data.max_seq_len, vocab_size=self._vocab_size, seed=self.cfg.seed, **special
-        )
+        folder = resolve_features(self.cfg, data.train, self.tokenizer, training=True)
+        return FeatureDataset(folder, TRAIN_COLUMNS)
+
+    def _special_ids(self) -> dict[str, int]:
+        """The tokenizer's own [CLS]/[SEP]/[PAD] ids (DummyDataset's defaults are BERT's)."""
+        if self.tokenizer is None:
+            return {}
+        special = {
+            "cls_id": self.tokenizer.cls_token_id,
+            "sep_id": self.tokenizer.sep_token_id,
+            "pad_id": self.tokenizer.pad_token_id,
+        }
+        return {k: v for k, v in special.items() if v is not None}
+
+    def collate(self, items: list[Any]) -> Batch:
+        pad_id = self._special_ids().get("pad_id", 0)
+        return pad_collate(items, pad_id=pad_id, max_len=self.cfg.data.max_seq_len)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         outputs = model(

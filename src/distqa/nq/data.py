@@ -1,0 +1,105 @@
+"""Where `distqa train` gets Natural Questions features, and how a batch of them is padded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from distqa.config import Config
+from distqa.errors import DistqaError
+from distqa.nq.features import FeatureSettings
+from distqa.nq.prepare import FINGERPRINT_FILE, fingerprint, fingerprint_key, load_features, prepare_features
+
+# Pad values of the padded columns; every other column is a scalar per feature.
+PAD_COLUMNS = {"input_ids": None, "token_type_ids": 0, "attention_mask": 0, "token_map": -1}
+TRAIN_COLUMNS = ["input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions", "answer_type"]
+
+
+def feature_settings(cfg: Config, *, training: bool) -> FeatureSettings:
+    d = cfg.data
+    return FeatureSettings(
+        max_seq_len=d.max_seq_len,
+        doc_stride=d.doc_stride,
+        max_query_len=d.max_query_len,
+        keep_unknown=d.keep_unknown,
+        seed=cfg.seed,
+        training=training,
+    )
+
+
+def tokenizer_name(cfg: Config) -> str:
+    name = cfg.model.tokenizer or cfg.model.name
+    if name == "tiny":
+        raise DistqaError("Natural Questions data needs a tokenizer: set model.tokenizer (e.g. bert-base-uncased)")
+    return name
+
+
+def default_cache_dir() -> Path:
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(hf_home) / "distqa" / "features"
+
+
+def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) -> Path:
+    """The prepared folder for `path`: itself if `distqa prepare` wrote it, else a cache entry,
+    prepared now if missing. Call on one process per node first (see `dist.local_main_first`)."""
+    source = Path(path)
+    if source.is_dir():
+        if not (source / FINGERPRINT_FILE).is_file():
+            raise DistqaError(f"{source} is a folder but not one `distqa prepare` wrote")
+        return source
+    settings = feature_settings(cfg, training=training)
+    cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+    target = cache_root / fingerprint_key(fingerprint(source, tokenizer, settings))
+    result = prepare_features(
+        source,
+        target,
+        tokenizer_name=tokenizer_name(cfg),
+        settings=settings,
+        num_proc=os.cpu_count() or 1,
+        skip_bad_lines=cfg.data.skip_bad_lines,
+    )
+    if not result.reused:
+        print(
+            f"prepared {result.docs} documents of {source} into {result.features} features at {target}"
+            + (f"; skipped {len(result.bad_lines)} bad line(s)" if result.bad_lines else ""),
+            flush=True,
+        )
+    return target
+
+
+class FeatureDataset(Dataset):
+    """A memory-mapped prepared folder, restricted to the columns a step needs."""
+
+    def __init__(self, folder: Path, columns: list[str]) -> None:
+        self.data = load_features(folder).select_columns(columns)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.data[int(index)]
+
+
+def pad_collate(items: list[dict[str, Any]], pad_id: int, max_len: int, multiple: int = 8) -> dict[str, Any]:
+    """Pad the sequence columns to the longest in the batch, rounded up to `multiple` (shapes
+    that suit GPU tensor cores) but never past `max_len`; stack the scalar columns."""
+    longest = max(len(item["input_ids"]) for item in items)
+    length = max(longest, min(-(-longest // multiple) * multiple, max_len))
+    batch: dict[str, Any] = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        if key in PAD_COLUMNS:
+            pad = pad_id if PAD_COLUMNS[key] is None else PAD_COLUMNS[key]
+            out = torch.full((len(items), length), pad, dtype=torch.long)
+            for row, seq in enumerate(values):
+                out[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            batch[key] = out
+        elif key == "example_id":
+            batch[key] = values  # strings stay a list
+        else:
+            batch[key] = torch.as_tensor([int(v) for v in values], dtype=torch.long)
+    return batch

@@ -1,0 +1,151 @@
+"""Streaming reader for Natural Questions JSONL, in the three shapes the competition uses.
+
+- train (`simplified-nq-train.jsonl`, 17 GB): one annotation per example;
+- dev: the same fields with five annotations per example;
+- test (`simplified-nq-test.jsonl`): no annotations, and `example_id` may be a string.
+
+The file is read line by line (never whole), and a byte range of it can be read on its own, which
+is how `distqa prepare` splits one file over several processes without a pre-pass. A malformed line
+is an error naming the file and the line; with `skip_bad_lines` it is counted instead, and the
+count is reported by the caller. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distqa.errors import DistqaError
+
+
+@dataclass
+class NQExample:
+    example_id: str  # always a string: test ids are strings, train ids are integers
+    question: str
+    tokens: list[str]  # the document's whitespace tokens; HTML tags (<P>, <Table>) included
+    candidates: list[dict[str, Any]]  # long-answer candidates: start_token, end_token, top_level
+    annotations: list[dict[str, Any]] = field(default_factory=list)  # empty for the test set
+
+
+class BadLine(ValueError):
+    """A line that is not a valid Natural Questions example (the message says why)."""
+
+
+def _span(obj: Any, what: str, n_tokens: int) -> tuple[int, int]:
+    if not isinstance(obj, dict):
+        raise BadLine(f"{what} is not an object")
+    start, end = obj.get("start_token"), obj.get("end_token")
+    if not isinstance(start, int) or not isinstance(end, int):
+        raise BadLine(f"{what} has no integer start_token/end_token")
+    if (start, end) != (-1, -1) and not 0 <= start < end <= n_tokens:
+        raise BadLine(f"{what} [{start}, {end}) is outside the document's {n_tokens} tokens")
+    return start, end
+
+
+def parse_example(line: str) -> NQExample:
+    """One JSONL line to an NQExample, checking every field the pipeline relies on."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise BadLine(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(raw, dict):
+        raise BadLine("not a JSON object")
+    missing = [k for k in ("example_id", "question_text") if k not in raw]
+    if "document_text" in raw:
+        text = raw["document_text"]
+        if not isinstance(text, str):
+            raise BadLine("document_text is not a string")
+        tokens = text.split(" ")  # exactly the split that NQ's token indices refer to
+    elif "document_tokens" in raw:  # the original (non-simplified) NQ format
+        tokens = [t["token"] for t in raw["document_tokens"]]
+    else:
+        missing.append("document_text")
+    if missing:
+        raise BadLine(f"missing field(s) {', '.join(missing)}")
+    if not isinstance(raw["question_text"], str):
+        raise BadLine("question_text is not a string")
+    n = len(tokens)
+    candidates = raw.get("long_answer_candidates", [])
+    for i, cand in enumerate(candidates):
+        _span(cand, f"long_answer_candidates[{i}]", n)
+    annotations = raw.get("annotations", []) or []
+    for i, ann in enumerate(annotations):
+        if not isinstance(ann, dict):
+            raise BadLine(f"annotations[{i}] is not an object")
+        _span(ann.get("long_answer"), f"annotations[{i}].long_answer", n)
+        for j, short in enumerate(ann.get("short_answers", [])):
+            _span(short, f"annotations[{i}].short_answers[{j}]", n)
+        if ann.get("yes_no_answer", "NONE") not in ("YES", "NO", "NONE"):
+            raise BadLine(f"annotations[{i}].yes_no_answer is {ann.get('yes_no_answer')!r}")
+    return NQExample(str(raw["example_id"]), raw["question_text"], tokens, candidates, annotations)
+
+
+def line_number_at(path: Path, offset: int) -> int:
+    """1-based number of the line starting at byte `offset` (computed only when reporting)."""
+    count, done = 0, 0
+    with path.open("rb") as f:
+        while done < offset:
+            chunk = f.read(min(1 << 24, offset - done))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            done += len(chunk)
+    return count + 1
+
+
+def byte_ranges(path: Path, parts: int) -> list[tuple[int, int]]:
+    """Split the file into `parts` byte ranges; each line belongs to the range holding its first byte."""
+    size = path.stat().st_size
+    bounds = [size * i // parts for i in range(parts + 1)]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+class NQReader:
+    """Iterate the examples of one JSONL file, or of one byte range of it.
+
+    `bad_lines` holds (line number, reason) for each skipped line once iteration is over.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, skip_bad_lines: bool = False, byte_range: tuple[int, int] | None = None
+    ) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DistqaError(f"{self.path} does not exist or is not a file")
+        self.skip_bad_lines = skip_bad_lines
+        self.byte_range = byte_range or (0, self.path.stat().st_size)
+        self.bad_lines: list[tuple[int, str]] = []
+
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        """(byte offset, raw line) for every line that starts inside the byte range."""
+        start, end = self.byte_range
+        with self.path.open("rb") as f:
+            if start > 0:
+                # Begin at the first line that starts at or after `start`.
+                f.seek(start - 1)
+                if f.read(1) != b"\n":
+                    f.readline()
+            while (offset := f.tell()) < end:
+                line = f.readline()
+                if not line:
+                    return
+                yield offset, line
+
+    def __iter__(self) -> Iterator[NQExample]:
+        for offset, raw in self._lines():
+            if not raw.strip():
+                continue  # blank lines (a trailing newline, say) are not examples
+            try:
+                yield parse_example(raw.decode("utf-8"))
+            except (BadLine, UnicodeDecodeError, KeyError, TypeError) as err:
+                line_no = line_number_at(self.path, offset)
+                reason = str(err) if isinstance(err, BadLine) else f"{type(err).__name__}: {err}"
+                if not self.skip_bad_lines:
+                    raise DistqaError(
+                        f"{self.path}, line {line_no}: {reason} (set data.skip_bad_lines=true to skip such lines)"
+                    ) from None
+                self.bad_lines.append((line_no, reason))
