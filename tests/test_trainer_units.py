@@ -105,9 +105,26 @@ def test_too_small_dataset_names_the_keys(tmp_path):
         train(cfg)
 
 
-def test_real_data_path_is_refused_not_replaced_by_dummy(tmp_path):
+def test_real_data_needs_a_tokenizer(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("{}\n")
     cfg = load_config(None, [*SMALL, f"output_dir={tmp_path / 'x'}", f"data.train={data}"])
-    with pytest.raises(DistqaError, match="data.train"):
+    with pytest.raises(DistqaError, match="model.tokenizer"):
+        train(cfg)
+
+
+def test_malformed_training_file_names_file_and_line(tmp_path, minilm_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"example_id": 1, "question_text": "q", "document_text": "a b", "annotations": []}\n{oops\n')
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            f"output_dir={tmp_path / 'x'}",
+            f"data.train={data}",
+            f"model.tokenizer={minilm_dir}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+    )
+    with pytest.raises(DistqaError, match=r"train\.jsonl, line 2: not valid JSON"):
         train(cfg)

@@ -51,13 +51,14 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
         if not (source / FINGERPRINT_FILE).is_file():
             raise DistqaError(f"{source} is a folder but not one `distqa prepare` wrote")
         return source
+    name = tokenizer_name(cfg)
     settings = feature_settings(cfg, training=training)
     cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     target = cache_root / fingerprint_key(fingerprint(source, tokenizer, settings))
     result = prepare_features(
         source,
         target,
-        tokenizer_name=tokenizer_name(cfg),
+        tokenizer_name=name,
         settings=settings,
         num_proc=os.cpu_count() or 1,
         skip_bad_lines=cfg.data.skip_bad_lines,

@@ -63,25 +63,28 @@ def fingerprint_key(fp: dict[str, Any]) -> str:
 
 
 def _generate(shards: list[dict[str, Any]]) -> Any:
-    """Runs in each worker process: stream its byte ranges, yield features, record its counts."""
+    """Runs in each worker process: stream its byte ranges, yield features, record its counts.
+
+    A user-facing error (a malformed line) is written to the shard's stats file instead of being
+    raised: across the process pool `datasets` would wrap it and lose the message.
+    """
     for shard in shards:
         tokenizer = AutoTokenizer.from_pretrained(shard["tokenizer"])
         builder = FeatureBuilder(tokenizer, FeatureSettings(**shard["settings"]))
         reader = NQReader(shard["path"], skip_bad_lines=shard["skip_bad_lines"], byte_range=tuple(shard["range"]))
-        started, docs, features = time.time(), 0, 0  # after start-up: the tokenizer is loaded
-        for example in reader:
-            docs += 1
-            for feature in builder(example):
-                features += 1
-                yield feature
-        stats = {
-            "docs": docs,
-            "features": features,
-            "bad_lines": reader.bad_lines,
-            "started": started,
-            "finished": time.time(),
-        }
+        stats: dict[str, Any] = {"docs": 0, "features": 0, "started": time.time()}  # after start-up
+        try:
+            for example in reader:
+                stats["docs"] += 1
+                for feature in builder(example):
+                    stats["features"] += 1
+                    yield feature
+        except DistqaError as err:
+            stats["error"] = str(err)
+        stats.update(bad_lines=reader.bad_lines, finished=time.time())
         Path(shard["stats"]).write_text(json.dumps(stats))
+        if "error" in stats:
+            return
 
 
 @dataclasses.dataclass
@@ -136,15 +139,33 @@ def prepare_features(
             }
             for i, r in enumerate(ranges)
         ]
-        dataset = datasets.Dataset.from_generator(
-            _generate,
-            features=FEATURES,
-            gen_kwargs={"shards": shards},  # a list: datasets gives each process its share
-            num_proc=min(len(shards), num_proc) if num_proc > 1 else None,
-            cache_dir=str(work / "cache"),
-            keep_in_memory=False,
-        )
-        stats = [json.loads(Path(s["stats"]).read_text()) for s in shards]
+
+        def shard_stats() -> list[dict[str, Any]]:
+            return [json.loads(Path(s["stats"]).read_text()) for s in shards if Path(s["stats"]).is_file()]
+
+        try:
+            dataset = datasets.Dataset.from_generator(
+                _generate,
+                features=FEATURES,
+                gen_kwargs={"shards": shards},  # a list: datasets gives each process its share
+                num_proc=min(len(shards), num_proc) if num_proc > 1 else None,
+                cache_dir=str(work / "cache"),
+            )
+        except Exception:
+            # A worker's own error explains more than the wrapper `datasets` raises around it.
+            errors = [s["error"] for s in shard_stats() if "error" in s]
+            if errors:
+                raise DistqaError(errors[0]) from None
+            if sum(s["features"] for s in shard_stats()) == 0:
+                raise DistqaError(
+                    f"{source} produced no features (no examples, or every window dropped: "
+                    "data.keep_unknown keeps that fraction of windows without an answer)"
+                ) from None
+            raise
+        stats = shard_stats()
+        errors = [s["error"] for s in stats if "error" in s]
+        if errors:
+            raise DistqaError(errors[0])
         staged = work / "dataset"
         dataset.save_to_disk(str(staged))
         result = PrepareResult(
