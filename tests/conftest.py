@@ -11,6 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+# Nothing in the tests may reach the Hugging Face hub: every model and tokenizer is local.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
