@@ -23,11 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from distqa.dist import DistInfo, barrier
+from distqa.dist import DistInfo, barrier, gather_to_main
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -53,14 +52,6 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _gather_to_main(obj: Any, info: DistInfo) -> list[Any]:
-    if not info.is_distributed:
-        return [obj]
-    out: list[Any] | None = [None] * info.world_size if info.is_main else None
-    dist.gather_object(obj, out, dst=0)
-    return out or []
-
-
 def save_checkpoint(
     root: Path,
     *,
@@ -74,7 +65,7 @@ def save_checkpoint(
     """Write `root/step-N` (N = trainer_state["step"]). Every rank must call it."""
     step = int(trainer_state["step"])
     final = root / f"step-{step}"
-    rng_states = _gather_to_main(capture_rng_state(info.device), info)
+    rng_states = gather_to_main(capture_rng_state(info.device), info)
     if info.is_main:
         tmp = root / f".tmp-step-{step}"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -53,6 +53,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument("--config", metavar="FILE", help="YAML file of settings")
     prepare.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+
+    predict = commands.add_parser(
+        "predict",
+        help="write a Kaggle submission.csv for an NQ JSONL file",
+        description="Predict a long and a short answer for every example of an NQ JSONL file "
+        "(test, dev or train format) with a trained model, applying the thresholds chosen on "
+        "data.valid during training. Keys as for train (data.max_seq_len, data.doc_stride, ...).",
+    )
+    predict.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL file")
+    predict.add_argument("--checkpoint", required=True, metavar="DIR", help="a model/ folder, or its output_dir")
+    predict.add_argument("--output", required=True, metavar="FILE", help="submission.csv to write")
+    predict.add_argument("--config", metavar="FILE", help="YAML file of settings")
+    predict.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+
+    score = commands.add_parser(
+        "score",
+        help="the competition metric of a submission against gold NQ JSONL",
+        description="Micro F1 over every _long and _short row; prints one JSON object as the last line.",
+    )
+    score.add_argument("--gold", required=True, metavar="FILE.jsonl", help="NQ JSONL with annotations")
+    score.add_argument("--pred", required=True, metavar="submission.csv", help="Kaggle-format predictions")
+
+    download = commands.add_parser(
+        "download",
+        help="fetch the Kaggle competition files (needs Kaggle credentials)",
+        description="Download and unzip the tensorflow2-question-answering competition files. Credentials: "
+        "KAGGLE_USERNAME/KAGGLE_KEY or ~/.kaggle/kaggle.json. Existing files are kept.",
+    )
+    download.add_argument("--output", default="data", metavar="DIR", help="folder to write to (default: data)")
     return parser
 
 
@@ -97,6 +126,25 @@ def _run(args: argparse.Namespace) -> int:
         train(load_config(args.config, args.overrides))
     elif args.command == "prepare":
         _prepare(args)
+    elif args.command == "predict":
+        from distqa.config import load_config
+        from distqa.nq.predict import predict
+
+        counts = predict(load_config(args.config, args.overrides), args.input, args.checkpoint, args.output)
+        print(
+            f"wrote {args.output}: {counts['examples']} examples, {counts['long']} long and "
+            f"{counts['short']} short answers"
+        )
+    elif args.command == "score":
+        from distqa.nq.metric import main_score
+
+        return main_score(args.gold, args.pred)
+    elif args.command == "download":
+        from pathlib import Path
+
+        from distqa.nq.download import download
+
+        return download(Path(args.output))
     return 0
 
 

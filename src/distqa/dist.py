@@ -34,6 +34,14 @@ class DistInfo:
         return self.world_size > 1
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of `train.precision` (None: plain fp32)."""
+    return AUTOCAST_DTYPES.get(precision)
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -100,6 +108,15 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def gather_to_main(obj: object, info: DistInfo) -> list[object]:
+    """Every rank's `obj`, in rank order, on rank 0 (an empty list elsewhere). Every rank must call it."""
+    if not info.is_distributed:
+        return [obj]
+    out: list[object] | None = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ branches on the rank.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ class ThroughputMeter:
         self._sums[1] += 1
         self._sums[2] += samples
         self._sums[3] += tokens
+
+    def restart_clock(self) -> None:
+        self._start = time.perf_counter()
 
     def reduce_and_reset(self) -> dict[str, float]:
         """Global figures since the last call. Every rank must call it (it all-reduces)."""
@@ -79,13 +83,16 @@ class MetricsWriter:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        # JSON has no infinity: a threshold that keeps nothing is written as null.
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(clean) + "\n")
         assert self._tb is not None
         step = int(record["step"])
         for key, value in record.items():
             if key not in ("step", "epoch") and isinstance(value, (int, float)):
-                self._tb.add_scalar(f"train/{key}", value, step)
+                tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                self._tb.add_scalar(tag, value, step)
         self._tb.flush()
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distqa.config import Config
+from distqa.dist import DistInfo
 from distqa.errors import ConfigError
 
 # Short names for the tasks that ship with distqa; anything else is a "module:Class" path.
@@ -60,6 +61,14 @@ class Task(ABC):
         if "input_ids" in batch:
             return batch["input_ids"].numel()
         return 0
+
+    def evaluate(self, model: nn.Module, info: DistInfo) -> dict[str, float]:
+        """Validation metrics, called on every rank with the *unwrapped* model in eval mode.
+
+        Return the metrics on rank 0 (keys prefixed `eval_`; they go to metrics.jsonl and
+        TensorBoard) and anything on the others. The default: no validation.
+        """
+        return {}
 
     @abstractmethod
     def save_model(self, model: nn.Module, directory: Path) -> None:

@@ -25,14 +25,22 @@ from tqdm.auto import tqdm
 
 from distqa import checkpoint as ckpt
 from distqa.config import Config, to_yaml
-from distqa.dist import DistInfo, barrier, broadcast_object, cleanup, init_distributed, local_main_first, print0
+from distqa.dist import (
+    DistInfo,
+    autocast_dtype,
+    barrier,
+    broadcast_object,
+    cleanup,
+    init_distributed,
+    local_main_first,
+    print0,
+)
 from distqa.errors import ConfigError, DistqaError
 from distqa.metrics import MetricsWriter, ThroughputMeter
 from distqa.optim import build_optimizer, build_scheduler
 from distqa.sampler import GlobalBatchSampler, steps_per_epoch
 from distqa.task import Batch, Task, load_task
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Keys that may change between a run and its resumption without changing what is computed.
 _RESUME_MAY_DIFFER = {
     "output_dir",
@@ -72,7 +80,7 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * info.world_size
-        self.autocast_dtype = _AUTOCAST_DTYPES.get(cfg.train.precision)
+        self.autocast_dtype = autocast_dtype(cfg.train.precision)
 
     # ----------------------------------------------------------------------------- set-up
     def _prepare_output_dir(self) -> None:
@@ -274,7 +282,9 @@ class Trainer:
                     self._train_step(batches, meter)
                     step += 1
                     progress.update(1)
-                    if step % cfg.train.log_every == 0 or step == total_steps:
+                    last = step == total_steps
+                    evaluate = last or (cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0)
+                    if evaluate or last or step % cfg.train.log_every == 0:
                         record = {
                             "step": step,
                             "epoch": round(step / epoch_steps, 4),
@@ -283,6 +293,9 @@ class Trainer:
                         }
                         if not math.isfinite(record["loss"]):
                             raise DistqaError(f"loss is {record['loss']} at step {step}: lower train.lr or use bf16")
+                        if evaluate:
+                            record.update(self.task.evaluate(self.raw_model, info))
+                            meter.restart_clock()  # evaluation time is not training throughput
                         metrics.log(record)
                         progress.set_postfix(loss=f"{record['loss']:.4f}")
                     if step % cfg.train.checkpoint_every == 0 or step == total_steps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +12,13 @@ from torch.utils.data import Dataset
 from transformers import AutoTokenizer
 
 from distqa.config import Config
+from distqa.dist import DistInfo, autocast_dtype, gather_to_main
 from distqa.errors import DistqaError
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features
 from distqa.nq.dummy import DummyDataset
+from distqa.nq.evaluate import GoldIndex, score_predictions, window_bests
 from distqa.nq.model import BertJointQA, bert_joint_loss
+from distqa.nq.postprocess import group_by_example
 from distqa.task import Batch, Task
 
 
@@ -36,10 +40,18 @@ def load_tokenizer(cfg: Config) -> Any | None:
         ) from err
 
 
+THRESHOLDS_FILE = "distqa_thresholds.json"
+
+
 class NQTask(Task):
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.tokenizer = load_tokenizer(cfg)
+        if cfg.data.valid is not None and cfg.data.valid == "dummy":
+            raise DistqaError("data.valid=dummy: validation needs Natural Questions data (a JSONL file)")
+        self._valid_folder: Path | None = None
+        self._gold: GoldIndex | None = None  # rank 0 only, loaded at the first evaluation
+        self.thresholds: dict[str, float] | None = None
 
     def build_model(self) -> nn.Module:
         model = BertJointQA.build(self.cfg.model)
@@ -67,6 +79,8 @@ class NQTask(Task):
                 seed=self.cfg.seed,
                 **self._special_ids(),
             )
+        if data.valid is not None:  # prepared here too: this runs on one process per node first
+            self._valid_folder = resolve_features(self.cfg, data.valid, self.tokenizer, training=False)
         folder = resolve_features(self.cfg, data.train, self.tokenizer, training=True)
         return FeatureDataset(folder, TRAIN_COLUMNS)
 
@@ -93,8 +107,32 @@ class NQTask(Task):
         )
         return bert_joint_loss(outputs, dict(batch))
 
+    def evaluate(self, model: nn.Module, info: DistInfo) -> dict[str, float]:
+        """Competition F1 on data.valid; also chooses the thresholds saved with the model."""
+        if self._valid_folder is None:
+            return {}
+        bests = window_bests(
+            model,
+            self._valid_folder,
+            device=info.device,
+            batch_size=self.cfg.train.batch_size,
+            pad_id=self._special_ids().get("pad_id", 0),
+            max_len=self.cfg.data.max_seq_len,
+            autocast_dtype=autocast_dtype(self.cfg.train.precision),
+            share=(info.rank, info.world_size),
+        )
+        gathered = [w for part in gather_to_main(bests, info) for w in part]
+        if not info.is_main:
+            return {}
+        if self._gold is None:
+            self._gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.data.skip_bad_lines)
+        metrics, self.thresholds = score_predictions(group_by_example(gathered), self._gold)
+        return metrics
+
     def save_model(self, model: nn.Module, directory: Path) -> None:
         assert isinstance(model, BertJointQA)
         model.save_pretrained(directory)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))
+        if self.thresholds is not None:  # chosen on data.valid; `distqa predict` applies them
+            (directory / THRESHOLDS_FILE).write_text(json.dumps(self.thresholds, indent=2) + "\n")

@@ -1,0 +1,150 @@
+"""From per-window logits to one long and one short answer per example, and the thresholds.
+
+Per window: the top-k start and end positions inside the document part give candidate spans of at
+most `max_answer_len` sub-words, scored `start + end - (start[CLS] + end[CLS])` (how much better
+than "no answer in this window"). Per example: the best span over its windows. The long answer is
+the top-level candidate that contains it; the short answer is the span itself, or YES/NO when the
+answer-type head of that window says so. A prediction is only written when its score clears a
+threshold, chosen separately for long and short answers on the validation set to maximise F1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distqa.nq.features import NO, YES
+from distqa.nq.reader import NQExample
+
+
+@dataclass
+class WindowBest:
+    """The best span of one window, in NQ token indices (end exclusive), as a rank sends it."""
+
+    example_id: str
+    score: float
+    start_token: int
+    end_token: int
+    answer_type: int
+
+
+def best_spans(
+    start_logits: torch.Tensor,
+    end_logits: torch.Tensor,
+    type_logits: torch.Tensor,
+    token_maps: torch.Tensor,
+    example_ids: list[str],
+    *,
+    top_k: int = 20,
+    max_answer_len: int = 30,
+) -> list[WindowBest]:
+    """Best span of each window of a batch (tensors of shape (batch, seq); token_map -1 = not document)."""
+    out = []
+    doc = token_maps >= 0
+    masked_start = start_logits.float().masked_fill(~doc, -math.inf)
+    masked_end = end_logits.float().masked_fill(~doc, -math.inf)
+    k = min(top_k, start_logits.shape[1])
+    starts, ends = masked_start.topk(k, dim=1).indices, masked_end.topk(k, dim=1).indices
+    null = start_logits[:, 0].float() + end_logits[:, 0].float()
+    for row, example_id in enumerate(example_ids):
+        best: tuple[float, int, int] | None = None
+        for s in starts[row].tolist():
+            if not doc[row, s]:
+                continue
+            for e in ends[row].tolist():
+                if not doc[row, e] or e < s or e - s + 1 > max_answer_len:
+                    continue
+                score = float(masked_start[row, s] + masked_end[row, e] - null[row])
+                if best is None or score > best[0]:
+                    best = (score, s, e)
+        if best is None:
+            continue  # a window without document tokens (an empty document)
+        score, s, e = best
+        tmap = token_maps[row]
+        out.append(WindowBest(example_id, score, int(tmap[s]), int(tmap[e]) + 1, int(type_logits[row].argmax())))
+    return out
+
+
+@dataclass
+class ExamplePrediction:
+    long: str  # "start:end" or ""
+    short: str  # "start:end", "YES", "NO" or ""
+    score: float
+
+
+def predict_example(windows: list[WindowBest], example: NQExample) -> ExamplePrediction:
+    """Before thresholds: the best window's span, its long-answer candidate, and YES/NO."""
+    if not windows:
+        return ExamplePrediction("", "", -math.inf)
+    best = max(windows, key=lambda w: w.score)
+    long = ""
+    containing = [
+        c for c in example.candidates if c["start_token"] <= best.start_token and best.end_token <= c["end_token"]
+    ]
+    if containing:
+        # Prefer top-level candidates, as NQ's long answers are; then the narrowest.
+        chosen = min(containing, key=lambda c: (not c.get("top_level", True), c["end_token"] - c["start_token"]))
+        long = f"{chosen['start_token']}:{chosen['end_token']}"
+    if best.answer_type == YES:
+        short = "YES"
+    elif best.answer_type == NO:
+        short = "NO"
+    else:
+        short = f"{best.start_token}:{best.end_token}"
+    return ExamplePrediction(long, short, best.score)
+
+
+def f1(tp: int, fp: int, fn: int) -> float:
+    return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+
+
+def best_threshold(rows: list[tuple[float, str, set[str]]]) -> tuple[float, float]:
+    """(threshold, F1) for one kind of row: keeping predictions whose score > threshold.
+
+    One sweep from the highest score down: lowering the cut past a row with a prediction turns
+    it from "empty" (FN when it has gold) into TP or FP. Ties move together.
+    """
+    scored = sorted((r for r in rows if r[1] and math.isfinite(r[0])), key=lambda r: -r[0])
+    tp, fp, fn = 0, 0, sum(1 for _, _, gold in rows if gold)
+    best_cut, best_f1 = math.inf, f1(tp, fp, fn)
+    i = 0
+    while i < len(scored):
+        score = scored[i][0]
+        while i < len(scored) and scored[i][0] == score:
+            _, pred, gold = scored[i]
+            fn -= 1 if gold else 0
+            tp, fp = (tp + 1, fp) if pred in gold else (tp, fp + 1)
+            i += 1
+        value = f1(tp, fp, fn)
+        if value > best_f1:
+            # Halfway to the next lower score: robust to tiny numeric differences on reuse.
+            below = scored[i][0] if i < len(scored) else score - 1.0
+            best_cut, best_f1 = (score + below) / 2, value
+    return best_cut, best_f1
+
+
+def kind_f1(rows: list[tuple[float, str, set[str]]], threshold: float) -> tuple[int, int, int]:
+    """TP, FP, FN of one kind of row at a given threshold (the competition's counting)."""
+    tp = fp = fn = 0
+    for score, pred, gold in rows:
+        if pred and score > threshold:
+            tp, fp = (tp + 1, fp) if pred in gold else (tp, fp + 1)
+        elif gold:
+            fn += 1
+    return tp, fp, fn
+
+
+def apply_thresholds(pred: ExamplePrediction, thresholds: dict[str, float]) -> tuple[str, str]:
+    long = pred.long if pred.score > thresholds.get("long", -math.inf) else ""
+    short = pred.short if pred.score > thresholds.get("short", -math.inf) else ""
+    return long, short
+
+
+def group_by_example(windows: list[Any]) -> dict[str, list[WindowBest]]:
+    grouped: dict[str, list[WindowBest]] = {}
+    for w in windows:
+        grouped.setdefault(w.example_id, []).append(w)
+    return grouped
