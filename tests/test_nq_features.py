@@ -154,3 +154,23 @@ def test_prepare_caches_and_reuses(tmp_path, minilm_dir):
     # Another setting is another fingerprint: prepared anew.
     other = FeatureSettings(max_seq_len=256, doc_stride=64, keep_unknown=0.05)
     assert not prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=other).reused
+
+
+def test_dev_format_with_five_annotations_reads_and_targets(tmp_path, tokenizer):
+    """The dev format: five annotations; the first with a short answer gives the training target."""
+    raw = json.loads(SAMPLE.read_text().splitlines()[0])  # a short answer at tokens [1960, 1969)
+    real = raw["annotations"][0]
+    null = {
+        "long_answer": {"start_token": -1, "end_token": -1, "candidate_index": -1},
+        "short_answers": [],
+        "yes_no_answer": "NONE",
+    }
+    long_only = {**real, "short_answers": []}
+    raw["annotations"] = [null, long_only, real, null, {**real, "yes_no_answer": "NONE"}]
+    path = tmp_path / "dev.jsonl"
+    path.write_text(json.dumps(raw) + "\n")
+    (example,) = NQReader(path)
+    assert len(example.annotations) == 5
+    assert select_target(example) == (1960, 1968, SHORT)
+    positives = [f for f in build(tokenizer, keep_unknown=0.0)(example) if f["answer_type"] == SHORT]
+    assert positives and positives[0]["token_map"][positives[0]["start_positions"]] == 1960

@@ -60,7 +60,7 @@ class DataConfig:
     max_query_len: int = _f(64, "question tokens kept (the rest is cut)")
     keep_unknown: float = _f(0.02, "fraction of training windows without the answer that are kept")
     skip_bad_lines: bool = _f(False, "skip (and count) malformed JSONL lines instead of stopping")
-    cache_dir: str | None = _f(None, "where prepared features are cached (default: HF_HOME/distqa)")
+    cache_dir: str | None = _f(None, "where prepared features are cached (default: HF_HOME/distqa/features)")
     dummy_size: int = _f(4096, "number of examples in the DummyDataset")
     num_workers: int = _f(2, "DataLoader worker processes per rank (0 = load in the training process)")
 
