@@ -24,6 +24,7 @@ SMALL = [
     "data.dummy_size=256",
     "data.num_workers=0",
     "train.log_every=1",
+    "train.check_replicas=true",  # the debug check that every rank holds the same weights, on in tests
 ]
 
 

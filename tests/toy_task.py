@@ -9,6 +9,7 @@ involved. Run it like any task:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -63,3 +64,19 @@ class ToyClassificationTask(Task):
         directory.mkdir(parents=True, exist_ok=True)
         save_file(model.state_dict(), str(directory / "model.safetensors"))
         (directory / "toy.json").write_text(json.dumps({"features": FEATURES, "classes": CLASSES}))
+
+
+class DivergentTask(ToyClassificationTask):
+    """A broken task on purpose: it nudges a frozen weight by the rank number, outside DDP's
+    gradient averaging, so replicas drift apart. `train.check_replicas` must catch it."""
+
+    def build_model(self) -> nn.Module:
+        model = ToyClassifier()
+        model.offset = nn.Parameter(torch.zeros(1), requires_grad=False)
+        return model
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        inner = model.module if hasattr(model, "module") else model
+        with torch.no_grad():
+            inner.offset.add_(float(os.environ.get("RANK", "0")))
+        return super().loss(model, batch)

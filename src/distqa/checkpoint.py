@@ -6,15 +6,20 @@ Layout of `output_dir/checkpoints/step-N/`:
   rng-rank{R}.pt        every RNG of rank R: Python, NumPy, torch CPU and CUDA
   trainer_state.json    step, epoch, position in the epoch, global batch, and the resolved config
 
+  manifest.json         size and SHA-256 of every file above, checked before a checkpoint is used
+
 Every rank takes part (the RNG states are gathered to rank 0); rank 0 alone writes. A checkpoint is
-written to a hidden `.tmp-step-N` folder and renamed when complete, so a `step-N` folder is always
-whole: a run killed mid-save leaves only a `.tmp-` folder, which resume ignores. Files are read back
-with `weights_only=True` and safetensors, so loading a checkpoint never unpickles arbitrary objects.
+written to a hidden `.tmp-step-N` folder, fsynced and renamed when complete, so a `step-N` folder is
+always whole: a run killed mid-save leaves only a `.tmp-` folder, which resume ignores, and a file
+damaged later is caught by the manifest. Files are read back with `weights_only=True` and
+safetensors, so loading a checkpoint never unpickles arbitrary objects.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import re
 import shutil
@@ -23,13 +28,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from distqa.dist import DistInfo, barrier, gather_to_main
+from distqa.dist import DistInfo, broadcast_object, gather_to_main
+from distqa.errors import DistqaError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
 
 
 def capture_rng_state(device: torch.device) -> dict[str, Any]:
@@ -52,6 +60,36 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to the disk, so a crash cannot leave it empty."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write(tmp: Path, model: nn.Module, training_state: dict, rng_states: list, trainer_state: dict) -> None:
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save(training_state, tmp / "training_state.pt")
+    for rank, rng in enumerate(rng_states):
+        torch.save(rng, tmp / f"rng-rank{rank}.pt")
+    (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
+    files = sorted(p for p in tmp.iterdir() if p.is_file())
+    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    for path in [*files, tmp / MANIFEST_FILE, tmp]:
+        _fsync(path)
+
+
 def save_checkpoint(
     root: Path,
     *,
@@ -61,31 +99,73 @@ def save_checkpoint(
     scaler: torch.amp.GradScaler,
     trainer_state: dict[str, Any],
     info: DistInfo,
+    keep: int = 0,
 ) -> Path:
-    """Write `root/step-N` (N = trainer_state["step"]). Every rank must call it."""
+    """Write `root/step-N` (N = trainer_state["step"]) and keep the newest `keep` (0: all).
+
+    Every rank must call it. Rank 0 writes into `.tmp-step-N`, fsyncs every file and a manifest of
+    their sizes and hashes, then renames the folder: `step-N` appears whole or not at all. If the
+    write fails (a full disk), the temporary folder is removed, the previous checkpoints are left
+    as they were, and every rank raises the same one-line error instead of waiting forever.
+    """
     step = int(trainer_state["step"])
     final = root / f"step-{step}"
     rng_states = gather_to_main(capture_rng_state(info.device), info)
+    problem: str | None = None
     if info.is_main:
         tmp = root / f".tmp-step-{step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_model(model, str(tmp / "model.safetensors"))
-        training_state = {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-        }
-        torch.save(training_state, tmp / "training_state.pt")
-        for rank, rng in enumerate(rng_states):
-            torch.save(rng, tmp / f"rng-rank{rank}.pt")
-        # Written last: its presence inside a step-N folder marks the folder as complete.
-        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
-        if final.exists():  # saving the same step again (e.g. a finished run restarted)
-            shutil.rmtree(final)
-        tmp.rename(final)
-    barrier()  # nobody may read or prune checkpoints before rank 0 has finished this one
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            training_state = {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(),
+            }
+            _write(tmp, model, training_state, rng_states, trainer_state)
+            if final.exists():  # saving the same step again (e.g. a finished run restarted)
+                shutil.rmtree(final)
+            tmp.rename(final)
+            _fsync(root)
+            for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        except (OSError, RuntimeError, SafetensorError) as err:
+            # A full disk surfaces as OSError, as torch.save's RuntimeError or as safetensors' own
+            # error, depending on which file was being written.
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = [p.name for p in list_checkpoints(root)]
+            reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+            problem = (
+                f"cannot write checkpoint {final} ({reason}); "
+                + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")
+                + ": free space in output_dir (or lower train.keep_checkpoints) and run again to resume"
+            )
+    # Replaces a barrier: nobody reads or prunes before rank 0 is done, and all learn how it went.
+    problem = broadcast_object(problem)
+    if problem:
+        raise DistqaError(str(problem))
     return final
+
+
+def verify_checkpoint(directory: Path) -> str | None:
+    """None when every file matches the manifest; else what is wrong (a truncated or changed file)."""
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return "no manifest"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        return "the manifest is not valid JSON"
+    for name, expected in manifest.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} does not match its hash in the manifest"
+    return None
 
 
 def list_checkpoints(root: Path) -> list[Path]:

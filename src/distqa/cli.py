@@ -9,7 +9,7 @@ import textwrap
 from collections.abc import Sequence
 
 from distqa.config import describe_keys
-from distqa.errors import DistqaError
+from distqa.errors import DistqaError, Preempted
 
 
 def _keys_reference() -> str:
@@ -152,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
+    except Preempted as err:
+        # Not a crash: the job was asked to stop and saved its state. Said once, by rank 0.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"distqa: preempted: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
     except DistqaError as err:
         if os.environ.get("DISTQA_DEBUG") == "1":
             raise

@@ -94,6 +94,9 @@ class TrainConfig:
     precision: str = _f("fp32", "fp32 | bf16 | fp16 (fp16 uses a gradient scaler)")
     deterministic: bool = _f(False, "use deterministic kernels only (slower on GPU; CPU runs are already)")
     checkpoint_every: int = _f(500, "save a checkpoint every N steps (and always at the end)")
+    keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0 = keep all)")
+    term_grace_s: float = _f(30.0, "after SIGTERM: seconds the platform allows for the last checkpoint")
+    check_replicas: bool = _f(False, "debug: check every step that all ranks hold identical parameters")
     log_every: int = _f(10, "log metrics every N steps")
     eval_every: int = _f(0, "evaluate on data.valid every N steps (0: only at the end)")
     resume: str = _f("auto", "auto (newest checkpoint in output_dir) | never | a checkpoint folder")
@@ -109,6 +112,8 @@ class TrainConfig:
         _check_min("train.weight_decay", self.weight_decay, 0.0)
         _check_min("train.max_grad_norm", self.max_grad_norm, 0.0)
         _check_min("train.eval_every", self.eval_every, 0)
+        _check_min("train.keep_checkpoints", self.keep_checkpoints, 0)
+        _check_min("train.term_grace_s", self.term_grace_s, 0.0, strict=True)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():

@@ -11,6 +11,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -78,9 +79,31 @@ def init_distributed() -> DistInfo:
         backend = "gloo"
 
     if world_size > 1 and not dist.is_initialized():
-        kwargs = {"device_id": device} if backend == "nccl" else {}
+        kwargs: dict = {"device_id": device} if backend == "nccl" else {}
+        store = _restart_scoped_store()
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def _restart_scoped_store() -> dist.Store | None:
+    """The agent's store, namespaced by torchrun's restart round, when torchrun restarts workers.
+
+    After a worker dies, torchrun (`--max-restarts`) starts a new round in the same agent store,
+    and the default process-group keys from the dead round are still there: gloo then tries to
+    connect to the dead workers' addresses and fails or hangs. A prefix per round gives every
+    round fresh keys (seen on these machines; pytorch/pytorch#167288 and #135712).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=_env_int("DISTQA_STORE_TIMEOUT_S", 900)),
+    )
+    return dist.PrefixStore(f"distqa/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)
 
 
 def cleanup() -> None:

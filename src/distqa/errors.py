@@ -14,5 +14,14 @@ class DistqaError(Exception):
     exit_code = 2
 
 
+class Preempted(DistqaError):
+    """The run was asked to stop (SIGTERM) and saved a checkpoint: not a failure of the run.
+
+    Exit status 143 (128 + SIGTERM), the conventional "terminated" status, so that platforms
+    retry or reschedule the job rather than mark it as succeeded."""
+
+    exit_code = 143
+
+
 class ConfigError(DistqaError):
     """An unknown configuration key, a value of the wrong type, or a value out of range."""

@@ -35,7 +35,8 @@ from distqa.dist import (
     local_main_first,
     print0,
 )
-from distqa.errors import ConfigError, DistqaError
+from distqa.errors import ConfigError, DistqaError, Preempted
+from distqa.guards import StopSignal, check_replicas
 from distqa.metrics import MetricsWriter, ThroughputMeter
 from distqa.optim import build_optimizer, build_scheduler
 from distqa.sampler import GlobalBatchSampler, steps_per_epoch
@@ -43,6 +44,9 @@ from distqa.task import Batch, Task, load_task
 
 # Keys that may change between a run and its resumption without changing what is computed.
 _RESUME_MAY_DIFFER = {
+    "train.keep_checkpoints",
+    "train.term_grace_s",
+    "train.check_replicas",
     "output_dir",
     "train.resume",
     "train.max_steps",
@@ -98,18 +102,34 @@ class Trainer:
             raise DistqaError(problem)
 
     def _checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint to continue from, decided by rank 0 (which verifies the manifests) and
+        broadcast, so every rank loads the same one."""
         mode = self.cfg.train.resume
-        if mode == "never":
-            if ckpt.list_checkpoints(self.ckpt_root):
-                raise ConfigError(
-                    f"train.resume=never, but {self.ckpt_root} already holds checkpoints that this run would "
-                    "overwrite: use another output_dir, or train.resume=auto to continue"
-                )
-            return None
-        if mode == "auto":
-            found = ckpt.list_checkpoints(self.ckpt_root)
-            return found[-1] if found else None
-        return Path(mode)
+        choice: Path | None = None
+        problem: str | None = None
+        if self.info.is_main:
+            if mode == "never":
+                if ckpt.list_checkpoints(self.ckpt_root):
+                    problem = (
+                        f"train.resume=never, but {self.ckpt_root} already holds checkpoints that this run would "
+                        "overwrite: use another output_dir, or train.resume=auto to continue"
+                    )
+            elif mode == "auto":
+                for candidate in reversed(ckpt.list_checkpoints(self.ckpt_root)):
+                    damage = ckpt.verify_checkpoint(candidate)
+                    if damage is None:
+                        choice = candidate
+                        break
+                    print(f"warning: skipping checkpoint {candidate}: {damage}; trying the one before", flush=True)
+            else:
+                damage = ckpt.verify_checkpoint(Path(mode))
+                if damage is not None:
+                    problem = f"train.resume={mode}: the checkpoint is damaged ({damage})"
+                choice = Path(mode)
+        problem, choice = broadcast_object((problem, choice))  # type: ignore[misc]
+        if problem:
+            raise ConfigError(str(problem))
+        return choice
 
     def _check_resumable(self, directory: Path, total_steps: int) -> None:
         state = ckpt.read_trainer_state(directory)
@@ -203,12 +223,23 @@ class Trainer:
         }
         ckpt.save_checkpoint(
             self.ckpt_root,
+            keep=self.cfg.train.keep_checkpoints,
             model=self.raw_model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             scaler=self.scaler,
             trainer_state=state,
             info=self.info,
+        )
+
+    def _preempt(self, step: int, total_steps: int, epoch_steps: int, saved: bool, stop: StopSignal) -> None:
+        if not saved:
+            self._save(step, epoch_steps)
+        waited, grace = stop.seconds_since(), self.cfg.train.term_grace_s
+        late = f" (later than train.term_grace_s={grace:g} s: raise it)" if waited > grace else ""
+        raise Preempted(
+            f"stopped by SIGTERM at step {step} of {total_steps}; checkpoint {self.ckpt_root / f'step-{step}'} "
+            f"written {waited:.1f} s after the signal{late}; run the same command again to resume"
         )
 
     def fit(self) -> Path:
@@ -271,6 +302,7 @@ class Trainer:
         )  # type: ignore[arg-type]
         metrics = MetricsWriter(self.out, info, resume_step=step)
         meter = ThroughputMeter(info.device)
+        stop = StopSignal(info)  # from here on, SIGTERM means "checkpoint, then exit"
         progress = tqdm(total=total_steps, initial=step, disable=not info.is_main, desc="train", dynamic_ncols=True)
         self.model.train()
         try:
@@ -298,9 +330,15 @@ class Trainer:
                             meter.restart_clock()  # evaluation time is not training throughput
                         metrics.log(record)
                         progress.set_postfix(loss=f"{record['loss']:.4f}")
-                    if step % cfg.train.checkpoint_every == 0 or step == total_steps:
+                    saved = step % cfg.train.checkpoint_every == 0 or step == total_steps
+                    if saved:
                         self._save(step, epoch_steps)
+                    if cfg.train.check_replicas:
+                        check_replicas(self.raw_model, info, step)
+                    if step < total_steps and stop.should_stop():
+                        self._preempt(step, total_steps, epoch_steps, saved, stop)
         finally:
+            stop.close()
             progress.close()
             metrics.close()
 

@@ -1,0 +1,72 @@
+"""Guards the trainer runs every step: a collective answer to "were we told to stop?" and an
+optional check that data-parallel replicas still hold the same weights.
+
+Preemption: a platform stops a job with SIGTERM, to torchrun and through it to every worker,
+rarely at the same instant. The handler only records the signal; at the end of each step all
+ranks agree (one all-reduce of one number) whether any rank has seen it, so they all stop after the
+same step, write one checkpoint together, and exit as "preempted".
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distqa.dist import DistInfo
+from distqa.errors import DistqaError
+
+
+class StopSignal:
+    """Records SIGTERM; `should_stop()` is the all-ranks verdict. Every rank must create and poll it."""
+
+    def __init__(self, info: DistInfo) -> None:
+        self.info = info
+        self.received_at: float | None = None
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        # With NCCL, an all-reduce of a CPU flag needs a CPU-capable group, and this keeps the poll
+        # off the GPU stream (no device sync per step). Created collectively, here, on all ranks.
+        self._group = None
+        if info.is_distributed and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+
+    def should_stop(self) -> bool:
+        flag = torch.tensor([1 if self.received_at is not None else 0], dtype=torch.int32)
+        if self.info.is_distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item() and self.received_at is None:
+            self.received_at = time.monotonic()  # another rank got it: count the grace from now
+        return bool(flag.item())
+
+    def seconds_since(self) -> float:
+        return 0.0 if self.received_at is None else time.monotonic() - self.received_at
+
+    def close(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+@torch.no_grad()
+def check_replicas(model: nn.Module, info: DistInfo, step: int) -> None:
+    """Raise if any rank's parameters differ from the others' (DDP should make that impossible;
+    this catches a missed all-reduce, a rank-dependent branch or a corrupted update)."""
+    if not info.is_distributed:
+        return
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    high, low = sums.clone(), sums.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    if not torch.equal(high, low):
+        names = [n for n, _ in model.named_parameters()]
+        first = int((high != low).nonzero()[0])
+        raise DistqaError(
+            f"parameters differ across ranks after step {step} (first: {names[first]}, spread "
+            f"{float((high - low).abs().max()):.3g}): a rank-dependent code path or a lost all-reduce"
+        )

@@ -1,0 +1,197 @@
+"""Faults that must lose nothing: a killed worker, SIGTERM, a damaged or unwritable checkpoint,
+and replicas that drift apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, load_weights, max_abs_diff, run_train, subprocess_env
+from distqa.checkpoint import list_checkpoints, verify_checkpoint
+from distqa.config import load_config
+from distqa.errors import DistqaError
+from distqa.trainer import train
+
+RUN = [
+    *SMALL,
+    "model.dropout=0.1",
+    "train.lr=1e-3",
+    "train.lr_schedule=constant",
+    "train.warmup_ratio=0",
+    "train.batch_size=2",
+    "train.max_steps=40",
+    "train.checkpoint_every=4",
+    "train.keep_checkpoints=0",
+]
+
+
+def last_step(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def launch(args: list[str], max_restarts: int = 0) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "distqa",
+        "train",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while last_step(out) < step:
+        assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.05)
+
+
+def workers_of(agent_pid: int) -> list[int]:
+    """The worker processes torchrun started (its children running distqa)."""
+    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+    return [int(pid) for pid in children if "distqa" in Path(f"/proc/{pid}/cmdline").read_text()]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    run_train([*RUN, f"output_dir={out}"], nproc=2)
+    return load_weights(out)
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_worker_restarts_and_ends_with_the_same_weights(tmp_path, straight):
+    out = tmp_path / "killed"
+    proc = launch([*RUN, f"output_dir={out}"], max_restarts=1)
+    wait_for_step(proc, out, 10)
+    victim = workers_of(proc.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    # The new round really restarted from a checkpoint (not a run that never noticed the kill).
+    assert "resumed from" in stdout, stdout[-2000:]
+    assert max_abs_diff(load_weights(out), straight) == 0.0
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_resumes_exactly(tmp_path, straight):
+    out = tmp_path / "preempted"
+    proc = launch([*RUN, f"output_dir={out}"])
+    wait_for_step(proc, out, 6)
+    proc.send_signal(signal.SIGTERM)  # to torchrun, as a platform stopping the job does; it tells the workers
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    line = next(x for x in stderr.splitlines() if x.startswith("distqa: preempted:"))
+    step = int(line.split("at step ")[1].split()[0])
+    assert 6 <= step < 40 and "Traceback" not in line
+    assert (out / "checkpoints" / f"step-{step}").is_dir() and verify_checkpoint(
+        out / "checkpoints" / f"step-{step}"
+    ) is None
+    run_train([*RUN, f"output_dir={out}"], nproc=2)
+    assert max_abs_diff(load_weights(out), straight) == 0.0
+
+
+def in_process(tmp_path: Path, name: str, *extra: str) -> Path:
+    out = tmp_path / name
+    train(
+        load_config(
+            None,
+            [
+                *SMALL,
+                "train.batch_size=2",
+                "train.lr=1e-3",
+                "train.lr_schedule=constant",
+                "train.warmup_ratio=0",
+                f"output_dir={out}",
+                *extra,
+            ],
+        )
+    )
+    return out
+
+
+def test_damaged_checkpoint_is_reported_and_the_previous_one_used(tmp_path, capsys):
+    ref = in_process(tmp_path, "ref", "train.max_steps=6", "train.checkpoint_every=2")
+    out = in_process(tmp_path, "run", "train.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=0")
+    newest = out / "checkpoints" / "step-4" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, as by a full disk
+    assert "model.safetensors has" in verify_checkpoint(newest.parent)
+    capsys.readouterr()
+    in_process(tmp_path, "run", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=0")
+    text = capsys.readouterr().out
+    assert "skipping checkpoint" in text and "step-4" in text and "resumed from" in text and "step-2" in text
+    assert max_abs_diff(load_weights(out), load_weights(ref)) == 0.0
+    # An explicitly named damaged checkpoint is an error, not a silent fallback.
+    newest = out / "checkpoints" / "step-6" / "training_state.pt"
+    newest.write_bytes(b"x" + newest.read_bytes()[1:])
+    with pytest.raises(DistqaError, match="damaged.*does not match its hash"):
+        in_process(tmp_path, "run", "train.max_steps=8", f"train.resume={newest.parent}")
+
+
+def test_only_the_newest_checkpoints_are_kept_and_tmp_folders_ignored(tmp_path):
+    out = in_process(tmp_path, "keep", "train.max_steps=5", "train.checkpoint_every=1", "train.keep_checkpoints=2")
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-4", "step-5"]
+    (out / "checkpoints" / ".tmp-step-9").mkdir()  # a save killed half-way
+    (out / "checkpoints" / "step-9").mkdir()  # no trainer_state.json: incomplete
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-4", "step-5"]
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        != 0
+    ):
+        pytest.skip("needs root and tmpfs mounts to make a small disk")
+    try:
+        # The tiny model's checkpoint is ~17.6 MB with SGD: the first fits, the second does not.
+        with pytest.raises(DistqaError, match=r"cannot write checkpoint .*step-2.*step-1 is intact"):
+            in_process(disk, "run", "train.max_steps=3", "train.checkpoint_every=1", "train.optimizer=sgd")
+        assert [p.name for p in list_checkpoints(disk / "run" / "checkpoints")] == ["step-1"]
+        assert verify_checkpoint(disk / "run" / "checkpoints" / "step-1") is None
+        assert not list((disk / "run" / "checkpoints").glob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_replica_check_catches_ranks_that_drift_apart(tmp_path):
+    args = [
+        "task=toy_task:DivergentTask",
+        "data.num_workers=0",
+        "train.max_steps=3",
+        "train.batch_size=4",
+        "train.optimizer=sgd",
+        "train.lr=0.1",
+    ]
+    proc = run_train([*args, f"output_dir={tmp_path / 'a'}", "train.check_replicas=true"], nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "parameters differ across ranks after step 1 (first: offset" in proc.stderr
+    # Without the check the same run "succeeds": the check is what catches it.
+    run_train([*args, f"output_dir={tmp_path / 'b'}"], nproc=2)
+    assert torch.equal(load_weights(tmp_path / "b")["offset"], torch.zeros(1))  # rank 0's copy
