@@ -128,3 +128,12 @@ def test_malformed_training_file_names_file_and_line(tmp_path, minilm_dir):
     )
     with pytest.raises(DistqaError, match=r"train\.jsonl, line 2: not valid JSON"):
         train(cfg)
+
+
+def test_model_that_cannot_be_loaded_offline_names_it_and_what_to_do(tmp_path):
+    cfg = load_config(None, [*SMALL, f"output_dir={tmp_path / 'x'}", "model.name=no-such-org/no-such-model"])
+    with pytest.raises(DistqaError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert "'no-such-org/no-such-model'" in message and "HF_HUB_OFFLINE=1" in message
+    assert "local folder" in message and "\n" not in message

@@ -55,13 +55,14 @@ def _answer_type_head_weights(path: Path) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
 
 
-def _offline_hint(name: str, err: Exception) -> DistqaError:
+def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
+    """One line for a model or tokenizer that cannot be loaded: which, why, and what to do."""
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     return DistqaError(
-        f"cannot load model {name!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
+        f"cannot load {what} {name!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
         + ("HF_HUB_OFFLINE=1 is set: " if offline else "")
         + "download it once where the Hugging Face hub is reachable (it is cached in HF_HOME), "
-        "or set model.name to a local folder or 'tiny'"
+        f"or set {key} to a local folder"
     )
 
 
@@ -88,7 +89,7 @@ class BertJointQA(nn.Module):
         try:
             config = AutoConfig.from_pretrained(cfg.name)
         except (OSError, ValueError) as err:
-            raise _offline_hint(cfg.name, err) from err
+            raise load_error("model", cfg.name, err, "model.name") from err
         if cfg.dropout is not None:
             _set_dropout(config, cfg.dropout)
         head = _answer_type_head_weights(Path(cfg.name) / "model.safetensors")
@@ -101,7 +102,7 @@ class BertJointQA(nn.Module):
             # A plain encoder checkpoint (bert-base-uncased) gets a freshly initialised span head.
             qa = AutoModelForQuestionAnswering.from_pretrained(cfg.name, config=config, **kwargs)
         except OSError as err:
-            raise _offline_hint(cfg.name, err) from err
+            raise load_error("model", cfg.name, err, "model.name") from err
         except ValueError as err:  # e.g. an architecture with no extractive-QA class
             raise DistqaError(f"model.name={cfg.name!r} cannot be used for extractive QA: {err}") from err
         finally:

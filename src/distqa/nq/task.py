@@ -17,7 +17,7 @@ from distqa.errors import DistqaError
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import GoldIndex, score_predictions, window_bests
-from distqa.nq.model import BertJointQA, bert_joint_loss
+from distqa.nq.model import BertJointQA, bert_joint_loss, load_error
 from distqa.nq.postprocess import group_by_example
 from distqa.task import Batch, Task
 
@@ -34,10 +34,7 @@ def load_tokenizer(cfg: Config) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
-        raise DistqaError(
-            f"cannot load tokenizer {name!r} ({str(err).splitlines()[0]}): download it once where the "
-            "Hugging Face hub is reachable, or set model.tokenizer to a local folder"
-        ) from err
+        raise load_error("tokenizer", name, err, "model.tokenizer") from err
 
 
 THRESHOLDS_FILE = "distqa_thresholds.json"
