@@ -31,6 +31,9 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
     c = run(tmp_path, "c", "train.max_steps=2", "model.dropout=0.1", "seed=7")
     assert max_abs_diff(load_weights(a), load_weights(b)) == 0.0
     assert max_abs_diff(load_weights(a), load_weights(c)) > 1e-3
+    # The end-of-run plot of loss, learning rate and throughput, beside metrics.jsonl.
+    png = (a / "metrics.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -92,6 +92,7 @@ class TrainConfig:
     weight_decay: float = _f(0.01, "decoupled weight decay (never on biases and LayerNorm weights)")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
     precision: str = _f("fp32", "fp32 | bf16 | fp16 (fp16 uses a gradient scaler)")
+    compile: bool = _f(False, "torch.compile the model (faster steps on GPU after a compile warm-up)")
     deterministic: bool = _f(False, "use deterministic kernels only (slower on GPU; CPU runs are already)")
     checkpoint_every: int = _f(500, "save a checkpoint every N steps (and always at the end)")
     keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0 = keep all)")

@@ -99,3 +99,31 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def plot_metrics(metrics_path: Path, png_path: Path) -> None:
+    """Loss, learning rate and throughput against step, from metrics.jsonl, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in records]
+    panels = [("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s (all ranks)")]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 7), sharex=True)
+    for ax, (key, label) in zip(axes, panels):
+        ax.plot(steps, [r.get(key) for r in records], marker="." if len(steps) < 50 else None)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    evals = [(r["step"], r["eval_micro_f1"]) for r in records if r.get("eval_micro_f1") is not None]
+    if evals:
+        twin = axes[0].twinx()
+        twin.plot(*zip(*evals), color="tab:green", marker="o", label="eval micro F1")
+        twin.set_ylabel("eval micro F1")
+        twin.legend(loc="upper right")
+    axes[-1].set_xlabel("step")
+    fig.suptitle(str(metrics_path.parent.name))
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

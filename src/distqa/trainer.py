@@ -37,7 +37,7 @@ from distqa.dist import (
 )
 from distqa.errors import ConfigError, DistqaError, Preempted
 from distqa.guards import StopSignal, check_replicas
-from distqa.metrics import MetricsWriter, ThroughputMeter
+from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import build_optimizer, build_scheduler
 from distqa.sampler import GlobalBatchSampler, steps_per_epoch
 from distqa.task import Batch, Task, load_task
@@ -268,6 +268,10 @@ class Trainer:
         if info.is_distributed:
             device_ids = [info.local_rank] if info.device.type == "cuda" else None
             self.model = DDP(self.raw_model, device_ids=device_ids, gradient_as_bucket_view=True)
+        if cfg.train.compile:
+            # Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's bucket
+            # boundaries, so gradient all-reduce still overlaps the backward pass.
+            self.model = torch.compile(self.model)
 
         step = 0
         resume_from = self._checkpoint_to_resume()
@@ -343,6 +347,8 @@ class Trainer:
             metrics.close()
 
         if info.is_main:
+            if metrics.path.is_file():
+                plot_metrics(metrics.path, self.out / "metrics.png")
             self.task.save_model(self.raw_model, self.out / "model")
             print0(f"model written to {self.out / 'model'}")
         barrier()
