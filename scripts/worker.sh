@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# One node of a training run: the container's entrypoint. It works out the rendezvous from the
+# environment and execs torchrun (static rendezvous) with its arguments passed on to `distqa train`.
+#
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/worker.sh --config configs/bert-base.yaml
+#
+# Variables (an explicit one always wins over what a scheduler set):
+#   NNODES          nodes in the run (default 1)
+#   NODE_RANK       this node's index, 0..NNODES-1 (default 0)
+#   MASTER_ADDR     node 0's address; unset or `self` on node 0 means this host
+#   MASTER_PORT     node 0's rendezvous port (default 29500)
+#   NPROC_PER_NODE  processes on this node (default: one per GPU, or 1 without GPUs)
+#   RDZV_TIMEOUT    seconds to wait for node 0 and for the rendezvous (default 600)
+#   MAX_RESTARTS    torchrun --max-restarts (default 0)
+# Understood from schedulers, in this order after the explicit variables:
+#   Kubeflow PyTorchJob  PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT,
+#                        PET_NPROC_PER_NODE; then WORLD_SIZE/RANK (pods) of older operators
+#   Slurm                SLURM_NNODES, SLURM_NODEID, first host of SLURM_JOB_NODELIST
+#   SkyPilot             SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, first of SKYPILOT_NODE_IPS
+#   Neu.ro               NEURO_JOB_INTERNAL_HOSTNAME is "this host"
+# For tests and debugging: WORKER_DRY_RUN=1 prints the torchrun command line instead of running
+# it, and TORCHRUN replaces the torchrun command (split on spaces, e.g. "python -m torch.distributed.run").
+# Exit status: 2 for a missing or contradictory setting, 3 when node 0 does not answer in time;
+# otherwise torchrun's.
+set -euo pipefail
+
+# die MESSAGE [STATUS]
+die() {
+  echo "worker.sh: error: $1" >&2
+  exit "${2:-2}"
+}
+note() { echo "worker.sh: $*" >&2; }
+
+# pick TARGET VAR...: set TARGET to the value of the first VAR that is set and not empty, and
+# TARGET_FROM to that VAR's name, so that error messages can say where a value came from.
+pick() {
+  local target=$1 var
+  shift
+  for var in "$@"; do
+    if [[ -n "${!var:-}" ]]; then
+      printf -v "$target" '%s' "${!var}"
+      case $var in # the derived values below are named after the variable they come from
+        KUBEFLOW_WORLD_SIZE) var="WORLD_SIZE (Kubeflow)" ;;
+        KUBEFLOW_RANK) var="RANK (Kubeflow)" ;;
+        SLURM_FIRST_HOST) var=SLURM_JOB_NODELIST ;;
+        SKYPILOT_FIRST_IP) var=SKYPILOT_NODE_IPS ;;
+      esac
+      printf -v "${target}_FROM" '%s' "$var"
+      return 0
+    fi
+  done
+  return 1
+}
+
+# First host of a Slurm node list such as "gpu[01-04,07],cpu1" (-> gpu01). scontrol knows every
+# form; without it (inside a container) expand the first element in bash: cut at the first comma
+# outside brackets, then replace each [...] group by its first value, keeping zero padding.
+first_slurm_host() {
+  local list=$1 elem="" depth=0 i c group
+  if command -v scontrol >/dev/null 2>&1; then
+    local hosts
+    if hosts=$(scontrol show hostnames "$list" 2>/dev/null) && [[ -n $hosts ]]; then
+      echo "${hosts%%$'\n'*}"
+      return
+    fi
+  fi
+  for ((i = 0; i < ${#list}; i++)); do
+    c=${list:i:1}
+    case $c in
+      '[') depth=1 ;;
+      ']') depth=0 ;;
+      ',') ((depth == 0)) && break ;;
+    esac
+    elem+=$c
+  done
+  while [[ $elem == *'['*']'* ]]; do
+    group=${elem#*\[}
+    group=${group%%\]*}
+    group=${group%%,*}
+    elem="${elem%%\[*}${group%%-*}${elem#*\]}"
+  done
+  echo "$elem"
+}
+
+gpu_count() {
+  # A scheduler that hands out GPUs says which in CUDA_VISIBLE_DEVICES; count those.
+  if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+    local ids
+    IFS=, read -ra ids <<<"$CUDA_VISIBLE_DEVICES"
+    if [[ ${#ids[@]} -eq 0 || ${ids[0]} == -1 || ${ids[0]} == none ]]; then echo 0; else echo "${#ids[@]}"; fi
+    return
+  fi
+  nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+}
+
+# ---- resolve the rendezvous --------------------------------------------------------------------
+
+# Kubeflow's WORLD_SIZE/RANK count pods only when the operator set them for us: only then are they
+# a node count (torchrun sets the same names for its children, which never run this script).
+kf_nnodes="" kf_rank=""
+if [[ -n ${WORLD_SIZE:-} && -n ${MASTER_ADDR:-}${PET_MASTER_ADDR:-} ]]; then
+  kf_nnodes=$WORLD_SIZE
+  kf_rank=${RANK:-}
+fi
+# These derived values are read by name in pick (${!var}).
+# shellcheck disable=SC2034
+KUBEFLOW_WORLD_SIZE=$kf_nnodes KUBEFLOW_RANK=$kf_rank
+
+slurm_master=""
+slurm_list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}
+if [[ -n $slurm_list ]]; then slurm_master=$(first_slurm_host "$slurm_list"); fi
+# shellcheck disable=SC2034
+SLURM_FIRST_HOST=$slurm_master
+
+sky_master=""
+if [[ -n ${SKYPILOT_NODE_IPS:-} ]]; then sky_master=$(head -n 1 <<<"$SKYPILOT_NODE_IPS" | tr -d '[:space:]'); fi
+# shellcheck disable=SC2034
+SKYPILOT_FIRST_IP=$sky_master
+
+pick nnodes NNODES PET_NNODES KUBEFLOW_WORLD_SIZE SLURM_NNODES SLURM_JOB_NUM_NODES SKYPILOT_NUM_NODES ||
+  { nnodes=1 nnodes_FROM=default; }
+pick node_rank NODE_RANK PET_NODE_RANK KUBEFLOW_RANK SLURM_NODEID SKYPILOT_NODE_RANK ||
+  { node_rank=0 node_rank_FROM=default; }
+pick master_port MASTER_PORT PET_MASTER_PORT || { master_port=29500 master_port_FROM=default; }
+pick master_addr MASTER_ADDR PET_MASTER_ADDR SLURM_FIRST_HOST SKYPILOT_FIRST_IP ||
+  { master_addr="" master_addr_FROM=""; }
+pick rdzv_timeout RDZV_TIMEOUT || rdzv_timeout=600
+pick max_restarts MAX_RESTARTS || max_restarts=0
+if ! pick nproc NPROC_PER_NODE PET_NPROC_PER_NODE; then
+  nproc=$(gpu_count)
+  nproc_FROM="GPU count"
+  if ((nproc == 0)); then nproc=1 nproc_FROM="default (no GPU)"; fi
+fi
+
+# ---- check it before anything starts -----------------------------------------------------------
+
+# in_range VALUE MIN [MAX]: VALUE is an integer in [MIN, MAX].
+# (10# so that a leading zero is not read as octal.)
+in_range() { [[ $1 =~ ^[0-9]{1,9}$ ]] && ((10#$1 >= $2)) && { [[ -z ${3:-} ]] || ((10#$1 <= $3)); }; }
+
+in_range "$nnodes" 1 || die "NNODES=$nnodes (from $nnodes_FROM) is not a positive integer"
+in_range "$node_rank" 0 || die "NODE_RANK=$node_rank (from $node_rank_FROM) is not a non-negative integer"
+nnodes=$((10#$nnodes)) node_rank=$((10#$node_rank))
+if ((node_rank >= nnodes)); then
+  die "NODE_RANK=$node_rank (from $node_rank_FROM) must be below NNODES=$nnodes (from $nnodes_FROM)"
+fi
+in_range "$master_port" 1 65535 || die "MASTER_PORT=$master_port (from $master_port_FROM) is not a port number"
+in_range "$rdzv_timeout" 1 || die "RDZV_TIMEOUT=$rdzv_timeout is not a positive number of seconds"
+in_range "$max_restarts" 0 || die "MAX_RESTARTS=$max_restarts is not a non-negative integer"
+if ! in_range "$nproc" 1 && [[ $nproc != auto && $nproc != gpu && $nproc != cpu ]]; then
+  die "NPROC_PER_NODE=$nproc (from $nproc_FROM) is not a positive integer or auto/gpu/cpu"
+fi
+
+if [[ -z $master_addr || $master_addr == self ]]; then
+  if ((node_rank > 0)) && [[ -z $master_addr ]]; then
+    die "NODE_RANK=$node_rank (from $node_rank_FROM) is a worker node but no master address is set: set MASTER_ADDR to node 0's address"
+  elif ((node_rank > 0)); then
+    die "MASTER_ADDR=self (from $master_addr_FROM) means this host, but this is node $node_rank: set node 0's address"
+  fi
+  # Node 0 hosts the rendezvous store (it listens on every interface); the address only has to lead
+  # back to this host. Neu.ro names it; elsewhere the loopback address always does.
+  if [[ -n ${NEURO_JOB_INTERNAL_HOSTNAME:-} ]]; then
+    master_addr=$NEURO_JOB_INTERNAL_HOSTNAME master_addr_FROM=NEURO_JOB_INTERNAL_HOSTNAME
+  else
+    master_addr=127.0.0.1 master_addr_FROM="this host"
+  fi
+fi
+
+read -ra torchrun <<<"${TORCHRUN:-torchrun}"
+cmd=(
+  "${torchrun[@]}"
+  --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc"
+  --rdzv-backend static --master-addr "$master_addr" --master-port "$master_port"
+  --rdzv-conf "timeout=$rdzv_timeout" --max-restarts "$max_restarts"
+  -m distqa train "$@"
+)
+
+if [[ ${WORKER_DRY_RUN:-0} == 1 ]]; then
+  printf -v line '%q ' "${cmd[@]}"
+  echo "${line% }"
+  exit 0
+fi
+
+note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$master_port (from $master_addr_FROM)"
+
+# ---- wait for node 0 (PITFALLS #2) -------------------------------------------------------------
+# Without this, torchrun on a worker whose master is wrong or down retries and ends in a long
+# DistNetworkError traceback. Each attempt is bounded by `timeout`: a connect to an address where
+# nothing answers can otherwise hang for minutes.
+if ((node_rank > 0)); then
+  note "waiting up to ${rdzv_timeout}s for the master to answer"
+  deadline=$((SECONDS + rdzv_timeout))
+  next_note=$((SECONDS + 30))
+  while :; do
+    left=$((deadline - SECONDS))
+    if ((left <= 0)); then
+      die "master $master_addr:$master_port (from $master_addr_FROM) did not answer within RDZV_TIMEOUT=${rdzv_timeout}s: is node 0 running, and is that its address?" 3
+    fi
+    # shellcheck disable=SC2016  # $1/$2 belong to the inner bash
+    if timeout "$((left < 5 ? left : 5))" bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$master_addr" "$master_port" \
+      2>/dev/null; then
+      break
+    fi
+    if ((SECONDS >= next_note)); then
+      note "still waiting for master $master_addr:$master_port ($((deadline - SECONDS))s left)"
+      next_note=$((SECONDS + 30))
+    fi
+    sleep 1
+  done
+fi
+
+# torchrun reads PET_* as defaults for its own flags: Kubeflow's PET_RDZV_ENDPOINT would switch it
+# to another rendezvous than the one resolved above, so none of them may reach it.
+while read -r var; do unset "$var"; done < <(compgen -e | grep '^PET_' || true)
+exec "${cmd[@]}"

@@ -1,0 +1,193 @@
+"""scripts/run_docker_nodes.sh against a stand-in `docker` (tests/fakebin/docker) that records its calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "run_docker_nodes.sh"
+FAKEBIN = Path(__file__).resolve().parent / "fakebin"
+
+
+def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {
+        "PATH": os.pathsep.join([str(FAKEBIN), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+        "HOME": str(tmp_path),
+        "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+        "RUN_NAME": "t1",
+        "RESULTS_DIR": str(tmp_path / "results"),
+        "DATA_DIR": str(tmp_path / "no-data"),
+    }
+    env.update(extra)
+    return env
+
+
+def calls(tmp_path: Path, cmd: str = "docker") -> list[list[str]]:
+    lines = (tmp_path / "calls.jsonl").read_text().splitlines()
+    return [c["argv"] for c in map(json.loads, lines) if c["cmd"] == cmd]
+
+
+def run_script(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SCRIPT), *args], env=env_for(tmp_path, **env), capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+
+
+def env_of(run: list[str]) -> dict[str, str]:
+    return dict(run[i + 1].split("=", 1) for i, word in enumerate(run) if word == "-e")
+
+
+def test_two_cpu_nodes_on_a_user_network(tmp_path):
+    proc = run_script(tmp_path, "2", "model.name=tiny", "train.max_steps=3")
+    assert proc.returncode == 0, proc.stderr
+    docker = calls(tmp_path)
+    assert docker[0] == ["network", "inspect", "t1-net"]
+    assert docker[1] == ["network", "create", "t1-net"]
+    runs = [c for c in docker if c[0] == "run"]
+    assert len(runs) == 2
+    for rank, run in enumerate(runs):
+        name = f"t1-node{rank}"
+        assert run[run.index("--name") + 1] == name
+        assert run[run.index("--network") + 1] == "t1-net"
+        assert run[run.index("--shm-size") + 1] == "8g"
+        assert "--gpus" not in run  # no GPU on this host
+        assert f"{tmp_path / 'results'}:/app/results" in run
+        # The image, then the training arguments untouched, at the very end.
+        assert run[-3:] == ["distqa", "model.name=tiny", "train.max_steps=3"]
+        env = env_of(run)
+        assert env["NNODES"] == "2" and env["NODE_RANK"] == str(rank)
+    assert env_of(runs[0])["MASTER_ADDR"] == "self"
+    assert env_of(runs[1])["MASTER_ADDR"] == "t1-node0"  # node 0's name on the user network
+    assert ["logs", "--follow", "t1-node0"] in docker
+    assert ["wait", "t1-node0"] in docker and ["wait", "t1-node1"] in docker
+    # Everything it made is removed at the end.
+    assert docker[-2:] == [["rm", "-f", "t1-node0", "t1-node1"], ["network", "rm", "t1-net"]]
+    assert "step 1 loss" in proc.stdout
+
+
+def test_gpus_are_split_between_nodes(tmp_path):
+    proc = run_script(tmp_path, "2", FAKE_GPUS="4", SHM_SIZE="16g")
+    assert proc.returncode == 0, proc.stderr
+    runs = [c for c in calls(tmp_path) if c[0] == "run"]
+    assert [r[r.index("--gpus") + 1] for r in runs] == ['"device=0,1"', '"device=2,3"']
+    assert all(r[r.index("--shm-size") + 1] == "16g" for r in runs)
+
+
+def test_too_few_gpus_is_an_error_before_anything_starts(tmp_path):
+    proc = run_script(tmp_path, "3", FAKE_GPUS="2")
+    assert proc.returncode == 2
+    assert "cannot be split over 3 nodes" in proc.stderr
+    assert not (tmp_path / "calls.jsonl").exists() or calls(tmp_path) == []
+
+
+def test_a_failed_node_fails_the_run_and_everything_is_removed(tmp_path):
+    proc = run_script(tmp_path, "3", FAKE_DOCKER_EXIT="t1-node2=1")
+    assert proc.returncode == 1
+    assert "t1-node2 (exit 1)" in proc.stderr
+    docker = calls(tmp_path)
+    assert ["rm", "-f", "t1-node0", "t1-node1", "t1-node2"] in docker
+    assert docker[-1] == ["network", "rm", "t1-net"]
+
+
+def test_ctrl_c_removes_every_container(tmp_path):
+    proc = subprocess.Popen(
+        [str(SCRIPT), "2"],
+        env=env_for(tmp_path, FAKE_DOCKER_SLEEP="30"),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    log = tmp_path / "calls.jsonl"
+    deadline = time.monotonic() + 20
+    while not (log.exists() and '"wait"' in log.read_text()):
+        assert time.monotonic() < deadline, "the script never reached `docker wait`"
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C: the whole foreground group
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode != 0
+    docker = calls(tmp_path)
+    assert ["rm", "-f", "t1-node0", "t1-node1"] in docker
+    assert docker[-1] == ["network", "rm", "t1-net"]
+
+
+def test_usage_errors(tmp_path):
+    assert run_script(tmp_path).returncode == 2
+    proc = run_script(tmp_path, "two")
+    assert proc.returncode == 2 and "NNODES must be a positive integer" in proc.stderr
+
+
+# ---- the Dockerfile and the linters --------------------------------------------------------------
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    joined = "\n".join(lines).replace("\\\n", " ")
+    out = []
+    for line in joined.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_contract():
+    ins = instructions()
+    words = [w for w, _ in ins]
+    arg_base = [a for w, a in ins if w == "ARG" and a.startswith("BASE_IMAGE=")]
+    assert arg_base and arg_base[0].split("=", 1)[1].startswith("pytorch/pytorch:2.13.0-cuda")
+    assert ("FROM", "${BASE_IMAGE}") in ins
+    runs = " ".join(a for w, a in ins if w == "RUN")
+    assert "--mount" not in runs  # Kaniko builds it on Neu.ro
+    # torch is pinned to the base image's own build, never reinstalled from PyPI.
+    assert "import torch; print(torch.__version__)" in runs and "-c /tmp/requirements.txt" in runs
+    assert "--no-deps" in runs
+    env = " ".join(a for w, a in ins if w == "ENV")
+    assert "PYTHONUNBUFFERED=1" in env and "HF_HOME=/cache/huggingface" in env
+    assert ("USER", "1000:1000") in ins and words.index("USER") > max(i for i, w in enumerate(words) if w == "RUN")
+    assert ("ENTRYPOINT", '["/app/scripts/worker.sh"]') in ins
+    cmd = json.loads(dict(ins)["CMD"])
+    # The default command trains the tiny model on the DummyDataset.
+    from distqa.config import load_config
+
+    cfg = load_config(str(ROOT / cmd[cmd.index("--config") + 1]), [a for a in cmd if "=" in a])
+    assert cfg.model.name == "tiny" and cfg.data.train == "dummy"
+    # Every file the image copies exists, and the build context keeps them.
+    copied = [a.split()[0] for w, a in ins if w == "COPY"]
+    assert all((ROOT / path).exists() for path in copied), copied
+
+
+def test_dockerignore_keeps_data_results_venv_git_and_secrets_out():
+    patterns = {
+        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and line[0] != "#"
+    }
+    assert {".git", ".venv", "data", "results", "**/kaggle.json"} <= patterns
+    copied = {a.split()[0].rstrip("/") for w, a in instructions() if w == "COPY"}
+    assert not copied & patterns  # nothing the image needs is excluded
+
+
+def test_scripts_pass_shellcheck():
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    scripts = sorted(str(p) for p in (ROOT / "scripts").glob("*.sh")) + [str(ROOT / "deploy" / "slurm.sbatch")]
+    proc = subprocess.run([str(shellcheck), "--shell=bash", *scripts], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    proc = subprocess.run(
+        [str(hadolint), "--failure-threshold", "warning", str(ROOT / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout

@@ -1,0 +1,131 @@
+"""Two nodes for real: two Linux network namespaces joined by a veth pair, one scripts/worker.sh in
+each (PITFALLS #5). Needs root and iproute2; skipped otherwise.
+
+Traffic stays inside the namespaces made here: 10.231.N.0/29 with .1 (node 0) and .2 (node 1);
+.5 is an address of the same subnet that nobody has, for the unreachable-master case.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL, load_weights, max_abs_diff, run_train, subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "scripts" / "worker.sh"
+TRAIN = [*SMALL, "train.max_steps=4", "train.batch_size=4", "train.checkpoint_every=100"]
+
+pytestmark = pytest.mark.slow
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two namespaces with addresses 10.231.N.1 and .2 on a veth pair; removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's `ip` is not installed")
+    tag = f"{os.getpid() % 100000}"
+    net = f"10.231.{os.getpid() % 250}"
+    hosts = [
+        {"ns": f"dq{tag}n0", "veth": f"dq{tag}v0", "addr": f"{net}.1"},
+        {"ns": f"dq{tag}n1", "veth": f"dq{tag}v1", "addr": f"{net}.2"},
+    ]
+    made = []
+    try:
+        for host in hosts:
+            ip("netns", "add", host["ns"])
+            made.append(host["ns"])
+        ip("link", "add", hosts[0]["veth"], "type", "veth", "peer", "name", hosts[1]["veth"])
+        for host in hosts:
+            ip("link", "set", host["veth"], "netns", host["ns"])
+            ip("-n", host["ns"], "addr", "add", f"{host['addr']}/29", "dev", host["veth"])
+            ip("-n", host["ns"], "link", "set", host["veth"], "up")
+            ip("-n", host["ns"], "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as err:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot make network namespaces here: {err.stderr.strip()}")
+    try:
+        yield hosts, f"{net}.5"
+    finally:
+        # Deleting a namespace also deletes its end of the veth pair, and with it the pair.
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def node(host: dict, rank: int, master: str, args: list[str], **extra: str) -> subprocess.Popen:
+    settings = {
+        # The venv's torchrun and python, whatever PATH the test runner had.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        "NNODES": "2",
+        "NODE_RANK": str(rank),
+        "NPROC_PER_NODE": "1",
+        "MASTER_ADDR": master,
+        "MASTER_PORT": "29500",
+        "GLOO_SOCKET_IFNAME": host["veth"],
+        "RDZV_TIMEOUT": "60",
+    }
+    env = subprocess_env(**{**settings, **extra})
+    return subprocess.Popen(
+        ["ip", "netns", "exec", host["ns"], str(WORKER), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_two_nodes_match_two_processes_on_one_host(two_hosts, tmp_path):
+    hosts, _ = two_hosts
+    out = tmp_path / "two-nodes"
+    args = [*TRAIN, f"output_dir={out}"]
+    start = time.monotonic()
+    # Node 1 first: it must wait for node 0 rather than fail.
+    procs = [node(hosts[1], 1, hosts[0]["addr"], args)]
+    time.sleep(1)
+    procs.insert(0, node(hosts[0], 0, hosts[0]["addr"], args))
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+    elapsed = time.monotonic() - start
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
+    print(f"2-node run: {elapsed:.1f}s")
+
+    ref = tmp_path / "one-host"
+    run_train([*TRAIN, f"output_dir={ref}"], nproc=2)
+    assert max_abs_diff(load_weights(out), load_weights(ref)) <= 1e-5
+    # Both trained from the same start: the run changed the weights (the comparison is not vacuous).
+    assert (out / "checkpoints" / "step-4").is_dir()
+
+
+def test_worker_without_a_master_fails_in_time_naming_the_address(two_hosts, tmp_path):
+    hosts, nobody = two_hosts
+    start = time.monotonic()
+    proc = node(hosts[1], 1, nobody, [*TRAIN, f"output_dir={tmp_path}"], RDZV_TIMEOUT="10")
+    log = proc.communicate(timeout=120)[0]
+    elapsed = time.monotonic() - start
+    print(f"unreachable master: exit {proc.returncode} after {elapsed:.1f}s")
+    assert proc.returncode != 0
+    assert elapsed < 10 + 30
+    errors = [line for line in log.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and nobody in errors[0], log
+    assert "Traceback" not in log

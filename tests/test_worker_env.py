@@ -1,0 +1,378 @@
+"""scripts/worker.sh: how the rendezvous is resolved from the environment.
+
+Most tests use WORKER_DRY_RUN=1, which prints the torchrun command line instead of running it, in a
+clean environment (no variable of this machine leaks in). Two tests run the real wait-for-master
+path against 127.0.0.1 with a stand-in torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "scripts" / "worker.sh"
+FAKEBIN = Path(__file__).resolve().parent / "fakebin"
+
+
+def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Only what a container would have: PATH (stand-in nvidia-smi first) and a log for it."""
+    env = {
+        "PATH": os.pathsep.join([str(FAKEBIN), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+        "HOME": str(tmp_path),
+        "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+        "WORKER_DRY_RUN": "1",
+    }
+    env.update(extra)
+    return env
+
+
+def worker(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(WORKER), *args], env=base_env(tmp_path, **env), capture_output=True, text=True, timeout=30
+    )
+
+
+def resolved(tmp_path: Path, *args: str, **env: str) -> dict[str, object]:
+    """Run the dry run and return torchrun's flags as a dict, plus the training arguments."""
+    proc = worker(tmp_path, *args, **env)
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(proc.stdout)
+    assert words[0] == "torchrun"
+    split = words.index("-m")
+    assert words[split : split + 3] == ["-m", "distqa", "train"], words
+    flags = words[1:split]
+    assert len(flags) % 2 == 0, flags
+    out: dict[str, object] = dict(zip(flags[::2], flags[1::2], strict=True))
+    out["train_args"] = words[split + 3 :]
+    return out
+
+
+def test_defaults_single_node_on_cpu(tmp_path):
+    r = resolved(tmp_path)
+    assert r == {
+        "--nnodes": "1",
+        "--node-rank": "0",
+        "--nproc-per-node": "1",
+        "--rdzv-backend": "static",
+        "--master-addr": "127.0.0.1",
+        "--master-port": "29500",
+        "--rdzv-conf": "timeout=600",
+        "--max-restarts": "0",
+        "train_args": [],
+    }
+
+
+def test_train_arguments_pass_through_unchanged(tmp_path):
+    args = ["--config", "configs/quickstart.yaml", "output_dir=/runs/a b", "train.lr=1e-4"]
+    assert resolved(tmp_path, *args)["train_args"] == args
+
+
+def test_one_process_per_gpu(tmp_path):
+    assert resolved(tmp_path, FAKE_GPUS="4")["--nproc-per-node"] == "4"
+    # A scheduler's CUDA_VISIBLE_DEVICES is what this node may use, whatever nvidia-smi lists.
+    assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES="2,5")["--nproc-per-node"] == "2"
+    assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES="")["--nproc-per-node"] == "1"
+
+
+def test_explicit_variables(tmp_path):
+    r = resolved(
+        tmp_path,
+        NNODES="4",
+        NODE_RANK="3",
+        MASTER_ADDR="10.0.0.1",
+        MASTER_PORT="12345",
+        NPROC_PER_NODE="8",
+        RDZV_TIMEOUT="45",
+        MAX_RESTARTS="2",
+    )
+    assert r["--nnodes"] == "4" and r["--node-rank"] == "3" and r["--nproc-per-node"] == "8"
+    assert r["--master-addr"] == "10.0.0.1" and r["--master-port"] == "12345"
+    assert r["--rdzv-conf"] == "timeout=45" and r["--max-restarts"] == "2"
+
+
+def test_master_addr_self_on_node_zero(tmp_path):
+    r = resolved(tmp_path, NNODES="2", NODE_RANK="0", MASTER_ADDR="self")
+    assert r["--master-addr"] == "127.0.0.1"
+    assert r["--nnodes"] == "2"
+
+
+def test_neuro_internal_hostname_is_this_host(tmp_path):
+    host = "job-1234.platform-jobs"
+    r = resolved(tmp_path, NNODES="2", MASTER_ADDR="self", NEURO_JOB_INTERNAL_HOSTNAME=host)
+    assert r["--master-addr"] == host
+    assert resolved(tmp_path, NEURO_JOB_INTERNAL_HOSTNAME=host)["--master-addr"] == host
+    # On a worker, NEURO_JOB_INTERNAL_HOSTNAME is the worker itself, never the master.
+    r = resolved(
+        tmp_path, NNODES="2", NODE_RANK="1", MASTER_ADDR="job-0.platform-jobs", NEURO_JOB_INTERNAL_HOSTNAME=host
+    )
+    assert r["--master-addr"] == "job-0.platform-jobs"
+
+
+def test_kubeflow_pytorchjob_pods(tmp_path):
+    # Older training operators: WORLD_SIZE and RANK count pods, MASTER_ADDR names the master's service.
+    r = resolved(tmp_path, WORLD_SIZE="3", RANK="2", MASTER_ADDR="job-master-0", MASTER_PORT="23456")
+    assert (r["--nnodes"], r["--node-rank"]) == ("3", "2")
+    assert (r["--master-addr"], r["--master-port"]) == ("job-master-0", "23456")
+
+
+def test_kubeflow_pet_variables(tmp_path):
+    r = resolved(
+        tmp_path,
+        PET_NNODES="4",
+        PET_NODE_RANK="1",
+        PET_MASTER_ADDR="job-master-0",
+        PET_MASTER_PORT="23456",
+        PET_NPROC_PER_NODE="2",
+        # A newer operator may count processes in WORLD_SIZE: PET_* win.
+        WORLD_SIZE="8",
+        RANK="2",
+    )
+    assert (r["--nnodes"], r["--node-rank"], r["--nproc-per-node"]) == ("4", "1", "2")
+    assert (r["--master-addr"], r["--master-port"]) == ("job-master-0", "23456")
+
+
+def test_pet_variables_do_not_reach_torchrun(tmp_path):
+    """torchrun reads PET_* as flag defaults (PET_RDZV_ENDPOINT would switch rendezvous): unset them."""
+    fake = tmp_path / "torchrun"
+    fake.write_text(
+        '#!/bin/sh\nenv | grep "^PET_" > "$(dirname "$0")/pet.txt"\necho "$@" > "$(dirname "$0")/args.txt"\n'
+    )
+    fake.chmod(0o755)
+    proc = worker(
+        tmp_path,
+        "x=1",
+        WORKER_DRY_RUN="0",
+        TORCHRUN=str(fake),
+        PET_NNODES="1",
+        PET_RDZV_ENDPOINT="elsewhere:1234",
+        MASTER_ADDR="job-master-0",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "pet.txt").read_text() == ""
+    assert (tmp_path / "args.txt").read_text().split()[-3:] == ["distqa", "train", "x=1"]
+
+
+def test_slurm(tmp_path):
+    r = resolved(tmp_path, SLURM_NNODES="4", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu[01-04,07],cpu1")
+    assert (r["--nnodes"], r["--node-rank"], r["--master-addr"]) == ("4", "2", "gpu01")
+
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("node7", "node7"),
+        ("node7,node9", "node7"),
+        ("gpu[07-09]", "gpu07"),
+        ("gpu[12,3-4]", "gpu12"),
+        ("rack[2-3]-n[007-009],login1", "rack2-n007"),
+        ("a-b-[10-11]", "a-b-10"),
+    ],
+)
+def test_slurm_nodelist_first_host_in_bash(tmp_path, nodelist, first):
+    r = resolved(tmp_path, SLURM_NNODES="2", SLURM_NODEID="1", SLURM_JOB_NODELIST=nodelist)
+    assert r["--master-addr"] == first
+
+
+def test_slurm_uses_scontrol_when_present(tmp_path):
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "from-scontrol-1\\nfrom-scontrol-2\\n"\n')
+    fake.chmod(0o755)
+    env = base_env(tmp_path, SLURM_NNODES="2", SLURM_NODEID="1", SLURM_JOB_NODELIST="weird{form}")
+    env["PATH"] = f"{fake.parent}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run([str(WORKER)], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "--master-addr from-scontrol-1 " in proc.stdout
+
+
+def test_skypilot(tmp_path):
+    r = resolved(
+        tmp_path, SKYPILOT_NUM_NODES="3", SKYPILOT_NODE_RANK="2", SKYPILOT_NODE_IPS="10.1.0.5\n10.1.0.6\n10.1.0.7\n"
+    )
+    assert (r["--nnodes"], r["--node-rank"], r["--master-addr"]) == ("3", "2", "10.1.0.5")
+
+
+def test_explicit_variables_win_over_schedulers(tmp_path):
+    schedulers = dict(
+        PET_NNODES="8",
+        PET_NODE_RANK="5",
+        PET_MASTER_ADDR="kf-master",
+        PET_MASTER_PORT="23456",
+        SLURM_NNODES="6",
+        SLURM_NODEID="4",
+        SLURM_JOB_NODELIST="slurm[1-6]",
+        SKYPILOT_NUM_NODES="7",
+        SKYPILOT_NODE_RANK="6",
+        SKYPILOT_NODE_IPS="10.9.9.9",
+    )
+    r = resolved(tmp_path, NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="29600", **schedulers)
+    assert (r["--nnodes"], r["--node-rank"], r["--master-addr"], r["--master-port"]) == ("2", "1", "10.0.0.1", "29600")
+    # Kubeflow's PET_* come before Slurm and SkyPilot, Slurm before SkyPilot.
+    r = resolved(tmp_path, **schedulers)
+    assert (r["--nnodes"], r["--node-rank"], r["--master-addr"]) == ("8", "5", "kf-master")
+    no_kf = {k: v for k, v in schedulers.items() if not k.startswith("PET_")}
+    r = resolved(tmp_path, **no_kf)
+    assert (r["--nnodes"], r["--node-rank"], r["--master-addr"]) == ("6", "4", "slurm1")
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK=2 (from NODE_RANK) must be below NNODES=2"),
+        ({"SLURM_NNODES": "2", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "n[1-2]"}, "from SLURM_NODEID"),
+        ({"NNODES": "2", "NODE_RANK": "1"}, "no master address is set: set MASTER_ADDR"),
+        ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "self"}, "MASTER_ADDR=self"),
+        ({"NNODES": "zero"}, "NNODES=zero (from NNODES) is not a positive integer"),
+        ({"NNODES": "0"}, "NNODES=0"),
+        ({"NODE_RANK": "-1"}, "NODE_RANK=-1"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
+        ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0"),
+        ({"RDZV_TIMEOUT": "soon"}, "RDZV_TIMEOUT=soon"),
+        ({"MAX_RESTARTS": "-3"}, "MAX_RESTARTS=-3"),
+    ],
+)
+def test_errors_are_one_clear_line(tmp_path, env, message):
+    proc = worker(tmp_path, **env)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("worker.sh: error: "), proc.stderr
+    assert message in lines[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_master_fails_in_time_with_the_address(tmp_path):
+    """Nothing listens on the port: the worker gives up after RDZV_TIMEOUT, and never starts torchrun."""
+    port = _free_port()
+    start = time.monotonic()
+    proc = worker(
+        tmp_path,
+        WORKER_DRY_RUN="0",
+        TORCHRUN=str(tmp_path / "must-not-run"),
+        NNODES="2",
+        NODE_RANK="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RDZV_TIMEOUT="2",
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 3, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"worker.sh: error: master 127.0.0.1:{port} (from MASTER_ADDR) did not answer")
+    assert last.endswith("within RDZV_TIMEOUT=2s: is node 0 running, and is that its address?")
+    assert 2 <= elapsed < 10
+
+
+def test_worker_starts_torchrun_once_the_master_answers(tmp_path):
+    fake = tmp_path / "torchrun"
+    fake.write_text('#!/bin/sh\necho "torchrun $*"\n')
+    fake.chmod(0o755)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        proc = worker(
+            tmp_path,
+            "a=1",
+            WORKER_DRY_RUN="0",
+            TORCHRUN=str(fake),
+            NNODES="2",
+            NODE_RANK="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RDZV_TIMEOUT="20",
+        )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("torchrun --nnodes 2 --node-rank 1 ")
+    assert proc.stdout.split()[-3:] == ["distqa", "train", "a=1"]
+
+
+# ---- the deploy/ examples, each as its scheduler would run it --------------------------------
+
+
+def test_slurm_sbatch_example(tmp_path):
+    """deploy/slurm.sbatch under a stand-in srun that runs the task once per node, as Slurm would."""
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text(
+        '#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nfor id in 0 1; do SLURM_NODEID=$id "$@" || exit; done\n'
+    )
+    srun.chmod(0o755)
+    env = base_env(
+        tmp_path,
+        SLURM_SUBMIT_DIR=str(ROOT),
+        SLURM_JOB_ID="77",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7",
+    )
+    env["PATH"] = f"{srun.parent}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "deploy" / "slurm.sbatch")], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    nodes = [shlex.split(line) for line in proc.stdout.splitlines()]
+    assert len(nodes) == 2
+    for rank, words in enumerate(nodes):
+        flags = dict(zip(words[1:17:2], words[2:17:2], strict=True))
+        assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank)
+        assert flags["--master-addr"] == "gpu07" and flags["--nproc-per-node"] == "8"
+        assert words[-2:] == ["configs/bert-base.yaml", f"output_dir={ROOT}/results/bert-base-77"]
+
+
+def test_skypilot_example(tmp_path):
+    import yaml
+
+    task = yaml.safe_load((ROOT / "deploy" / "skypilot.yaml").read_text())
+    env = base_env(
+        tmp_path,
+        **{k: str(v) for k, v in task["envs"].items()},
+        SKYPILOT_NUM_NODES=str(task["num_nodes"]),
+        SKYPILOT_NODE_RANK="1",
+        SKYPILOT_NODE_IPS="10.2.0.4\n10.2.0.9",
+    )
+    proc = subprocess.run(["bash", "-c", task["run"]], env=env, cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    words = shlex.split(proc.stdout)
+    assert words[words.index("--master-addr") + 1] == "10.2.0.4"
+    assert words[words.index("--node-rank") + 1] == "1" and words[words.index("--nnodes") + 1] == "2"
+    assert words[-3:] == ["--config", "configs/bert-base.yaml", "output_dir=/results/bert-base"]
+
+
+def test_pytorchjob_example(tmp_path):
+    """The manifest's args reach worker.sh (the image's entrypoint) with what the operator sets."""
+    import yaml
+
+    job = yaml.safe_load((ROOT / "deploy" / "pytorchjob.yaml").read_text())
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    pods = [("Master", 0)] + [("Worker", 1 + i) for i in range(specs["Worker"]["replicas"])]
+    for kind, rank in pods:
+        container = specs[kind]["template"]["spec"]["containers"][0]
+        assert container["name"] == "pytorch" and "command" not in container  # keep the entrypoint
+        plain = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        r = resolved(
+            tmp_path,
+            *container["args"],
+            **plain,
+            MASTER_ADDR="distqa-bert-base-master-0",
+            MASTER_PORT="23456",
+            WORLD_SIZE=str(len(pods)),
+            RANK=str(rank),
+            FAKE_GPUS=str(container["resources"]["limits"]["nvidia.com/gpu"]),
+        )
+        assert (r["--nnodes"], r["--node-rank"], r["--nproc-per-node"]) == ("2", str(rank), "8")
+        assert r["--master-addr"] == "distqa-bert-base-master-0" and r["--rdzv-conf"] == "timeout=1800"
+        assert r["train_args"] == container["args"]
