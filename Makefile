@@ -49,8 +49,10 @@ test-fast: install-dev
 	$(BIN)/python -m pytest -m "not slow"
 
 lint: install-dev
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/shellcheck scripts/*.sh deploy/slurm.sbatch
+	$(BIN)/hadolint --failure-threshold warning Dockerfile
 
 clean:
 	rm -rf $(VENV) results
