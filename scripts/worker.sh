@@ -212,4 +212,24 @@ fi
 # torchrun reads PET_* as defaults for its own flags: Kubeflow's PET_RDZV_ENDPOINT would switch it
 # to another rendezvous than the one resolved above, so none of them may reach it.
 while read -r var; do unset "$var"; done < <(compgen -e | grep '^PET_' || true)
-exec "${cmd[@]}"
+
+# torchrun runs as a child, not exec'd, for one reason: when a worker fails, torchrun's own failure
+# report would be the last thing printed. distqa writes its one-line message to DISTQA_ERROR_FILE,
+# and it is repeated here as the last line. The platform's SIGTERM (to this script, PID 1 in the
+# container) is passed on to torchrun, which passes it to the workers: they checkpoint and exit.
+export DISTQA_ERROR_FILE="${TMPDIR:-/tmp}/distqa-error.$$"
+rm -f "$DISTQA_ERROR_FILE"
+"${cmd[@]}" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM
+trap 'kill -INT "$child" 2>/dev/null' INT
+status=0
+while :; do
+  wait "$child" && status=0 || status=$?
+  kill -0 "$child" 2>/dev/null || break # `wait` also returns when a trapped signal arrives
+done
+if ((status != 0)) && [[ -s $DISTQA_ERROR_FILE ]]; then
+  head -n 1 "$DISTQA_ERROR_FILE" >&2
+fi
+rm -f "$DISTQA_ERROR_FILE"
+exit "$status"

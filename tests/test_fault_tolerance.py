@@ -195,3 +195,39 @@ def test_replica_check_catches_ranks_that_drift_apart(tmp_path):
     # Without the check the same run "succeeds": the check is what catches it.
     run_train([*args, f"output_dir={tmp_path / 'b'}"], nproc=2)
     assert torch.equal(load_weights(tmp_path / "b")["offset"], torch.zeros(1))  # rank 0's copy
+
+
+def worker(args: list[str]) -> subprocess.Popen:
+    env = subprocess_env(NPROC_PER_NODE="2", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "worker.sh"), *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_worker_sh_ends_with_distqa_own_line(tmp_path):
+    """Through the container entrypoint, the last line is distqa's message, not torchrun's report."""
+    proc = worker([*SMALL, "train.batchsize=4", f"output_dir={tmp_path / 'bad'}"])
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .endswith("unknown config key 'train.batchsize' in the command line (did you mean train.batch_size?)")
+    )
+
+    out = tmp_path / "stopped"
+    proc = worker([*RUN, "train.max_steps=400", f"output_dir={out}"])
+    wait_for_step(proc, out, 4)
+    proc.send_signal(signal.SIGTERM)  # what a platform sends to the container's PID 1
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("distqa: preempted: stopped by SIGTERM at step "), last
+    step = int(last.split("at step ")[1].split()[0])
+    assert verify_checkpoint(out / "checkpoints" / f"step-{step}") is None

@@ -148,6 +148,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(line: str) -> None:
+    """Print the one-line message; also append it to DISTQA_ERROR_FILE when a launcher (worker.sh)
+    asked for it, so the launcher can repeat it after torchrun's own failure report."""
+    print(line, file=sys.stderr, flush=True)
+    path = os.environ.get("DISTQA_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        except OSError:
+            pass  # the message was printed; the copy is a convenience
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -155,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as err:
         # Not a crash: the job was asked to stop and saved its state. Said once, by rank 0.
         if os.environ.get("RANK", "0") == "0":
-            print(f"distqa: preempted: {err}", file=sys.stderr, flush=True)
+            _report(f"distqa: preempted: {err}")
         return err.exit_code
     except DistqaError as err:
         if os.environ.get("DISTQA_DEBUG") == "1":
@@ -163,5 +176,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Under torchrun every rank would print the same line; name the rank when there are several.
         rank = os.environ.get("RANK")
         where = f" [rank {rank}]" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        print(f"distqa{where}: error: {err}", file=sys.stderr, flush=True)
+        _report(f"distqa{where}: error: {err}")
         return err.exit_code
