@@ -70,6 +70,12 @@ class DataConfig:
         _check_min("data.num_workers", self.num_workers, 0)
         _check_min("data.doc_stride", self.doc_stride, 1)
         _check_min("data.max_query_len", self.max_query_len, 1)
+        if self.doc_stride > self.max_seq_len - self.max_query_len - 3:
+            raise ConfigError(
+                f"data.doc_stride={self.doc_stride} is longer than a window's document part "
+                f"(data.max_seq_len - data.max_query_len - 3 = {self.max_seq_len - self.max_query_len - 3}): "
+                "text between windows would be skipped"
+            )
         if not 0.0 <= self.keep_unknown <= 1.0:
             raise ConfigError(f"data.keep_unknown={self.keep_unknown} must be in [0, 1]")
         for key, value in (("data.train", self.train), ("data.valid", self.valid)):

@@ -22,6 +22,7 @@ for the words the cache lacks is far cheaper than one call per word (see docs/be
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 from itertools import chain
@@ -59,9 +60,12 @@ def select_target(example: NQExample) -> tuple[int, int, int]:
     def first(pred):  # noqa: ANN001, ANN202 - tiny local helper
         return next((a for a in example.annotations if pred(a)), None)
 
-    ann = first(lambda a: a.get("short_answers"))
+    def real_shorts(a):  # noqa: ANN001, ANN202 - a (-1, -1) short span is "no answer", not a span
+        return [s for s in a.get("short_answers", []) if s["start_token"] >= 0]
+
+    ann = first(real_shorts)
     if ann is not None:
-        short = ann["short_answers"][0]
+        short = real_shorts(ann)[0]
         return short["start_token"], short["end_token"] - 1, SHORT
     ann = first(lambda a: a.get("yes_no_answer", "NONE") != "NONE" and a["long_answer"]["start_token"] >= 0)
     if ann is not None:
@@ -87,16 +91,24 @@ class FeatureBuilder:
         self.tokenizer = tokenizer
         self.settings = settings
         self.cls_id, self.sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
-        self._backend = tokenizer.backend_tokenizer
+        # Our own copy of the Rust tokenizer, set to treat "[SEP]" or "[CLS]" written in a question or
+        # a Wikipedia page as text: only the builder places special tokens. The copy comes back with
+        # the padding and truncation saved in tokenizer.json, which word pieces must not get.
+        backend = copy.deepcopy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        backend.encode_special_tokens = True
+        self._backend = backend
         self._cache: dict[str, list[int]] = {}
 
     def word_ids(self, words: list[str]) -> list[list[int]]:
         """Sub-word ids of each word, tokenising only the words not seen before, in one call."""
         cache = self._cache
         missing = list({w for w in words if w not in cache})
+        if missing and len(cache) + len(missing) > _CACHE_LIMIT:
+            cache.clear()  # then every word of this document is missing, not only the new ones
+            missing = list(set(words))
         if missing:
-            if len(cache) + len(missing) > _CACHE_LIMIT:
-                cache.clear()
             # The Rust tokenizer directly: transformers' __call__ wraps the same work in ~3x the time.
             encoded = self._backend.encode_batch(missing, add_special_tokens=False)
             cache.update(zip(missing, (e.ids for e in encoded)))
@@ -112,7 +124,7 @@ class FeatureBuilder:
 
     def __call__(self, example: NQExample) -> list[dict[str, Any]]:
         s = self.settings
-        query = self.tokenizer(example.question, add_special_tokens=False)["input_ids"][: s.max_query_len]
+        query = self._backend.encode(example.question, add_special_tokens=False).ids[: s.max_query_len]
         doc_ids, doc_origin = self.document_subwords(example.tokens)
         room = s.max_seq_len - len(query) - 3  # [CLS] query [SEP] window [SEP]
         if room < 1:
@@ -131,7 +143,8 @@ class FeatureBuilder:
         prefix = [self.cls_id, *query, self.sep_id]
         offset = len(prefix)
         features = []
-        for begin in range(0, max(len(doc_ids), 1), s.doc_stride):
+        # A stride longer than the window would leave document text in no window at all.
+        for begin in range(0, max(len(doc_ids), 1), min(s.doc_stride, room)):
             end = min(begin + room, len(doc_ids))
             inside = answer_type != UNKNOWN and begin <= sub_start and sub_end < end
             if inside:

@@ -26,7 +26,7 @@ from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import NQReader, byte_ranges
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2
 FINGERPRINT_FILE = "distqa_fingerprint.json"
 
 FEATURES = datasets.Features(

@@ -52,6 +52,8 @@ def parse_example(line: str) -> NQExample:
         raw = json.loads(line)
     except json.JSONDecodeError as err:
         raise BadLine(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    except (RecursionError, ValueError) as err:  # nesting too deep, an integer of thousands of digits
+        raise BadLine(f"not usable JSON ({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
     if not isinstance(raw, dict):
         raise BadLine("not a JSON object")
     missing = [k for k in ("example_id", "question_text") if k not in raw]
@@ -62,17 +64,28 @@ def parse_example(line: str) -> NQExample:
         tokens = text.split(" ")  # exactly the split that NQ's token indices refer to
     elif "document_tokens" in raw:  # the original (non-simplified) NQ format
         tokens = [t["token"] for t in raw["document_tokens"]]
+        if not all(isinstance(t, str) for t in tokens):
+            raise BadLine("document_tokens[].token is not always a string")
     else:
         missing.append("document_text")
     if missing:
         raise BadLine(f"missing field(s) {', '.join(missing)}")
     if not isinstance(raw["question_text"], str):
         raise BadLine("question_text is not a string")
+    for name, text in (("question_text", raw["question_text"]), ("document", " ".join(tokens))):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate, which no tokenizer accepts
+            raise BadLine(f"{name} holds an unpaired surrogate (an invalid \\uD8xx escape)") from None
     n = len(tokens)
     candidates = raw.get("long_answer_candidates", [])
+    if not isinstance(candidates, list):
+        raise BadLine("long_answer_candidates is not a list")
     for i, cand in enumerate(candidates):
         _span(cand, f"long_answer_candidates[{i}]", n)
     annotations = raw.get("annotations", []) or []
+    if not isinstance(annotations, list):
+        raise BadLine("annotations is not a list")
     for i, ann in enumerate(annotations):
         if not isinstance(ann, dict):
             raise BadLine(f"annotations[{i}] is not an object")
