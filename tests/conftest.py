@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,29 @@ def run_train(args: list[str], *, nproc: int, timeout: int = 300, check: bool = 
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
     return proc
+
+
+FAKEBIN = TESTS / "fakebin"  # stand-in docker, neuro, neuro-flow and nvidia-smi that log their calls
+
+
+def fakebin_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A bare environment, as in a container: the stand-in commands first on PATH, calls logged."""
+    env = {
+        "PATH": os.pathsep.join([str(FAKEBIN), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+        "HOME": str(tmp_path),
+        "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+    }
+    env.update(extra)
+    return env
+
+
+def wait_for_call(tmp_path: Path, marker: str, what: str, timeout: float = 20) -> None:
+    """Wait until a stand-in command logged a call containing `marker`."""
+    log = tmp_path / "calls.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and marker in log.read_text()):
+        assert time.monotonic() < deadline, f"the script never reached {what}"
+        time.sleep(0.1)
 
 
 def load_weights(output_dir: Path) -> dict[str, torch.Tensor]:

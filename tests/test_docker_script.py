@@ -7,25 +7,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from conftest import fakebin_env, wait_for_call
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_docker_nodes.sh"
-FAKEBIN = Path(__file__).resolve().parent / "fakebin"
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {
-        "PATH": os.pathsep.join([str(FAKEBIN), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
-        "HOME": str(tmp_path),
-        "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+    defaults = {
         "RUN_NAME": "t1",
         "RESULTS_DIR": str(tmp_path / "results"),
         "DATA_DIR": str(tmp_path / "no-data"),
     }
-    env.update(extra)
-    return env
+    return fakebin_env(tmp_path, **{**defaults, **extra})
 
 
 def calls(tmp_path: Path, cmd: str = "docker") -> list[list[str]]:
@@ -105,11 +101,7 @@ def test_ctrl_c_removes_every_container(tmp_path):
         text=True,
         start_new_session=True,
     )
-    log = tmp_path / "calls.jsonl"
-    deadline = time.monotonic() + 20
-    while not (log.exists() and '"wait"' in log.read_text()):
-        assert time.monotonic() < deadline, "the script never reached `docker wait`"
-        time.sleep(0.1)
+    wait_for_call(tmp_path, '"wait"', "`docker wait`")
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C: the whole foreground group
     _, err = proc.communicate(timeout=20)
     assert proc.returncode != 0

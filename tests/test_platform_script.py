@@ -8,27 +8,23 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from conftest import fakebin_env, wait_for_call
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_distributed_on_platform.sh"
-FAKEBIN = Path(__file__).resolve().parent / "fakebin"
 MASTER_HOST = "job-5f3c2a10-1b2c-4d5e-8f90-a1b2c3d4e5f6.platform-jobs"  # what the stand-in reports
 
 
 def env_for(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {
-        "PATH": os.pathsep.join([str(FAKEBIN), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
-        "HOME": str(tmp_path),
-        "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+    defaults = {
         "RUN_NAME": "ddp7",
         "POLL_SECONDS": "0",
         "FAKE_STATUS": "pending,pending,running,running,succeeded",
     }
-    env.update(extra)
-    return env
+    return fakebin_env(tmp_path, **{**defaults, **extra})
 
 
 def run_script(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -141,11 +137,7 @@ def test_ctrl_c_while_streaming_logs_kills_every_job(tmp_path):
         text=True,
         start_new_session=True,
     )
-    log = tmp_path / "calls.jsonl"
-    deadline = time.monotonic() + 20
-    while not (log.exists() and '"logs"' in log.read_text()):
-        assert time.monotonic() < deadline, "the script never reached the log stream"
-        time.sleep(0.1)
+    wait_for_call(tmp_path, '"logs"', "the log stream")
     time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground process group
     proc.communicate(timeout=20)

@@ -11,27 +11,23 @@ import os
 import shlex
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import fakebin_env
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "scripts" / "worker.sh"
-FAKEBIN = Path(__file__).resolve().parent / "fakebin"
 
 
 def base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """Only what a container would have: PATH (stand-in nvidia-smi first) and a log for it."""
-    env = {
-        "PATH": os.pathsep.join([str(FAKEBIN), str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
-        "HOME": str(tmp_path),
-        "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+    defaults = {
         "WORKER_DRY_RUN": "1",
     }
-    env.update(extra)
-    return env
+    return fakebin_env(tmp_path, **{**defaults, **extra})
 
 
 def worker(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:

@@ -56,7 +56,7 @@ class DataConfig:
     train: str = _f("dummy", "'dummy' (DummyDataset), an NQ JSONL file, or a folder `distqa prepare` wrote")
     valid: str | None = _f(None, "validation data, as data.train (default: none)")
     max_seq_len: int = _f(512, "tokens per input sequence, special tokens included")
-    doc_stride: int = _f(128, "document tokens between the starts of two windows")
+    doc_stride: int = _f(128, "document tokens between the starts of two windows (at most a window's length)")
     max_query_len: int = _f(64, "question tokens kept (the rest is cut)")
     keep_unknown: float = _f(0.02, "fraction of training windows without the answer that are kept")
     skip_bad_lines: bool = _f(False, "skip (and count) malformed JSONL lines instead of stopping")
@@ -70,12 +70,6 @@ class DataConfig:
         _check_min("data.num_workers", self.num_workers, 0)
         _check_min("data.doc_stride", self.doc_stride, 1)
         _check_min("data.max_query_len", self.max_query_len, 1)
-        if self.doc_stride > self.max_seq_len - self.max_query_len - 3:
-            raise ConfigError(
-                f"data.doc_stride={self.doc_stride} is longer than a window's document part "
-                f"(data.max_seq_len - data.max_query_len - 3 = {self.max_seq_len - self.max_query_len - 3}): "
-                "text between windows would be skipped"
-            )
         if not 0.0 <= self.keep_unknown <= 1.0:
             raise ConfigError(f"data.keep_unknown={self.keep_unknown} must be in [0, 1]")
         for key, value in (("data.train", self.train), ("data.valid", self.valid)):
