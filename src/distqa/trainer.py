@@ -14,7 +14,6 @@ import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,26 +34,13 @@ from distqa.dist import (
     local_main_first,
     print0,
 )
-from distqa.errors import ConfigError, DistqaError, Preempted
+from distqa.errors import DistqaError, Preempted
 from distqa.guards import StopSignal, check_replicas
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import build_optimizer, build_scheduler
+from distqa.resume import check_resumable, choose_checkpoint
 from distqa.sampler import GlobalBatchSampler, steps_per_epoch
 from distqa.task import Batch, Task, load_task
-
-# Keys that may change between a run and its resumption without changing what is computed.
-_RESUME_MAY_DIFFER = {
-    "train.keep_checkpoints",
-    "train.term_grace_s",
-    "train.check_replicas",
-    "output_dir",
-    "train.resume",
-    "train.max_steps",
-    "train.epochs",
-    "train.log_every",
-    "train.checkpoint_every",
-    "data.num_workers",
-}
 
 
 def derive_seed(*parts: int) -> int:
@@ -66,16 +52,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class Trainer:
@@ -100,53 +76,6 @@ class Trainer:
         problem = broadcast_object(problem)
         if problem:
             raise DistqaError(problem)
-
-    def _checkpoint_to_resume(self) -> Path | None:
-        """The checkpoint to continue from, decided by rank 0 (which verifies the manifests) and
-        broadcast, so every rank loads the same one."""
-        mode = self.cfg.train.resume
-        choice: Path | None = None
-        problem: str | None = None
-        if self.info.is_main:
-            if mode == "never":
-                if ckpt.list_checkpoints(self.ckpt_root):
-                    problem = (
-                        f"train.resume=never, but {self.ckpt_root} already holds checkpoints that this run would "
-                        "overwrite: use another output_dir, or train.resume=auto to continue"
-                    )
-            elif mode == "auto":
-                for candidate in reversed(ckpt.list_checkpoints(self.ckpt_root)):
-                    damage = ckpt.verify_checkpoint(candidate)
-                    if damage is None:
-                        choice = candidate
-                        break
-                    print(f"warning: skipping checkpoint {candidate}: {damage}; trying the one before", flush=True)
-            else:
-                damage = ckpt.verify_checkpoint(Path(mode))
-                if damage is not None:
-                    problem = f"train.resume={mode}: the checkpoint is damaged ({damage})"
-                choice = Path(mode)
-        problem, choice = broadcast_object((problem, choice))  # type: ignore[misc]
-        if problem:
-            raise ConfigError(str(problem))
-        return choice
-
-    def _check_resumable(self, directory: Path, total_steps: int) -> None:
-        state = ckpt.read_trainer_state(directory)
-        if state["global_batch"] != self.global_batch:
-            raise ConfigError(
-                f"checkpoint {directory} was trained with a global batch of {state['global_batch']} examples, "
-                f"this run has {self.global_batch} (train.batch_size x train.grad_accum x processes): resume "
-                "with the same global batch, or start afresh in another output_dir"
-            )
-        if state["step"] > total_steps:
-            raise ConfigError(f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps")
-        saved, now = _flatten(state["config"]), _flatten(dataclasses.asdict(self.cfg))
-        changed = sorted(
-            k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in _RESUME_MAY_DIFFER
-        )
-        if changed:
-            print0(f"warning: resuming {directory} with changed settings: {', '.join(changed)}")
 
     def _loader(self, dataset: Dataset, epoch: int, start_step: int) -> DataLoader:
         sampler = GlobalBatchSampler(
@@ -274,9 +203,9 @@ class Trainer:
             self.model = torch.compile(self.model)
 
         step = 0
-        resume_from = self._checkpoint_to_resume()
+        resume_from = choose_checkpoint(self.ckpt_root, cfg.train.resume, info)
         if resume_from is not None:
-            self._check_resumable(resume_from, total_steps)
+            check_resumable(resume_from, cfg, global_batch=self.global_batch, total_steps=total_steps)
             state = ckpt.load_checkpoint(
                 resume_from,
                 model=self.raw_model,
