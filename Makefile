@@ -16,7 +16,7 @@ help:
 	@echo "make test       install the test tools and run the test suite"
 	@echo "make test-fast  unit tests only (no torchrun launches)"
 	@echo "make lint       ruff"
-	@echo "make clean      remove .venv and results/"
+	@echo "make clean      remove .venv and everything under results/"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,4 +55,5 @@ lint: install-dev
 	$(BIN)/hadolint --failure-threshold warning Dockerfile
 
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV)
+	find results -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +

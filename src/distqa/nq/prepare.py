@@ -79,7 +79,7 @@ def _generate(shards: list[dict[str, Any]]) -> Any:
                 for feature in builder(example):
                     stats["features"] += 1
                     yield feature
-        except DistqaError as err:
+        except (DistqaError, ValueError) as err:  # a bad line; settings that leave no room for text
             stats["error"] = str(err)
         stats.update(bad_lines=reader.bad_lines, finished=time.time())
         Path(shard["stats"]).write_text(json.dumps(stats))
