@@ -21,6 +21,12 @@ def _keys_reference() -> str:
     return "\n".join(lines)
 
 
+def _add_settings(command: argparse.ArgumentParser) -> None:
+    """The settings every command that reads the config takes: a YAML file, then overrides."""
+    command.add_argument("--config", metavar="FILE", help="YAML file of settings (see configs/)")
+    command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distqa", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -31,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_keys_reference(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--config", metavar="FILE", help="YAML file of settings (see configs/)")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
+    _add_settings(train)
 
     prepare = commands.add_parser(
         "prepare",
@@ -51,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="train",
         help="train: keep data.keep_unknown of the windows without an answer; eval: keep every window",
     )
-    prepare.add_argument("--config", metavar="FILE", help="YAML file of settings")
-    prepare.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    _add_settings(prepare)
 
     predict = commands.add_parser(
         "predict",
@@ -64,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL file")
     predict.add_argument("--checkpoint", required=True, metavar="DIR", help="a model/ folder, or its output_dir")
     predict.add_argument("--output", required=True, metavar="FILE", help="submission.csv to write")
-    predict.add_argument("--config", metavar="FILE", help="YAML file of settings")
-    predict.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    _add_settings(predict)
 
     score = commands.add_parser(
         "score",
