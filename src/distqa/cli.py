@@ -78,6 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--gold", required=True, metavar="FILE.jsonl", help="NQ JSONL with annotations")
     score.add_argument("--pred", required=True, metavar="submission.csv", help="Kaggle-format predictions")
 
+    bench = commands.add_parser(
+        "bench",
+        help="measure training throughput and scaling for several process counts",
+        description="Run the training loop under torchrun once per process count, time the steps after "
+        "a warm-up, and write DIR/bench.json and DIR/bench.png: samples/s and tokens/s, scaling "
+        "efficiency, the step-time breakdown, and MFU on GPUs. Keys as for train.",
+    )
+    bench.add_argument("--nproc", required=True, metavar="N[,N...]", help="process counts, e.g. 1,2")
+    bench.add_argument("--output", required=True, metavar="DIR", help="folder for bench.json, bench.png, runs/")
+    bench.add_argument("--warmup", type=int, default=5, metavar="STEPS", help="steps not timed (default: 5)")
+    bench.add_argument("--steps", type=int, default=20, metavar="STEPS", help="steps timed (default: 20)")
+    bench.add_argument(
+        "--baseline", action="store_true", help="also time a minimal hand-written DDP loop on the same model and data"
+    )
+    bench.add_argument("--repeats", type=int, default=1, metavar="R", help="runs per process count (default: 1)")
+    bench.add_argument(
+        "--peak-tflops",
+        type=float,
+        metavar="X",
+        help="the device's peak TFLOP/s at train.precision, for MFU (default: the table in distqa/flops.py)",
+    )
+    _add_settings(bench)
+
     download = commands.add_parser(
         "download",
         help="fetch the Kaggle competition files (needs Kaggle credentials)",
@@ -142,6 +165,12 @@ def _run(args: argparse.Namespace) -> int:
         from distqa.nq.metric import main_score
 
         return main_score(args.gold, args.pred)
+    elif args.command == "bench":
+        from distqa.bench.launch import print_table, run_bench
+
+        result = run_bench(args)
+        print_table(result)
+        print(f"wrote {args.output}/bench.json and {args.output}/bench.png")
     elif args.command == "download":
         from pathlib import Path
 

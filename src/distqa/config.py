@@ -39,7 +39,11 @@ def _check_min(key: str, value: float, low: float, *, strict: bool = False) -> N
 
 @dataclass
 class ModelConfig:
-    name: str = _f("tiny", "'tiny' (small random BERT, no download), a Hugging Face id, or a local folder")
+    name: str = _f(
+        "tiny",
+        "'tiny' or 'bert-base-random' (random BERTs built from a config, no download), "
+        "a Hugging Face id, or a local folder",
+    )
     tokenizer: str | None = _f(None, "tokenizer id or folder (default: model.name; none for 'tiny')")
     dropout: float | None = _f(None, "dropout for every dropout rate of the encoder (default: keep its own)")
     attn_implementation: str | None = _f(
@@ -62,12 +66,17 @@ class DataConfig:
     skip_bad_lines: bool = _f(False, "skip (and count) malformed JSONL lines instead of stopping")
     cache_dir: str | None = _f(None, "where prepared features are cached (default: HF_HOME/distqa/features)")
     dummy_size: int = _f(4096, "number of examples in the DummyDataset")
-    num_workers: int = _f(2, "DataLoader worker processes per rank (0 = load in the training process)")
+    num_workers: int | None = _f(
+        None,
+        "DataLoader worker processes per rank (0 = load in the training process; "
+        "default: this rank's share of the node's CPUs, less one, at most 8)",
+    )
 
     def __post_init__(self) -> None:
         _check_min("data.max_seq_len", self.max_seq_len, 8)
         _check_min("data.dummy_size", self.dummy_size, 1)
-        _check_min("data.num_workers", self.num_workers, 0)
+        if self.num_workers is not None:
+            _check_min("data.num_workers", self.num_workers, 0)
         _check_min("data.doc_stride", self.doc_stride, 1)
         _check_min("data.max_query_len", self.max_query_len, 1)
         if not 0.0 <= self.keep_unknown <= 1.0:
@@ -93,6 +102,9 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
     precision: str = _f("fp32", "fp32 | bf16 | fp16 (fp16 uses a gradient scaler)")
     compile: bool = _f(False, "torch.compile the model (faster steps on GPU after a compile warm-up)")
+    static_graph: bool = _f(
+        True, "tell DDP the same parameters get gradients every step (not used with grad_accum > 1 or compile)"
+    )
     deterministic: bool = _f(False, "use deterministic kernels only (slower on GPU; CPU runs are already)")
     checkpoint_every: int = _f(500, "save a checkpoint every N steps (and always at the end)")
     keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0 = keep all)")

@@ -154,6 +154,21 @@ def local_main_first(info: DistInfo) -> Iterator[None]:
         barrier()
 
 
+def cpus_per_local_rank() -> int:
+    """The CPUs this process may run on, shared among the processes torchrun started on this node."""
+    try:
+        cpus = len(os.sched_getaffinity(0))  # honours taskset and container CPU sets
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, _env_int("LOCAL_WORLD_SIZE", 1)))
+
+
+def default_num_workers() -> int:
+    """DataLoader workers per rank when data.num_workers is unset: one core per rank runs the
+    training loop itself, its share of the rest loads data; more than 8 only costs memory."""
+    return max(0, min(8, cpus_per_local_rank() - 1))
+
+
 def print0(*args: object, **kwargs: object) -> None:
     """print() on rank 0 only, so N processes do not repeat every line N times."""
     if _env_int("RANK", 0) == 0:

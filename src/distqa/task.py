@@ -21,6 +21,7 @@ from torch.utils.data import Dataset, default_collate
 from distqa.config import Config
 from distqa.dist import DistInfo
 from distqa.errors import ConfigError
+from distqa.flops import ModelShape, model_shape
 
 # Short names for the tasks that ship with distqa; anything else is a "module:Class" path.
 BUILTIN_TASKS = {"nq": "distqa.nq.task:NQTask"}
@@ -61,6 +62,11 @@ class Task(ABC):
         if "input_ids" in batch:
             return batch["input_ids"].numel()
         return 0
+
+    def model_shape(self, model: nn.Module) -> ModelShape:
+        """Parameters, layers and width for the FLOPs estimate of `distqa bench` (MFU). The
+        default reads any Hugging Face config in the model; override it for other models."""
+        return model_shape(model)
 
     def evaluate(self, model: nn.Module, info: DistInfo) -> dict[str, float]:
         """Validation metrics, called on every rank with the *unwrapped* model in eval mode.

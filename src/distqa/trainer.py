@@ -30,6 +30,7 @@ from distqa.dist import (
     barrier,
     broadcast_object,
     cleanup,
+    default_num_workers,
     init_distributed,
     local_main_first,
     print0,
@@ -40,6 +41,7 @@ from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import build_optimizer, build_scheduler
 from distqa.resume import check_resumable, choose_checkpoint
 from distqa.sampler import GlobalBatchSampler, steps_per_epoch
+from distqa.steptimer import StepTimer
 from distqa.task import Batch, Task, load_task
 
 
@@ -55,8 +57,21 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, info: DistInfo) -> None:
+    """`timer` records where step time goes (`distqa bench`); `save_outputs=False` skips the final
+    checkpoint, model export and plot, for runs that only measure speed."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        task: Task,
+        info: DistInfo,
+        *,
+        timer: StepTimer | None = None,
+        save_outputs: bool = True,
+    ) -> None:
         self.cfg, self.task, self.info = cfg, task, info
+        self.timer = timer or StepTimer.off(info.device)
+        self.save_outputs = save_outputs
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * info.world_size
@@ -95,22 +110,48 @@ class Trainer:
             dataset,
             batch_sampler=sampler,
             collate_fn=self.task.collate,
-            num_workers=self.cfg.data.num_workers,
+            num_workers=self._num_workers(),
             pin_memory=self.info.device.type == "cuda",
             generator=generator,
         )
+
+    def _num_workers(self) -> int:
+        workers = self.cfg.data.num_workers
+        return default_num_workers() if workers is None else workers
+
+    def _wrap(self) -> nn.Module:
+        """DDP (several processes), then torch.compile (train.compile)."""
+        model: nn.Module = self.raw_model
+        if self.info.is_distributed:
+            device_ids = [self.info.local_rank] if self.info.device.type == "cuda" else None
+            # static_graph lets DDP skip searching for unused parameters and re-deciding the
+            # bucket order each step; torch's static graph breaks under no_sync (gradient
+            # accumulation, pytorch/pytorch#187732) and is not needed when Dynamo splits the graph.
+            static = self.cfg.train.static_graph and self.cfg.train.grad_accum == 1 and not self.cfg.train.compile
+            model = DDP(self.raw_model, device_ids=device_ids, gradient_as_bucket_view=True, static_graph=static)
+            if self.timer.enabled:
+                model.register_comm_hook(None, self.timer.comm_hook)
+        if self.cfg.train.compile:
+            # Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's bucket
+            # boundaries, so gradient all-reduce still overlaps the backward pass.
+            model = torch.compile(model)
+        return model
 
     # ----------------------------------------------------------------------------- the loop
     def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
         return {k: v.to(self.info.device, non_blocking=True) for k, v in batch.items()}
 
     def _train_step(self, batches: Iterator[Batch], meter: ThroughputMeter) -> None:
-        accum = self.cfg.train.grad_accum
+        accum, timer = self.cfg.train.grad_accum, self.timer
+        timer.step_begin()
         for micro in range(accum):
+            if micro:
+                timer.mark("data")
             cpu_batch = next(batches)
             tokens = self.task.count_tokens(cpu_batch)  # on the CPU copy: no device sync
             samples = len(next(iter(cpu_batch.values())))
             batch = self._to_device(cpu_batch)
+            timer.mark("forward_backward")
             # All-reduce only on the last micro-batch: earlier backward passes just accumulate
             # locally, which saves (accum - 1) rounds of communication per step.
             last = micro == accum - 1
@@ -126,6 +167,8 @@ class Trainer:
                 # accumulated gradient the mean over the whole global batch.
                 self.scaler.scale(loss / accum).backward()
             meter.add(loss, samples, tokens)
+            timer.count(samples, tokens)
+        timer.mark("optimizer")
         if self.cfg.train.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
             nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.train.max_grad_norm)
@@ -140,6 +183,7 @@ class Trainer:
         else:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        timer.mark("other")  # logging, checkpoints, signal checks: until the next step begins
 
     def _save(self, step: int, epoch_steps: int) -> None:
         state = {
@@ -193,14 +237,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, total_steps)
         self.scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")
-        self.model: nn.Module = self.raw_model
-        if info.is_distributed:
-            device_ids = [info.local_rank] if info.device.type == "cuda" else None
-            self.model = DDP(self.raw_model, device_ids=device_ids, gradient_as_bucket_view=True)
-        if cfg.train.compile:
-            # Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's bucket
-            # boundaries, so gradient all-reduce still overlaps the backward pass.
-            self.model = torch.compile(self.model)
+        self.model = self._wrap()
 
         step = 0
         resume_from = choose_checkpoint(self.ckpt_root, cfg.train.resume, info)
@@ -263,19 +300,20 @@ class Trainer:
                             meter.restart_clock()  # evaluation time is not training throughput
                         metrics.log(record)
                         progress.set_postfix(loss=f"{record['loss']:.4f}")
-                    saved = step % cfg.train.checkpoint_every == 0 or step == total_steps
+                    saved = step % cfg.train.checkpoint_every == 0 or (last and self.save_outputs)
                     if saved:
                         self._save(step, epoch_steps)
                     if cfg.train.check_replicas:
                         check_replicas(self.raw_model, info, step)
                     if step < total_steps and stop.should_stop():
                         self._preempt(step, total_steps, epoch_steps, saved, stop)
+            self.timer.finish()
         finally:
             stop.close()
             progress.close()
             metrics.close()
 
-        if info.is_main:
+        if info.is_main and self.save_outputs:
             if metrics.path.is_file():
                 plot_metrics(metrics.path, self.out / "metrics.png")
             self.task.save_model(self.raw_model, self.out / "model")

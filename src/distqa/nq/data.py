@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 from distqa.config import Config
 from distqa.errors import DistqaError
 from distqa.nq.features import FeatureSettings
+from distqa.nq.model import RANDOM_MODELS
 from distqa.nq.prepare import FINGERPRINT_FILE, fingerprint, fingerprint_key, load_features, prepare_features
 
 # Pad values of the padded columns; every other column is a scalar per feature.
@@ -33,7 +34,7 @@ def feature_settings(cfg: Config, *, training: bool) -> FeatureSettings:
 
 def tokenizer_name(cfg: Config) -> str:
     name = cfg.model.tokenizer or cfg.model.name
-    if name == "tiny":
+    if name in RANDOM_MODELS:
         raise DistqaError("Natural Questions data needs a tokenizer: set model.tokenizer (e.g. bert-base-uncased)")
     return name
 

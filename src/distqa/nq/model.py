@@ -39,6 +39,11 @@ TINY_BERT = dict(
     max_position_embeddings=512,
 )
 
+# Encoders built from a config with random weights, no download. `bert-base-random` has
+# bert-base-uncased's exact shape (BertConfig's defaults): for speed benchmarks, where only the
+# shape matters, on machines that cannot reach the Hugging Face hub.
+RANDOM_MODELS: dict[str, dict[str, int]] = {"tiny": TINY_BERT, "bert-base-random": {}}
+
 
 def _set_dropout(config: PretrainedConfig, rate: float) -> None:
     """Set every dropout rate the encoder's config has (names differ between architectures)."""
@@ -77,12 +82,12 @@ class BertJointQA(nn.Module):
 
     @classmethod
     def build(cls, cfg: ModelConfig) -> BertJointQA:
-        """The model `model.name` asks for: 'tiny', a Hugging Face id, or a local folder."""
+        """The model `model.name` asks for: a RANDOM_MODELS name, a Hugging Face id, or a local folder."""
         kwargs: dict[str, Any] = {}
         if cfg.attn_implementation is not None:
             kwargs["attn_implementation"] = cfg.attn_implementation
-        if cfg.name == "tiny":
-            config = BertConfig(**TINY_BERT)
+        if cfg.name in RANDOM_MODELS:
+            config = BertConfig(**RANDOM_MODELS[cfg.name])
             if cfg.dropout is not None:
                 _set_dropout(config, cfg.dropout)
             return cls(AutoModelForQuestionAnswering.from_config(config, **kwargs))

@@ -17,19 +17,19 @@ from distqa.errors import DistqaError
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import GoldIndex, score_predictions, window_bests
-from distqa.nq.model import BertJointQA, bert_joint_loss, load_error
+from distqa.nq.model import RANDOM_MODELS, BertJointQA, bert_joint_loss, load_error
 from distqa.nq.postprocess import group_by_example
 from distqa.task import Batch, Task
 
 
 def load_tokenizer(cfg: Config) -> Any | None:
-    """The tokenizer `model.tokenizer` (default: `model.name`) names; none for a bare 'tiny'.
+    """The tokenizer `model.tokenizer` (default: `model.name`) names; none for a bare random model.
 
-    'tiny' has bert-base-uncased's vocabulary size but no tokenizer of its own: dummy data needs
-    none, and loading bert-base-uncased's would need a download.
+    'tiny' and 'bert-base-random' have bert-base-uncased's vocabulary size but no tokenizer of
+    their own: dummy data needs none, and loading bert-base-uncased's would need a download.
     """
     name = cfg.model.tokenizer or cfg.model.name
-    if name == "tiny":
+    if name in RANDOM_MODELS:
         return None
     try:
         return AutoTokenizer.from_pretrained(name)

@@ -1,0 +1,149 @@
+"""`distqa bench --nproc 1,2 --output DIR [KEY=VALUE ...]`: one torchrun launch per world size.
+
+Each launch runs the real training loop (`distqa.bench.worker`) for warm-up plus measured steps
+and writes its figures to DIR/runs/; this process then writes DIR/bench.json and DIR/bench.png.
+With `--baseline`, every world size also runs the hand-written DDP loop, alternating with the
+trainer `--repeats` times, so both see the same machine load.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distqa.bench.report import add_scaling, plot, summarize
+from distqa.config import load_config
+from distqa.errors import ConfigError, DistqaError
+
+
+def parse_nproc(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; a clear error for anything else."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--nproc {text!r} is not a comma-separated list of process counts, e.g. 1,2") from None
+    if any(n < 1 for n in values):
+        raise ConfigError(f"--nproc {text!r}: every process count must be >= 1")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"--nproc {text!r} names a process count twice")
+    return sorted(values)
+
+
+def _check_devices(nprocs: list[int]) -> None:
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if max(nprocs) > gpus:
+            raise ConfigError(f"--nproc {max(nprocs)} needs {max(nprocs)} GPUs; {gpus} visible")
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if max(nprocs) > cpus:
+        print(
+            f"distqa bench: warning: {max(nprocs)} CPU processes on {cpus} CPUs share cores: "
+            "their throughput measures the oversubscription, not DDP",
+            file=sys.stderr,
+        )
+
+
+def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[str, Any]:
+    name = f"np{nproc}-{loop}-{repeat}"
+    result, log = out / "runs" / f"{name}.json", out / "runs" / f"{name}.log"
+    result.unlink(missing_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "distqa.bench.worker",
+        f"--loop={loop}",
+        f"--result={result}",
+        f"--output-dir={out / 'runs' / name}",
+        f"--warmup={args.warmup}",
+        f"--steps={args.steps}",
+        *([f"--config={args.config}"] if args.config else []),
+        *args.overrides,
+    ]
+    env = dict(os.environ)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # Give each CPU process its share of the cores (torchrun would give 1 thread to each of
+        # several processes but all cores to a single one, which flatters 1 against N).
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
+    print(f"distqa bench: {loop}, {nproc} process(es), run {repeat + 1}: log in {log}", flush=True)
+    with log.open("w") as sink:
+        code = subprocess.call(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    if code != 0 or not result.is_file():
+        lines = log.read_text(errors="replace").splitlines()
+        said = [line for line in lines if "error:" in line and line.startswith("distqa")]
+        reason = said[-1] if said else (lines[-1] if lines else "no output")
+        raise DistqaError(f"the {loop} run with {nproc} process(es) failed (exit {code}): {reason}; see {log}")
+    return json.loads(result.read_text())
+
+
+def run_bench(args: Any) -> dict[str, Any]:
+    nprocs = parse_nproc(args.nproc)
+    for option in ("warmup", "steps", "repeats"):
+        if getattr(args, option) < (0 if option == "warmup" else 1):
+            raise ConfigError(f"--{option}={getattr(args, option)} must be >= {0 if option == 'warmup' else 1}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise ConfigError(f"--peak-tflops={args.peak_tflops} must be > 0")
+    cfg = load_config(args.config, args.overrides)  # a bad key fails here, before any launch
+    _check_devices(nprocs)
+    out = Path(args.output)
+    try:
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DistqaError(f"--output {out} cannot be created: {err.strerror or err}") from err
+
+    rows = []
+    for nproc in nprocs:
+        trainer_runs, baseline_runs = [], []
+        for repeat in range(args.repeats):
+            trainer_runs.append(_launch(nproc, "trainer", repeat, args, out))
+            if args.baseline:
+                baseline_runs.append(_launch(nproc, "baseline", repeat, args, out))
+        rows.append((nproc, trainer_runs, baseline_runs))
+    first = rows[0][1][0]
+    result: dict[str, Any] = {
+        "command": "distqa bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": first["host"],
+        "device": first["device"],
+        "torch": first["torch"],
+        "model": cfg.model.name,
+        "precision": first["precision"],
+        "compile": first["compile"],
+        "seq_len": first["seq_len"],
+        "batch_size": first["batch_size"],
+        "grad_accum": first["grad_accum"],
+        "warmup_steps": args.warmup,
+        "measured_steps": args.steps,
+        "non_embedding_params": first["non_embedding_params"],
+        "flops_per_token": first["flops_per_token"],
+        "runs": [summarize(n, t, b, args.peak_tflops) for n, t, b in rows],
+    }
+    add_scaling(result["runs"])
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / "bench.png")
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"{result['device']}, {result['model']}, {result['precision']}, seq {result['seq_len']}")
+    print(f"{'nproc':>5} {'samples/s':>10} {'tokens/s':>10} {'scaling':>8} {'data%':>6} {'MFU':>6} {'vs loop':>8}")
+    for r in result["runs"]:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        ratio = f"{r['trainer_over_baseline']:.3f}" if "trainer_over_baseline" in r else "-"
+        print(
+            f"{r['nproc']:>5} {r['samples_per_s']:>10.1f} {r['tokens_per_s']:>10.0f} "
+            f"{100 * r['scaling_efficiency']:>7.1f}% {r['step_breakdown_pct']['data']:>5.1f}% {mfu:>6} {ratio:>8}"
+        )

@@ -1,0 +1,96 @@
+"""Turn the workers' measurements into bench.json's figures and bench.png's plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from distqa.flops import peak_tflops
+from distqa.steptimer import PHASES
+
+
+def _rate(run: dict[str, Any], key: str) -> float:
+    return run[key] / run["seconds"]
+
+
+def summarize(
+    nproc: int, trainer_runs: list[dict[str, Any]], baseline_runs: list[dict[str, Any]], peak: float | None
+) -> dict[str, Any]:
+    """One world size's row. Several repeats: the median throughput, the mean breakdown."""
+    first = trainer_runs[0]
+    samples_per_s = statistics.median(_rate(r, "samples") for r in trainer_runs)
+    tokens_per_s = statistics.median(_rate(r, "tokens") for r in trainer_runs)
+    phase_ms = {k: statistics.fmean(r["phase_ms"][k] for r in trainer_runs) for k in PHASES}
+    step_ms = sum(phase_ms.values())
+    if peak is None and not first["device"].startswith("cpu"):  # no table for CPUs: MFU needs --peak-tflops
+        peak = peak_tflops(first["device"], first["precision"])
+    achieved = first["flops_per_token"] * tokens_per_s / nproc / 1e12
+    row: dict[str, Any] = {
+        "nproc": nproc,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": tokens_per_s,
+        "samples_per_s_per_process": samples_per_s / nproc,
+        "step_ms": step_ms,
+        "step_breakdown_ms": phase_ms,
+        "step_breakdown_pct": {k: 100.0 * v / step_ms if step_ms else 0.0 for k, v in phase_ms.items()},
+        "model_tflops_per_process": achieved,
+        "peak_tflops_per_process": peak,
+        "mfu": achieved / peak if peak else None,
+        "peak_memory_gib": first.get("peak_memory_gib"),
+        "threads_per_process": first["threads_per_process"],
+        "repeats": [_rate(r, "samples") for r in trainer_runs],
+    }
+    if baseline_runs:
+        base = statistics.median(_rate(r, "samples") for r in baseline_runs)
+        row["baseline_samples_per_s"] = base
+        row["baseline_repeats"] = [_rate(r, "samples") for r in baseline_runs]
+        row["trainer_over_baseline"] = samples_per_s / base
+    return row
+
+
+def add_scaling(rows: list[dict[str, Any]]) -> None:
+    """Scaling efficiency: throughput per process against that of the smallest world size."""
+    reference = min(rows, key=lambda r: r["nproc"])
+    per_process = reference["samples_per_s_per_process"]
+    for row in rows:
+        row["scaling_efficiency"] = row["samples_per_s_per_process"] / per_process
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    """Throughput (with ideal linear scaling), scaling efficiency, and the step-time breakdown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["runs"]
+    nprocs = [r["nproc"] for r in rows]
+    fig, (ax_tp, ax_eff, ax_bd) = plt.subplots(1, 3, figsize=(15, 4.5))
+    ref = rows[0]
+    ideal = [ref["samples_per_s_per_process"] * n for n in nprocs]
+    ax_tp.plot(nprocs, [r["samples_per_s"] for r in rows], marker="o", label="distqa trainer")
+    if all("baseline_samples_per_s" in r for r in rows):
+        ax_tp.plot(nprocs, [r["baseline_samples_per_s"] for r in rows], marker="s", label="hand-written DDP loop")
+    ax_tp.plot(nprocs, ideal, linestyle="--", color="grey", label="linear scaling")
+    ax_tp.set(xlabel="processes", ylabel="samples/s (all processes)", title="throughput", xticks=nprocs)
+    ax_tp.legend()
+    ax_eff.plot(nprocs, [100 * r["scaling_efficiency"] for r in rows], marker="o")
+    ax_eff.axhline(100, linestyle="--", color="grey")
+    ax_eff.set(xlabel="processes", ylabel="% of linear", title="scaling efficiency", xticks=nprocs)
+    ax_eff.set_ylim(bottom=0)
+    bottom = [0.0] * len(rows)
+    labels = [str(n) for n in nprocs]
+    for phase in PHASES:
+        values = [r["step_breakdown_ms"][phase] for r in rows]
+        ax_bd.bar(labels, values, bottom=bottom, label=phase.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_bd.set(xlabel="processes", ylabel="ms per step (mean over processes)", title="step time")
+    ax_bd.legend(fontsize="small")
+    for ax in (ax_tp, ax_eff, ax_bd):
+        ax.grid(alpha=0.3)
+    title = f"{result['device']}, {result['model']}, {result['precision']}, seq {result['seq_len']}"
+    fig.suptitle(f"{title}, batch {result['batch_size']} per process")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,125 @@
+"""One measurement of `distqa bench`, run by torchrun in every process of one world size.
+
+    python -m distqa.bench.worker --loop trainer --result R.json --warmup 5 --steps 20 KEY=VALUE ...
+
+`--loop trainer` runs distqa's own `Trainer` with a `StepTimer`; `--loop baseline` runs the
+minimal hand-written DDP loop of `distqa.bench.baseline` on the same task, model and data. Rank 0
+writes one JSON object: the summed samples and tokens, the slowest rank's seconds, each phase's
+mean over ranks, and what MFU needs (FLOPs per token, the device's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from distqa.bench.baseline import run_baseline
+from distqa.config import Config, load_config
+from distqa.dist import DistInfo, barrier, cleanup, gather_to_main, init_distributed, local_main_first
+from distqa.errors import DistqaError
+from distqa.flops import device_name
+from distqa.steptimer import PHASES, StepTimer
+from distqa.task import Task, load_task
+from distqa.trainer import Trainer
+
+
+def _bench_config(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config, args.overrides)
+    cfg.output_dir = args.output_dir
+    # Only the steps are measured: no validation (it would run inside the last step), no resume
+    # from an earlier measurement, no checkpoint along the way.
+    cfg.data.valid = None
+    cfg.train.max_steps = args.warmup + args.steps
+    cfg.train.resume = "never"
+    cfg.train.checkpoint_every = cfg.train.max_steps + 1
+    return cfg
+
+
+def _measure(cfg: Config, task: Task, info: DistInfo, loop: str, warmup: int) -> tuple[dict, torch.nn.Module]:
+    if loop == "trainer":
+        timer = StepTimer(info.device, warmup=warmup)
+        trainer = Trainer(cfg, task, info, timer=timer, save_outputs=False)
+        trainer.fit()
+        return timer.summary(), trainer.raw_model
+    return run_baseline(cfg, task, info, warmup=warmup)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--loop", choices=("trainer", "baseline"), required=True)
+    parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    parser.add_argument("--output-dir", required=True, help="the run's output_dir")
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--config")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+
+    cfg = _bench_config(args)
+    info = init_distributed()
+    try:
+        with local_main_first(info):
+            task = load_task(cfg)
+        if info.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(info.device)
+        try:
+            summary, model = _measure(cfg, task, info, args.loop, args.warmup)
+        except torch.OutOfMemoryError as err:  # scripts/bench_gpu.sh looks for the largest batch this way
+            raise DistqaError(
+                f"out of GPU memory at train.batch_size={cfg.train.batch_size}, "
+                f"data.max_seq_len={cfg.data.max_seq_len}: {str(err).splitlines()[0]}"
+            ) from err
+        if info.device.type == "cuda":
+            summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(info.device) / 2**30
+        parts = gather_to_main(summary, info)
+        if info.is_main:
+            shape = task.model_shape(model)
+            result = {
+                "loop": args.loop,
+                "world_size": info.world_size,
+                "device": device_name(info.device),
+                "torch": torch.__version__,
+                "host": platform.node(),
+                "threads_per_process": torch.get_num_threads(),
+                "precision": cfg.train.precision,
+                "compile": cfg.train.compile,
+                "seq_len": cfg.data.max_seq_len,
+                "batch_size": cfg.train.batch_size,
+                "grad_accum": cfg.train.grad_accum,
+                "steps": parts[0]["steps"],
+                "seconds": max(p["seconds"] for p in parts),
+                "samples": sum(p["samples"] for p in parts),
+                "tokens": sum(p["tokens"] for p in parts),
+                "phase_ms": {k: sum(p["phase_ms"][k] for p in parts) / len(parts) for k in PHASES}
+                if args.loop == "trainer"
+                else None,
+                "peak_memory_gib": max((p.get("peak_memory_gib", 0.0) for p in parts), default=0.0) or None,
+                "non_embedding_params": shape.non_embedding_params,
+                "flops_per_token": shape.flops_per_token(cfg.data.max_seq_len),
+            }
+            path = Path(args.result)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+        # Free DDP's reducer and its gloo work before the process group goes, and leave together:
+        # a rank that tears gloo down while a peer still talks to it, or whose gloo threads still
+        # hold tensors when the interpreter exits, can abort ("terminate called without an
+        # active exception", seen here once in 24 runs).
+        del model
+        gc.collect()
+        barrier()
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DistqaError as err:  # one line, as `distqa train` says it; the launcher shows it
+        print(f"distqa bench: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)

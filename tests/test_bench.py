@@ -1,0 +1,191 @@
+"""`distqa bench`: process-count parsing, the FLOPs and peak tables, the step timer, and real
+torchrun launches that write bench.json and bench.png."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, subprocess_env
+from distqa.bench.launch import parse_nproc
+from distqa.bench.report import add_scaling, summarize
+from distqa.config import ModelConfig
+from distqa.dist import cpus_per_local_rank, default_num_workers
+from distqa.errors import ConfigError, DistqaError
+from distqa.flops import ModelShape, model_shape, peak_tflops
+from distqa.nq.model import BertJointQA
+from distqa.steptimer import PHASES, StepTimer
+
+BENCH_SMALL = ["model.name=tiny", "data.max_seq_len=64", "data.dummy_size=256", "data.num_workers=0"]
+
+
+def test_parse_nproc_sorts_and_rejects_bad_lists():
+    assert parse_nproc("2,1,4") == [1, 2, 4]
+    for bad, says in (("1,x", "comma-separated"), ("0,1", ">= 1"), ("2,2", "twice"), ("", "comma-separated")):
+        with pytest.raises(ConfigError, match=says):
+            parse_nproc(bad)
+
+
+def test_bert_base_shape_matches_the_published_count():
+    # bert-base-uncased: 110M parameters, of which the embeddings are 30522*768 + 512*768 + 2*768
+    # (+ LayerNorm's 2*768, which is not an nn.Embedding): about 85.6M outside the embeddings.
+    with torch.device("meta"):
+        model = BertJointQA.build(ModelConfig(name="bert-base-random"))
+    shape = model_shape(model)
+    total = sum(p.numel() for p in model.parameters())
+    embeddings = (30522 + 512 + 2) * 768
+    assert shape == ModelShape(non_embedding_params=total - embeddings, layers=12, hidden_size=768)
+    assert 85.0e6 < shape.non_embedding_params < 86.5e6
+    # 6N + 12*L*T*d at T=512: the attention part is 56.6 MFLOPs per token.
+    assert shape.flops_per_token(512) == 6 * shape.non_embedding_params + 12 * 12 * 512 * 768
+
+
+def test_tied_weights_are_counted_once():
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.out = torch.nn.Linear(4, 10, bias=False)
+            self.out.weight = self.embed.weight
+            self.config = type("C", (), {"num_hidden_layers": 1, "hidden_size": 4})()
+
+    assert model_shape(Tied()).non_embedding_params == 0
+
+
+def test_model_without_config_is_a_clear_error():
+    with pytest.raises(DistqaError, match="Task.model_shape"):
+        model_shape(torch.nn.Linear(2, 2))
+
+
+def test_peak_table_matches_device_names():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0  # the longer key wins
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == 494.7  # TF32 matmuls
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp16") == 312.0
+    assert peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 on Volta
+    assert peak_tflops("Some Future GPU", "bf16") is None
+
+
+def test_step_timer_splits_wall_time_into_phases():
+    timer = StepTimer(torch.device("cpu"), warmup=1)
+    for step in range(4):
+        timer.step_begin()
+        time.sleep(0.002 if step else 0.05)  # the warm-up step is slow and must not count
+        timer.mark("forward_backward")
+        time.sleep(0.01)
+        timer.mark("optimizer")
+        time.sleep(0.004)
+        timer.mark("other")
+        timer.count(samples=8, tokens=100)
+    timer.finish()
+    summary = timer.summary()
+    assert summary["steps"] == 3 and summary["samples"] == 24 and summary["tokens"] == 300
+    ms = summary["phase_ms"]
+    assert set(ms) == set(PHASES) and ms["allreduce_wait"] == 0.0
+    assert 10.0 <= ms["forward_backward"] < 40.0 and 4.0 <= ms["optimizer"] < 30.0 and 2.0 <= ms["data"] < 30.0
+    # The phases tile the measured window: their sum is its wall time.
+    assert sum(ms.values()) * 3 / 1000 == pytest.approx(summary["seconds"], rel=0.05)
+
+
+def test_step_timer_without_measured_steps_says_so():
+    timer = StepTimer(torch.device("cpu"), warmup=5)
+    timer.step_begin()
+    timer.finish()
+    with pytest.raises(RuntimeError, match="no step was recorded"):
+        timer.summary()
+    off = StepTimer.off(torch.device("cpu"))
+    off.step_begin()
+    off.mark("data")
+    assert not off.recording and off.steps_begun == 0
+
+
+def test_default_workers_share_the_cpus(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpus_per_local_rank() == 4 and default_num_workers() == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_num_workers() == 8  # capped
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert default_num_workers() == 0
+
+
+def _run(key: str, seconds: float, **extra) -> dict:
+    base = {
+        "seconds": seconds,
+        "samples": 100,
+        "tokens": 1000,
+        "device": "NVIDIA H100 80GB HBM3",
+        "precision": "bf16",
+        "flops_per_token": 1e9,
+        "threads_per_process": 1,
+        "phase_ms": dict.fromkeys(PHASES, 1.0),
+    }
+    return {**base, **extra}
+
+
+def test_summary_scaling_and_mfu_arithmetic():
+    one = summarize(1, [_run("t", 1.0), _run("t", 2.0), _run("t", 0.5)], [_run("b", 1.0)], None)
+    two = summarize(2, [_run("t", 0.8)], [], peak=100.0)
+    add_scaling([one, two])
+    assert one["samples_per_s"] == 100.0  # the median of 100, 50 and 200
+    assert one["trainer_over_baseline"] == 1.0
+    assert one["mfu"] == pytest.approx(1e9 * 1000 / 1e12 / 989.4)  # tokens/s x FLOPs/token over the peak
+    assert two["mfu"] == pytest.approx(1e9 * 1250 / 2 / 1e12 / 100.0)  # --peak-tflops wins
+    assert two["scaling_efficiency"] == pytest.approx(125.0 / 2 / 100.0)
+    cpu = summarize(1, [_run("t", 1.0, device="cpu (x86_64)")], [], None)
+    assert cpu["mfu"] is None and cpu["model_tflops_per_process"] > 0
+
+
+def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "distqa", "bench", *args]
+    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_bench_writes_json_and_png_for_each_world_size(tmp_path):
+    out = tmp_path / "bench"
+    args = ["--nproc", "2,1", "--output", str(out), "--warmup", "2", "--steps", "4", "--baseline", "--peak-tflops", "1"]
+    proc = _bench(tmp_path, *args, *BENCH_SMALL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    assert [r["nproc"] for r in result["runs"]] == [1, 2]
+    assert result["model"] == "tiny" and result["seq_len"] == 64 and result["measured_steps"] == 4
+    one, two = result["runs"]
+    assert one["scaling_efficiency"] == 1.0
+    for row in (one, two):
+        assert row["samples_per_s"] > 0 and row["tokens_per_s"] > row["samples_per_s"]
+        assert row["baseline_samples_per_s"] > 0 and row["trainer_over_baseline"] > 0
+        assert sum(row["step_breakdown_pct"].values()) == pytest.approx(100.0)
+        assert row["mfu"] == pytest.approx(row["model_tflops_per_process"] / 1.0)
+    assert one["step_breakdown_ms"]["allreduce_wait"] == 0.0  # one process: no DDP, nothing to wait for
+    assert two["step_breakdown_ms"]["allreduce_wait"] > 0.0
+    # 4 measured steps x 8 examples per process, summed over the processes.
+    runs = json.loads((out / "runs" / "np2-trainer-0.json").read_text())
+    assert runs["samples"] == 4 * 8 * 2 and runs["world_size"] == 2
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "vs loop" in proc.stdout and "bench.json" in proc.stdout
+
+
+def test_bench_rejects_bad_input_before_launching(tmp_path):
+    proc = _bench(tmp_path, "--nproc", "1", "--output", str(tmp_path / "b"), "train.batchsize=4")
+    assert proc.returncode == 2 and "unknown config key 'train.batchsize'" in proc.stderr
+    assert not (tmp_path / "b").exists()
+    proc = _bench(tmp_path, "--nproc", "1,0", "--output", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "--nproc" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_failing_worker_is_reported_with_its_reason(tmp_path):
+    out = tmp_path / "b"
+    args = ["--nproc", "1", "--output", str(out), "--steps", "1", *BENCH_SMALL, "model.name=no-such-model"]
+    proc = _bench(tmp_path, *args)
+    assert proc.returncode != 0
+    assert "the trainer run with 1 process(es) failed" in proc.stderr
+    assert "cannot load" in proc.stderr and "'no-such-model'" in proc.stderr and "np1-trainer-0.log" in proc.stderr
+    assert not (out / "bench.json").exists()
