@@ -1,30 +1,28 @@
 """The yardstick for the trainer's overhead: the shortest correct DDP loop, written out by hand.
 
-It does the same arithmetic as `Trainer` (same model, data, batch, precision, gradient clipping,
+It does the same arithmetic as `Trainer` (same model, batches, precision, gradient clipping,
 AdamW) and nothing else: no schedule, no metrics, no checkpoints, no signal handling, no progress
-bar, no step timer. `distqa bench --baseline` runs it beside the trainer in the same session and
-reports the ratio of their throughputs.
+bar. It carries the same `StepTimer` marks as the trainer (a clock reading each), so the two
+breakdowns can be compared phase by phase. `distqa bench --baseline` runs it beside the trainer
+in the same session and reports the ratio of their throughputs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+import itertools
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from distqa.config import Config
 from distqa.dist import DistInfo, autocast_dtype, default_num_workers, local_main_first
+from distqa.sampler import GlobalBatchSampler
+from distqa.steptimer import StepTimer
 from distqa.task import Task
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tuple[dict[str, Any], nn.Module]:
@@ -44,56 +42,55 @@ def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tup
         raw.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=info.device.type == "cuda"
     )
     num_workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
-    sampler = DistributedSampler(dataset, num_replicas=info.world_size, rank=info.rank, seed=cfg.seed)
-    loader = DataLoader(
-        dataset,
-        batch_size=cfg.train.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        collate_fn=task.collate,
-        num_workers=num_workers,
-        pin_memory=info.device.type == "cuda",
-    )
     dtype = autocast_dtype(cfg.train.precision)
     accum = cfg.train.grad_accum
 
     def batches():
-        epoch = 0
-        while True:
-            sampler.set_epoch(epoch)
+        # The trainer's sampler, so both loops see the same batches in the same order: with
+        # padding to each batch's longest sequence, other batches would be other amounts of work.
+        for epoch in itertools.count():
+            sampler = GlobalBatchSampler(
+                len(dataset),
+                batch_size=cfg.train.batch_size,
+                grad_accum=accum,
+                rank=info.rank,
+                world_size=info.world_size,
+                seed=cfg.seed,
+                epoch=epoch,
+            )
+            loader = DataLoader(
+                dataset,
+                batch_sampler=sampler,
+                collate_fn=task.collate,
+                num_workers=num_workers,
+                pin_memory=info.device.type == "cuda",
+            )
             yield from loader
-            epoch += 1
 
     stream = batches()
-    samples = tokens = 0
-    start = 0.0
+    timer = StepTimer(info.device, warmup=warmup)
+    if isinstance(model, DDP):
+        model.register_comm_hook(None, timer.comm_hook)
     model.train()
-    for step in range(cfg.train.max_steps):
-        if step == warmup:
-            _sync(info.device)
-            start = time.perf_counter()
-            samples = tokens = 0
+    for _ in range(cfg.train.max_steps):
+        timer.step_begin()
         for micro in range(accum):
+            if micro:
+                timer.mark("data")
             batch = next(stream)
-            samples += len(next(iter(batch.values())))
-            tokens += task.count_tokens(batch)
+            timer.count(len(next(iter(batch.values()))), task.count_tokens(batch))
             batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+            timer.mark("forward_backward")
             sync = model.no_sync() if micro < accum - 1 and isinstance(model, DDP) else contextlib.nullcontext()
             with sync:
                 with torch.autocast(info.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                     loss = task.loss(model, batch)
                 (loss / accum).backward()
+        timer.mark("optimizer")
         if cfg.train.max_grad_norm > 0:
             nn.utils.clip_grad_norm_(raw.parameters(), cfg.train.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    _sync(info.device)
-    measured = cfg.train.max_steps - warmup
-    summary = {
-        "steps": measured,
-        "seconds": time.perf_counter() - start,
-        "samples": samples,
-        "tokens": tokens,
-        "phase_ms": {},
-    }
-    return summary, raw
+        timer.mark("other")
+    timer.finish()
+    return timer.summary(), raw

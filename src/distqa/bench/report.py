@@ -46,6 +46,9 @@ def summarize(
         row["baseline_samples_per_s"] = base
         row["baseline_repeats"] = [_rate(r, "samples") for r in baseline_runs]
         row["trainer_over_baseline"] = samples_per_s / base
+        row["baseline_step_breakdown_ms"] = {
+            k: statistics.fmean(r["phase_ms"][k] for r in baseline_runs) for k in PHASES
+        }
     return row
 
 

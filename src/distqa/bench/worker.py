@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> None:
                 "seconds": max(p["seconds"] for p in parts),
                 "samples": sum(p["samples"] for p in parts),
                 "tokens": sum(p["tokens"] for p in parts),
-                "phase_ms": {k: sum(p["phase_ms"][k] for p in parts) / len(parts) for k in PHASES}
-                if args.loop == "trainer"
-                else None,
+                "phase_ms": {k: sum(p["phase_ms"][k] for p in parts) / len(parts) for k in PHASES},
                 "peak_memory_gib": max((p.get("peak_memory_gib", 0.0) for p in parts), default=0.0) or None,
                 "non_embedding_params": shape.non_embedding_params,
                 "flops_per_token": shape.flops_per_token(cfg.data.max_seq_len),
