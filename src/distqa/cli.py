@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--repeats", type=int, default=1, metavar="R", help="runs per process count (default: 1)")
     bench.add_argument(
+        "--timeout", type=float, default=1800, metavar="S", help="stop a launch that runs longer (default: 1800)"
+    )
+    bench.add_argument(
         "--peak-tflops",
         type=float,
         metavar="X",

@@ -15,7 +15,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distqa.config import TrainConfig
 from distqa.errors import DistqaError
 
 
@@ -104,6 +107,20 @@ def _restart_scoped_store() -> dist.Store | None:
         timeout=timedelta(seconds=_env_int("DISTQA_STORE_TIMEOUT_S", 900)),
     )
     return dist.PrefixStore(f"distqa/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)
+
+
+def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:
+    """DDP as the trainer (and the bench's baseline loop) use it.
+
+    gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, saving a copy and the
+    memory of a second gradient. static_graph: DDP skips searching for unused parameters and
+    re-deciding the bucket order each step; it breaks under no_sync, i.e. gradient accumulation
+    (huggingface/accelerate#3679; fix proposed in pytorch/pytorch#187732), and Dynamo splits a
+    compiled graph at the buckets itself, so it is used only with neither.
+    """
+    static = train.static_graph and train.grad_accum == 1 and not train.compile
+    device_ids = [info.local_rank] if info.device.type == "cuda" else None
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, static_graph=static)
 
 
 def cleanup() -> None:

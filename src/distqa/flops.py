@@ -70,6 +70,7 @@ def model_shape(model: nn.Module) -> ModelShape:
 # "tf32" is what fp32 matmuls run at with TF32 enabled (the trainer enables it for fp32 on CUDA).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5},
     "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7},
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0},
     "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5},
@@ -77,6 +78,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "GH200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7},
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0},
     "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5},
     "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0},
     "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5},
     "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0},

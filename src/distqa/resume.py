@@ -28,6 +28,7 @@ RESUME_MAY_DIFFER = {
     "train.log_every",
     "train.checkpoint_every",
     "data.num_workers",
+    "train.static_graph",
 }
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
@@ -30,6 +29,7 @@ from distqa.dist import (
     barrier,
     broadcast_object,
     cleanup,
+    data_parallel,
     default_num_workers,
     init_distributed,
     local_main_first,
@@ -121,16 +121,12 @@ class Trainer:
 
     def _wrap(self) -> nn.Module:
         """DDP (several processes), then torch.compile (train.compile)."""
+        self.ddp = data_parallel(self.raw_model, self.info, self.cfg.train) if self.info.is_distributed else None
         model: nn.Module = self.raw_model
-        if self.info.is_distributed:
-            device_ids = [self.info.local_rank] if self.info.device.type == "cuda" else None
-            # static_graph lets DDP skip searching for unused parameters and re-deciding the
-            # bucket order each step; torch's static graph breaks under no_sync (gradient
-            # accumulation, pytorch/pytorch#187732) and is not needed when Dynamo splits the graph.
-            static = self.cfg.train.static_graph and self.cfg.train.grad_accum == 1 and not self.cfg.train.compile
-            model = DDP(self.raw_model, device_ids=device_ids, gradient_as_bucket_view=True, static_graph=static)
+        if self.ddp is not None:
+            model = self.ddp
             if self.timer.enabled:
-                model.register_comm_hook(None, self.timer.comm_hook)
+                self.ddp.register_comm_hook(None, self.timer.comm_hook)
         if self.cfg.train.compile:
             # Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's bucket
             # boundaries, so gradient all-reduce still overlaps the backward pass.
@@ -155,7 +151,8 @@ class Trainer:
             # All-reduce only on the last micro-batch: earlier backward passes just accumulate
             # locally, which saves (accum - 1) rounds of communication per step.
             last = micro == accum - 1
-            sync = contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
+            # (self.ddp, not self.model: a compiled model is no DDP instance, but obeys no_sync.)
+            sync = contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
             with sync:
                 with torch.autocast(
                     self.info.device.type,

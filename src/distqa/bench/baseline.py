@@ -1,10 +1,11 @@
 """The yardstick for the trainer's overhead: the shortest correct DDP loop, written out by hand.
 
-It does the same arithmetic as `Trainer` (same model, batches, precision, gradient clipping,
-AdamW) and nothing else: no schedule, no metrics, no checkpoints, no signal handling, no progress
-bar. It carries the same `StepTimer` marks as the trainer (a clock reading each), so the two
-breakdowns can be compared phase by phase. `distqa bench --baseline` runs it beside the trainer
-in the same session and reports the ratio of their throughputs.
+It does the same arithmetic as `Trainer` (same model, batches, DDP settings, precision and fp16
+loss scaling, gradient clipping, AdamW) and nothing else: no schedule, no metrics, no checkpoints,
+no signal handling, no progress bar. It carries the same `StepTimer` marks as the trainer (a
+clock reading each), so the two breakdowns can be compared phase by phase. `distqa bench
+--baseline` runs it beside the trainer in the same session and reports the ratio of their
+throughputs.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from distqa.config import Config
-from distqa.dist import DistInfo, autocast_dtype, default_num_workers, local_main_first
+from distqa.dist import DistInfo, autocast_dtype, data_parallel, default_num_workers, local_main_first
 from distqa.sampler import GlobalBatchSampler
 from distqa.steptimer import StepTimer
 from distqa.task import Task
@@ -28,19 +28,23 @@ from distqa.task import Task
 def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tuple[dict[str, Any], nn.Module]:
     """Run `cfg.train.max_steps` optimizer steps; time those after the first `warmup`."""
     torch.manual_seed(cfg.seed)
+    timer = StepTimer(info.device, warmup=warmup)
     with local_main_first(info):
         raw = task.build_model().to(info.device)
         dataset = task.build_train_dataset()
     if info.device.type == "cuda" and not cfg.train.deterministic:
         torch.set_float32_matmul_precision("high")  # as the trainer does
-    model: nn.Module = raw
-    if info.is_distributed:
-        model = DDP(raw, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+    # The trainer's DDP settings, so the comparison is of the loops, not of DDP options.
+    ddp = data_parallel(raw, info, cfg.train) if info.is_distributed else None
+    model: nn.Module = ddp or raw
+    if ddp is not None:
+        ddp.register_comm_hook(None, timer.comm_hook)
     if cfg.train.compile:
         model = torch.compile(model)
     optimizer = torch.optim.AdamW(
         raw.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=info.device.type == "cuda"
     )
+    scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")
     num_workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
     dtype = autocast_dtype(cfg.train.precision)
     accum = cfg.train.grad_accum
@@ -68,9 +72,6 @@ def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tup
             yield from loader
 
     stream = batches()
-    timer = StepTimer(info.device, warmup=warmup)
-    if isinstance(model, DDP):
-        model.register_comm_hook(None, timer.comm_hook)
     model.train()
     for _ in range(cfg.train.max_steps):
         timer.step_begin()
@@ -81,15 +82,17 @@ def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tup
             timer.count(len(next(iter(batch.values()))), task.count_tokens(batch))
             batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
             timer.mark("forward_backward")
-            sync = model.no_sync() if micro < accum - 1 and isinstance(model, DDP) else contextlib.nullcontext()
+            sync = ddp.no_sync() if micro < accum - 1 and ddp is not None else contextlib.nullcontext()
             with sync:
                 with torch.autocast(info.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                     loss = task.loss(model, batch)
-                (loss / accum).backward()
+                scaler.scale(loss / accum).backward()
         timer.mark("optimizer")
         if cfg.train.max_grad_norm > 0:
+            scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(raw.parameters(), cfg.train.max_grad_norm)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         timer.mark("other")
     timer.finish()

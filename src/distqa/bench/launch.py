@@ -3,15 +3,18 @@
 Each launch runs the real training loop (`distqa.bench.worker`) for warm-up plus measured steps
 and writes its figures to DIR/runs/; this process then writes DIR/bench.json and DIR/bench.png.
 With `--baseline`, every world size also runs the hand-written DDP loop, alternating with the
-trainer `--repeats` times, so both see the same machine load.
+trainer (and which goes first) `--repeats` times, so both see the same machine load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +55,35 @@ def _check_devices(nprocs: list[int]) -> None:
         )
 
 
+def _reason(log: Path) -> str:
+    """The most telling line of a failed launch: distqa's own error line, else the last Python
+    exception line of a rank, else the log's last line (torchrun's summary is framed by '=')."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    for wanted in (
+        lambda line: line.startswith("distqa") and "error:" in line,
+        lambda line: (
+            re.search(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b.*:", line) is not None
+            and "ChildFailedError" not in line
+        ),  # torchrun's own report says only that a child failed
+    ):
+        found = [line for line in lines if wanted(line)]
+        if found:
+            return found[-1]
+    content = [line for line in lines if not set(line) <= set("=-")]
+    return content[-1] if content else "no output"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the launch's whole process group, SIGKILL after 30 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[str, Any]:
     name = f"np{nproc}-{loop}-{repeat}"
     result, log = out / "runs" / f"{name}.json", out / "runs" / f"{name}.log"
@@ -80,20 +112,31 @@ def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[st
         env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
     print(f"distqa bench: {loop}, {nproc} process(es), run {repeat + 1}: log in {log}", flush=True)
     with log.open("w") as sink:
-        code = subprocess.call(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        # A session of its own, so that a timeout or Ctrl-C stops torchrun *and* its workers
+        # (killing torchrun alone would leave the workers waiting in a collective).
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=args.timeout)
+        except BaseException as err:
+            _stop(proc)
+            if not isinstance(err, subprocess.TimeoutExpired):
+                raise
+            raise DistqaError(
+                f"the {loop} run with {nproc} process(es) took longer than --timeout={args.timeout:g} s "
+                f"(a hung collective?) and was stopped; see {log}"
+            ) from None
     if code != 0 or not result.is_file():
-        lines = log.read_text(errors="replace").splitlines()
-        said = [line for line in lines if "error:" in line and line.startswith("distqa")]
-        reason = said[-1] if said else (lines[-1] if lines else "no output")
-        raise DistqaError(f"the {loop} run with {nproc} process(es) failed (exit {code}): {reason}; see {log}")
+        raise DistqaError(f"the {loop} run with {nproc} process(es) failed (exit {code}): {_reason(log)}; see {log}")
     return json.loads(result.read_text())
 
 
 def run_bench(args: Any) -> dict[str, Any]:
     nprocs = parse_nproc(args.nproc)
-    for option in ("warmup", "steps", "repeats"):
-        if getattr(args, option) < (0 if option == "warmup" else 1):
-            raise ConfigError(f"--{option}={getattr(args, option)} must be >= {0 if option == 'warmup' else 1}")
+    # Two warm-up steps at least: DDP's first step all-reduces at the end of backward (static
+    # graph) and its second re-orders the gradient buckets; neither is the steady state.
+    for option, low in (("warmup", 2), ("steps", 1), ("repeats", 1), ("timeout", 1)):
+        if getattr(args, option) < low:
+            raise ConfigError(f"--{option}={getattr(args, option)} must be >= {low}")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise ConfigError(f"--peak-tflops={args.peak_tflops} must be > 0")
     cfg = load_config(args.config, args.overrides)  # a bad key fails here, before any launch
@@ -108,9 +151,12 @@ def run_bench(args: Any) -> dict[str, Any]:
     for nproc in nprocs:
         trainer_runs, baseline_runs = [], []
         for repeat in range(args.repeats):
-            trainer_runs.append(_launch(nproc, "trainer", repeat, args, out))
-            if args.baseline:
-                baseline_runs.append(_launch(nproc, "baseline", repeat, args, out))
+            # Alternate which loop goes first: on a shared machine the second of two back-to-back
+            # runs is not always as fast as the first, and that must not favour either loop.
+            loops = ("trainer", "baseline") if repeat % 2 == 0 else ("baseline", "trainer")
+            for loop in loops if args.baseline else ("trainer",):
+                run = _launch(nproc, loop, repeat, args, out)
+                (trainer_runs if loop == "trainer" else baseline_runs).append(run)
         rows.append((nproc, trainer_runs, baseline_runs))
     first = rows[0][1][0]
     result: dict[str, Any] = {
@@ -128,7 +174,8 @@ def run_bench(args: Any) -> dict[str, Any]:
         "warmup_steps": args.warmup,
         "measured_steps": args.steps,
         "non_embedding_params": first["non_embedding_params"],
-        "flops_per_token": first["flops_per_token"],
+        "layers": first["layers"],
+        "hidden_size": first["hidden_size"],
         "runs": [summarize(n, t, b, args.peak_tflops) for n, t, b in rows],
     }
     add_scaling(result["runs"])

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from distqa.flops import peak_tflops
+from distqa.flops import ModelShape, peak_tflops
 from distqa.steptimer import PHASES
 
 
@@ -25,7 +25,12 @@ def summarize(
     step_ms = sum(phase_ms.values())
     if peak is None and not first["device"].startswith("cpu"):  # no table for CPUs: MFU needs --peak-tflops
         peak = peak_tflops(first["device"], first["precision"])
-    achieved = first["flops_per_token"] * tokens_per_s / nproc / 1e12
+    # T of the attention term: the tokens a sequence really has (padding is not useful work;
+    # with padding to each batch's longest sequence it is a small part of it).
+    context = first["tokens"] / first["samples"]
+    shape = ModelShape(first["non_embedding_params"], first["layers"], first["hidden_size"])
+    flops_per_token = shape.flops_per_token(round(context))
+    achieved = flops_per_token * tokens_per_s / nproc / 1e12
     row: dict[str, Any] = {
         "nproc": nproc,
         "samples_per_s": samples_per_s,
@@ -34,6 +39,8 @@ def summarize(
         "step_ms": step_ms,
         "step_breakdown_ms": phase_ms,
         "step_breakdown_pct": {k: 100.0 * v / step_ms if step_ms else 0.0 for k, v in phase_ms.items()},
+        "mean_tokens_per_sample": context,
+        "flops_per_token": flops_per_token,
         "model_tflops_per_process": achieved,
         "peak_tflops_per_process": peak,
         "mfu": achieved / peak if peak else None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -38,6 +39,12 @@ def _bench_config(args: argparse.Namespace) -> Config:
     cfg.train.max_steps = args.warmup + args.steps
     cfg.train.resume = "never"
     cfg.train.checkpoint_every = cfg.train.max_steps + 1
+    if cfg.data.train == "dummy":
+        # Keep the whole run inside one epoch: a new epoch starts new DataLoader workers, whose
+        # start-up would land in the measured steps of large world sizes only.
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        needed = cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum * world_size
+        cfg.data.dummy_size = max(cfg.data.dummy_size, needed)
     return cfg
 
 
@@ -99,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
                 "phase_ms": {k: sum(p["phase_ms"][k] for p in parts) / len(parts) for k in PHASES},
                 "peak_memory_gib": max((p.get("peak_memory_gib", 0.0) for p in parts), default=0.0) or None,
                 "non_embedding_params": shape.non_embedding_params,
-                "flops_per_token": shape.flops_per_token(cfg.data.max_seq_len),
+                "layers": shape.layers,
+                "hidden_size": shape.hidden_size,
             }
             path = Path(args.result)
             path.parent.mkdir(parents=True, exist_ok=True)
