@@ -738,6 +738,13 @@ def test_huge_integer_is_a_bad_line(lines_dir):
         list(NQReader(path))
 
 
+def test_boolean_span_is_a_bad_line():
+    annotation = {"long_answer": {"start_token": True, "end_token": 2}, "short_answers": []}
+    obj = {"example_id": 1, "question_text": "q", "document_text": "a b", "annotations": [annotation]}
+    with pytest.raises(BadLine, match="no integer start_token/end_token"):
+        parse_example(json.dumps(obj))
+
+
 def test_non_string_document_token_is_a_bad_line(tokenizer):
     line = '{"example_id": 1, "question_text": "q", "document_tokens": [{"token": 5}]}'
     with pytest.raises(BadLine):

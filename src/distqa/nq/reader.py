@@ -39,7 +39,8 @@ def _span(obj: Any, what: str, n_tokens: int) -> tuple[int, int]:
     if not isinstance(obj, dict):
         raise BadLine(f"{what} is not an object")
     start, end = obj.get("start_token"), obj.get("end_token")
-    if not isinstance(start, int) or not isinstance(end, int):
+    # JSON true/false arrive as Python bools, which are ints too: [true, 2) is no span.
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in (start, end)):
         raise BadLine(f"{what} has no integer start_token/end_token")
     if (start, end) != (-1, -1) and not 0 <= start < end <= n_tokens:
         raise BadLine(f"{what} [{start}, {end}) is outside the document's {n_tokens} tokens")
