@@ -225,3 +225,61 @@ def test_failure_reason_prefers_the_ranks_own_error(tmp_path):
     assert _reason(log) == "distqa bench: error: out of GPU memory at train.batch_size=64"
     log.write_text("terminate called without an active exception\n=======\n")
     assert _reason(log) == "terminate called without an active exception"
+
+
+class _FakeEvent:
+    """torch.cuda.Event's timing surface, on the host clock: exercises the GPU branch here."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing, "timing events must be created with enable_timing=True"
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert self.t is not None and end.t is not None, "elapsed_time between unrecorded events"
+        return (end.t - self.t) * 1000.0  # milliseconds, as CUDA's
+
+
+def test_step_timer_on_cuda_uses_events_and_one_sync(monkeypatch):
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    timer = StepTimer(torch.device("cuda", 0), warmup=1)
+    for _ in range(3):
+        timer.step_begin()
+        timer.mark("forward_backward")
+        time.sleep(0.01)
+        timer.mark("optimizer")
+        timer.mark("other")
+    timer.finish()
+    summary = timer.summary()
+    assert len(syncs) == 2  # where the measured window starts and where it ends, never per step
+    assert all(isinstance(event, _FakeEvent) for _, event in timer._marks)
+    assert 10.0 <= summary["phase_ms"]["forward_backward"] < 45.0
+    assert sum(summary["phase_ms"].values()) * 2 / 1000 == pytest.approx(summary["seconds"], rel=0.2)
+
+
+@pytest.mark.slow
+def test_bench_runs_a_forked_task_without_a_flops_shape(tmp_path):
+    # The toy task's model has no Hugging Face config: throughput and breakdown, FLOPs left out.
+    out = tmp_path / "toy"
+    args = [
+        "--nproc",
+        "1",
+        "--output",
+        str(out),
+        "--warmup",
+        "2",
+        "--steps",
+        "3",
+        "task=toy_task:ToyClassificationTask",
+    ]
+    proc = _bench(tmp_path, *args, "data.num_workers=0", "--peak-tflops", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    (row,) = result["runs"]
+    assert result["task"] == "toy_task:ToyClassificationTask" and row["samples_per_s"] > 0
+    assert row["flops_per_token"] is None and row["mfu"] is None and "Task.model_shape" in result["flops_note"]
+    assert "no FLOPs or MFU" in proc.stdout

@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--nproc", required=True, metavar="N[,N...]", help="process counts, e.g. 1,2")
     bench.add_argument("--output", required=True, metavar="DIR", help="folder for bench.json, bench.png, runs/")
-    bench.add_argument("--warmup", type=int, default=5, metavar="STEPS", help="steps not timed (default: 5, at least 2)")
+    bench.add_argument(
+        "--warmup", type=int, default=5, metavar="STEPS", help="steps not timed (default: 5, at least 2)"
+    )
     bench.add_argument("--steps", type=int, default=20, metavar="STEPS", help="steps timed (default: 20)")
     bench.add_argument(
         "--baseline", action="store_true", help="also time a minimal hand-written DDP loop on the same model and data"

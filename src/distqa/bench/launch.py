@@ -165,6 +165,7 @@ def run_bench(args: Any) -> dict[str, Any]:
         "host": first["host"],
         "device": first["device"],
         "torch": first["torch"],
+        "task": cfg.task,
         "model": cfg.model.name,
         "precision": first["precision"],
         "compile": first["compile"],
@@ -176,6 +177,7 @@ def run_bench(args: Any) -> dict[str, Any]:
         "non_embedding_params": first["non_embedding_params"],
         "layers": first["layers"],
         "hidden_size": first["hidden_size"],
+        "flops_note": first.get("flops_note"),
         "runs": [summarize(n, t, b, args.peak_tflops) for n, t, b in rows],
     }
     add_scaling(result["runs"])
@@ -186,6 +188,8 @@ def run_bench(args: Any) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"{result['device']}, {result['model']}, {result['precision']}, seq {result['seq_len']}")
+    if result["flops_note"]:
+        print(f"no FLOPs or MFU: {result['flops_note']}")
     print(f"{'nproc':>5} {'samples/s':>10} {'tokens/s':>10} {'scaling':>8} {'data%':>6} {'MFU':>6} {'vs loop':>8}")
     for r in result["runs"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"

@@ -28,9 +28,11 @@ def summarize(
     # T of the attention term: the tokens a sequence really has (padding is not useful work;
     # with padding to each batch's longest sequence it is a small part of it).
     context = first["tokens"] / first["samples"]
-    shape = ModelShape(first["non_embedding_params"], first["layers"], first["hidden_size"])
-    flops_per_token = shape.flops_per_token(round(context))
-    achieved = flops_per_token * tokens_per_s / nproc / 1e12
+    flops_per_token = achieved = None
+    if first["non_embedding_params"] is not None:  # None: the task's model_shape could not tell
+        shape = ModelShape(first["non_embedding_params"], first["layers"], first["hidden_size"])
+        flops_per_token = shape.flops_per_token(round(context))
+        achieved = flops_per_token * tokens_per_s / nproc / 1e12
     row: dict[str, Any] = {
         "nproc": nproc,
         "samples_per_s": samples_per_s,
@@ -43,7 +45,7 @@ def summarize(
         "flops_per_token": flops_per_token,
         "model_tflops_per_process": achieved,
         "peak_tflops_per_process": peak,
-        "mfu": achieved / peak if peak else None,
+        "mfu": achieved / peak if peak and achieved is not None else None,
         "peak_memory_gib": first.get("peak_memory_gib"),
         "threads_per_process": first["threads_per_process"],
         "repeats": [_rate(r, "samples") for r in trainer_runs],

@@ -11,12 +11,14 @@ mean over ranks, and what MFU needs (FLOPs per token, the device's name).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,7 +88,10 @@ def main(argv: list[str] | None = None) -> None:
             summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(info.device) / 2**30
         parts = gather_to_main(summary, info)
         if info.is_main:
-            shape = task.model_shape(model)
+            try:
+                shape: dict[str, Any] = dataclasses.asdict(task.model_shape(model))
+            except DistqaError as err:  # a model without a HF config: throughput without FLOPs
+                shape = {"non_embedding_params": None, "layers": None, "hidden_size": None, "flops_note": str(err)}
             result = {
                 "loop": args.loop,
                 "world_size": info.world_size,
@@ -105,9 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                 "tokens": sum(p["tokens"] for p in parts),
                 "phase_ms": {k: sum(p["phase_ms"][k] for p in parts) / len(parts) for k in PHASES},
                 "peak_memory_gib": max((p.get("peak_memory_gib", 0.0) for p in parts), default=0.0) or None,
-                "non_embedding_params": shape.non_embedding_params,
-                "layers": shape.layers,
-                "hidden_size": shape.hidden_size,
+                **shape,
             }
             path = Path(args.result)
             path.parent.mkdir(parents=True, exist_ok=True)
