@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,6 +64,13 @@ def run_train(args: list[str], *, nproc: int, timeout: int = 300, check: bool = 
 
 
 FAKEBIN = TESTS / "fakebin"  # stand-in docker, neuro, neuro-flow and nvidia-smi that log their calls
+
+
+def sigint_default() -> None:
+    """preexec_fn for a script a test will Ctrl-C: bash cannot trap a signal that was ignored when
+    it started, and a test run started in the background of a non-interactive shell (nohup, `&` in a
+    script) ignores SIGINT; the script would then never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def fakebin_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import fakebin_env, wait_for_call
+from conftest import fakebin_env, sigint_default, wait_for_call
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_docker_nodes.sh"
@@ -100,6 +100,7 @@ def test_ctrl_c_removes_every_container(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_default,
     )
     wait_for_call(tmp_path, '"wait"', "`docker wait`")
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C: the whole foreground group

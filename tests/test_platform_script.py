@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import fakebin_env, wait_for_call
+from conftest import fakebin_env, sigint_default, wait_for_call
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_distributed_on_platform.sh"
@@ -136,6 +136,7 @@ def test_ctrl_c_while_streaming_logs_kills_every_job(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_default,
     )
     wait_for_call(tmp_path, '"logs"', "the log stream")
     time.sleep(0.3)
