@@ -39,7 +39,8 @@ RUN torch_pin="torch==$(python -c 'import torch; print(torch.__version__)')" \
 # The package itself; its dependencies are all installed above.
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip install --no-cache-dir --no-deps ./
+# (pip builds in the source tree: its build/ and egg-info are not needed in the image.)
+RUN pip install --no-cache-dir --no-deps ./ && rm -rf build src/*.egg-info
 
 COPY configs ./configs
 COPY scripts ./scripts
