@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from distqa.cli import main
 from distqa.config import Config, describe_keys, load_config, to_yaml
@@ -131,3 +133,23 @@ def test_cli_reports_a_config_error_in_one_line():
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("distqa: error: unknown config key 'train.batchsize'")
     assert "Traceback" not in proc.stderr
+
+
+SHIPPED_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load_and_set_only_known_keys(path: Path) -> None:
+    """A config in configs/ that misspells a key or breaks a check fails here, not on a GPU node."""
+    cfg = load_config(str(path))
+    raw = yaml.safe_load(path.read_text())
+    for section, values in raw.items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                assert getattr(getattr(cfg, section), key) == value, f"{path.name}: {section}.{key}"
+        else:
+            assert getattr(cfg, section) == values, f"{path.name}: {section}"
+
+
+def test_there_are_shipped_configs() -> None:
+    assert {p.name for p in SHIPPED_CONFIGS} >= {"bert-base.yaml", "quickstart.yaml"}
