@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import ROOT
 from distqa.cli import main
 from distqa.config import Config, describe_keys, load_config, to_yaml
 from distqa.errors import ConfigError
@@ -135,7 +136,7 @@ def test_cli_reports_a_config_error_in_one_line():
     assert "Traceback" not in proc.stderr
 
 
-SHIPPED_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+SHIPPED_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
