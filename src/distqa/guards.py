@@ -21,6 +21,18 @@ from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 
 
+def loader_worker_init(worker_id: int) -> None:
+    """`worker_init_fn` of every training DataLoader: its worker processes ignore SIGTERM.
+
+    torchrun stops a worker by sending SIGTERM to the worker's whole process group, and the
+    DataLoader's worker processes are in it. Left to PyTorch's handler they die at once, and the
+    training process fails on its next batch ("DataLoader worker ... is killed by signal") instead
+    of finishing its step and checkpointing. The signal is meant for the training process; its
+    loader workers end when that process shuts the loader down or exits (they watch their parent).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class StopSignal:
     """Records SIGTERM; `should_stop()` is the all-ranks verdict. Every rank must create and poll it."""
 

@@ -36,7 +36,7 @@ from distqa.dist import (
     print0,
 )
 from distqa.errors import DistqaError, Preempted
-from distqa.guards import StopSignal, check_replicas
+from distqa.guards import StopSignal, check_replicas, loader_worker_init
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import build_optimizer, build_scheduler
 from distqa.resume import check_resumable, choose_checkpoint
@@ -113,6 +113,7 @@ class Trainer:
             num_workers=self._num_workers(),
             pin_memory=self.info.device.type == "cuda",
             generator=generator,
+            worker_init_fn=loader_worker_init,
         )
 
     def _num_workers(self) -> int:
