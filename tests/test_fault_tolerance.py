@@ -3,18 +3,16 @@ and replicas that drift apart."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, load_weights, max_abs_diff, run_train, subprocess_env
+from conftest import ROOT, SMALL, launch, load_weights, max_abs_diff, run_train, subprocess_env, wait_for_step
 from distqa.checkpoint import list_checkpoints, verify_checkpoint
 from distqa.config import load_config
 from distqa.errors import DistqaError
@@ -31,40 +29,6 @@ RUN = [
     "train.checkpoint_every=4",
     "train.keep_checkpoints=0",
 ]
-
-
-def last_step(out: Path) -> int:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    lines = path.read_text().splitlines()
-    return json.loads(lines[-1])["step"] if lines else 0
-
-
-def launch(args: list[str], max_restarts: int = 0) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={max_restarts}",
-        "-m",
-        "distqa",
-        "train",
-        *args,
-    ]
-    return subprocess.Popen(
-        cmd, env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-
-
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while last_step(out) < step:
-        assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
-        time.sleep(0.05)
 
 
 def workers_of(agent_pid: int) -> list[int]:

@@ -80,3 +80,12 @@ class DivergentTask(ToyClassificationTask):
         with torch.no_grad():
             inner.offset.add_(float(os.environ.get("RANK", "0")))
         return super().loss(model, batch)
+
+
+class RankSkewedTask(ToyClassificationTask):
+    """A broken set-up on purpose: rank 1 sees a shorter dataset, as a node whose data.train holds
+    another file at the same path would. The trainer must stop at start, not hang at epoch end."""
+
+    def build_train_dataset(self) -> Dataset:
+        short = int(os.environ.get("RANK", "0")) == 1
+        return BlobsDataset(self.cfg.data.dummy_size - (8 if short else 0), self.cfg.seed)

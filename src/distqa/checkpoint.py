@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -148,23 +149,77 @@ def save_checkpoint(
     return final
 
 
+# Files every checkpoint has; a manifest that does not list them is not one distqa wrote.
+REQUIRED_FILES = ("model.safetensors", "training_state.pt", STATE_FILE, "rng-rank0.pt")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _shown(name: object) -> str:
+    """A name from a damaged file, safe to print on one line."""
+    text = ascii(name)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def verify_checkpoint(directory: Path) -> str | None:
-    """None when every file matches the manifest; else what is wrong (a truncated or changed file)."""
+    """None when the checkpoint is whole; else what is wrong, in a few words.
+
+    Survives any content of any file: the manifest must be a JSON object that lists at least the
+    files every checkpoint has, each with its size and SHA-256, and every file must match; the
+    trainer state must parse and agree with the folder's step. (A manifest of `{}` would
+    otherwise vouch for a folder of truncated files.)
+    """
+    try:
+        return _verify(directory)
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+
+
+def _verify(directory: Path) -> str | None:
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.is_file():
         return "no manifest"
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        return "the manifest is not valid JSON"
+        manifest = json.loads(manifest_path.read_bytes())
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's limit
+        return f"{MANIFEST_FILE} is not valid JSON"
+    if not isinstance(manifest, dict):
+        return f"{MANIFEST_FILE} is not a JSON object"
+    for name in REQUIRED_FILES:
+        if name not in manifest:
+            return f"{MANIFEST_FILE} does not list {name}"
     for name, expected in manifest.items():
+        if not name or name != Path(name).name or name in (".", ".."):
+            return f"{MANIFEST_FILE} names a file outside the checkpoint: {_shown(name)}"
+        size = expected.get("bytes") if isinstance(expected, dict) else None
+        digest = expected.get("sha256") if isinstance(expected, dict) else None
+        if type(size) is not int or not isinstance(digest, str) or not _SHA256.match(digest):
+            return f"{MANIFEST_FILE} has a malformed entry for {_shown(name)}"
         path = directory / name
         if not path.is_file():
             return f"{name} is missing"
-        if path.stat().st_size != expected["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _sha256(path) != expected["sha256"]:
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if _sha256(path) != digest:
             return f"{name} does not match its hash in the manifest"
+    problem = _check_trainer_state(directory)
+    return problem
+
+
+def _check_trainer_state(directory: Path) -> str | None:
+    try:
+        state = read_trainer_state(directory)
+    except (ValueError, RecursionError):
+        return f"{STATE_FILE} is not valid JSON"
+    if not isinstance(state, dict):
+        return f"{STATE_FILE} is not a JSON object"
+    for key in ("step", "epoch", "step_in_epoch", "global_batch", "world_size"):
+        if type(state.get(key)) is not int or state[key] < 0:
+            return f"{STATE_FILE} has no valid {key!r}"
+    if not isinstance(state.get("config"), dict):
+        return f"{STATE_FILE} has no config"
+    match = _STEP_DIR.match(directory.name)
+    if match and int(match.group(1)) != state["step"]:
+        return f"{STATE_FILE} is for step {state['step']}, not {match.group(1)}"
     return None
 
 
@@ -181,7 +236,13 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def read_trainer_state(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / STATE_FILE).read_text())
+    return json.loads((directory / STATE_FILE).read_bytes())
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Every `step-N` folder under `root`, complete or not (to tell "no run here" from "a run whose
+    checkpoints are all unusable")."""
+    return sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and p.is_dir()) if root.is_dir() else []
 
 
 def load_checkpoint(
@@ -193,12 +254,22 @@ def load_checkpoint(
     scaler: torch.amp.GradScaler,
     info: DistInfo,
 ) -> dict[str, Any]:
-    """Restore everything `save_checkpoint` wrote, on this rank. Returns the trainer state."""
-    load_model(model, str(directory / "model.safetensors"), device=str(info.device))
-    training_state = torch.load(directory / "training_state.pt", map_location=info.device, weights_only=True)
-    optimizer.load_state_dict(training_state["optimizer"])
-    scheduler.load_state_dict(training_state["scheduler"])
-    scaler.load_state_dict(training_state["scaler"])
+    """Restore everything `save_checkpoint` wrote, on this rank. Returns the trainer state.
+
+    The settings were checked against the checkpoint first (`distqa.resume`), so a failure here
+    means files that passed their manifest but do not fit this model: one line, not a traceback.
+    """
+    try:
+        load_model(model, str(directory / "model.safetensors"), device=str(info.device))
+        training_state = torch.load(directory / "training_state.pt", map_location=info.device, weights_only=True)
+        optimizer.load_state_dict(training_state["optimizer"])
+        scheduler.load_state_dict(training_state["scheduler"])
+        # A scaler that was off (fp32, bf16) saved an empty state: with fp16 now, start a fresh one.
+        if training_state["scaler"] and scaler.is_enabled():
+            scaler.load_state_dict(training_state["scaler"])
+    except (RuntimeError, ValueError, KeyError, TypeError, SafetensorError, pickle.UnpicklingError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DistqaError(f"cannot load checkpoint {directory}: {reason[:300]}") from err
     state = read_trainer_state(directory)
     rng_path = directory / f"rng-rank{info.rank}.pt"
     # A run resumed on more processes (same global batch) has ranks the checkpoint never saw;

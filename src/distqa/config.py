@@ -112,7 +112,14 @@ class TrainConfig:
     check_replicas: bool = _f(False, "debug: check every step that all ranks hold identical parameters")
     log_every: int = _f(10, "log metrics every N steps")
     eval_every: int = _f(0, "evaluate on data.valid every N steps (0: only at the end)")
-    resume: str = _f("auto", "auto (newest checkpoint in output_dir) | never | a checkpoint folder")
+    resume: str = _f(
+        "auto",
+        "auto (newest usable checkpoint in output_dir) | never (start afresh; an earlier run's files are "
+        "moved to output_dir/earlier-runs/) | a checkpoint folder",
+    )
+    allow_data_change: bool = _f(
+        False, "resume even though the training data differs from the checkpoint's (length or fingerprint)"
+    )
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "grad_accum", "checkpoint_every", "log_every"):

@@ -159,6 +159,15 @@ def gather_to_main(obj: object, info: DistInfo) -> list[object]:
     return out or []
 
 
+def all_gather_objects(obj: object, info: DistInfo) -> list[object]:
+    """Every rank's `obj`, in rank order, on every rank. Every rank must call it."""
+    if not info.is_distributed:
+        return [obj]
+    out: list[object] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 @contextlib.contextmanager
 def local_main_first(info: DistInfo) -> Iterator[None]:
     """Local rank 0 of each node runs the body first (e.g. downloads a model into the node's

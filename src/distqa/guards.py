@@ -9,7 +9,10 @@ same step, write one checkpoint together, and exit as "preempted".
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 import time
 from types import FrameType
 
@@ -19,6 +22,7 @@ from torch import nn
 
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
+from distqa.runlock import RunLock
 
 
 def loader_worker_init(worker_id: int) -> None:
@@ -33,11 +37,49 @@ def loader_worker_init(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-class StopSignal:
-    """Records SIGTERM; `should_stop()` is the all-ranks verdict. Every rank must create and poll it."""
+def watch_parent(grace_s: float = 10.0) -> None:
+    """End this process soon after the torchrun agent that started it is gone.
 
-    def __init__(self, info: DistInfo) -> None:
+    torchrun starts each worker in a session of its own, so when the agent itself is killed
+    (SIGKILL, the OOM killer) nothing stops its workers: they would go on writing into output_dir,
+    or hang for many minutes in the rendezvous, or join the next launch on the same port. A thread
+    polls the parent pid; once the worker has been re-parented it sends itself SIGTERM (the usual
+    "checkpoint, then exit", which also ends a worker still blocked in the rendezvous at once) and,
+    should that not end it within `grace_s` (a peer is gone and a collective waits for it), exits
+    hard. Only under torchrun: a plain `python -m distqa train` outliving its shell (nohup) is fine.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        rank = os.environ.get("RANK", "?")
+        print(
+            f"distqa [rank {rank}]: torchrun (pid {parent}) is gone: stopping this worker", file=sys.stderr, flush=True
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        print(
+            f"distqa [rank {rank}]: still running {grace_s:g} s after torchrun was gone: exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    threading.Thread(target=poll, name="distqa-parent-watch", daemon=True).start()
+
+
+class StopSignal:
+    """Records SIGTERM; `should_stop()` is the all-ranks verdict. Every rank must create and poll it.
+
+    The same all-reduce carries rank 0's run lock: if another run took output_dir over, every rank
+    stops at once with an error instead of going on writing beside it."""
+
+    def __init__(self, info: DistInfo, lock: RunLock | None = None) -> None:
         self.info = info
+        self.lock = lock
         self.received_at: float | None = None
         self._previous = signal.signal(signal.SIGTERM, self._handle)
         # With NCCL, an all-reduce of a CPU flag needs a CPU-capable group, and this keeps the poll
@@ -51,9 +93,15 @@ class StopSignal:
             self.received_at = time.monotonic()
 
     def should_stop(self) -> bool:
-        flag = torch.tensor([1 if self.received_at is not None else 0], dtype=torch.int32)
+        lost = self.lock is not None and self.lock.lost is not None
+        flag = torch.tensor([2 if lost else 1 if self.received_at is not None else 0], dtype=torch.int32)
         if self.info.is_distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        if flag.item() == 2:
+            raise DistqaError(
+                (self.lock.lost if lost and self.lock is not None else "rank 0 lost the hold of output_dir")
+                + ": stopping so that two runs never write into one folder"
+            )
         if flag.item() and self.received_at is None:
             self.received_at = time.monotonic()  # another rank got it: count the grace from now
         return bool(flag.item())

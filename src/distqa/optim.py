@@ -56,3 +56,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
         num_warmup_steps=warmup_steps,
         num_training_steps=total_steps,
     )
+
+
+def apply_settings(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: TrainConfig) -> None:
+    """After restoring optimizer and scheduler state, make the configured rate, weight decay and
+    momentum win over the restored ones, so that changing them on resume does what it says.
+
+    For unchanged settings this writes the values the state already held (the rate is computed by
+    the same expression LambdaLR uses), so an exact resume stays exact.
+    """
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = cfg.lr
+        group["lr"] = cfg.lr * lr_lambda(scheduler.last_epoch)
+    optimizer.param_groups[0]["weight_decay"] = cfg.weight_decay  # group 0 decays (parameter_groups)
+    if cfg.optimizer == "sgd":
+        for group in optimizer.param_groups:
+            group["momentum"] = cfg.momentum

@@ -1,35 +1,66 @@
-"""Which checkpoint a run continues from, and whether it can continue it exactly.
+"""Which checkpoint a run continues from, and whether it can continue it.
 
 Rank 0 decides (it verifies manifests, newest first) and broadcasts the choice, so every rank loads
-the same checkpoint. A checkpoint made with another global batch cannot continue exactly (the data
-position counts global batches) and is refused; other changed settings are named in a warning.
+the same checkpoint. Every setting falls in one of three kinds when it differs from the
+checkpoint's (a test walks every key of the schema):
+- `RESUME_SILENT`: how the run is operated, not what it computes;
+- `RESUME_APPLIED`: takes effect from the resume step on, and a warning names it;
+- everything else changes what the checkpoint's state means (the model, the data, the optimizer's
+  kind, the seed): refused in one line naming the key, never a traceback at the first step.
+The data itself is compared by fingerprint (`distqa.data_identity`), so a moved file is fine and a
+changed one is refused unless `train.allow_data_change=true`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
-from distqa.checkpoint import list_checkpoints, read_trainer_state, verify_checkpoint
+from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
 from distqa.config import Config
 from distqa.dist import DistInfo, broadcast_object, print0
 from distqa.errors import ConfigError
 
-# Keys that may change between a run and its resumption without changing what is computed.
-RESUME_MAY_DIFFER = {
+RESUME_SILENT = {
+    "output_dir",
+    "model.attn_implementation",
+    "data.valid",
+    "data.cache_dir",
+    "data.num_workers",
+    "train.max_steps",  # the schedule is rebuilt for the new length
+    "train.epochs",
+    "train.compile",
+    "train.static_graph",
+    "train.deterministic",
+    "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.term_grace_s",
     "train.check_replicas",
-    "output_dir",
-    "train.resume",
-    "train.max_steps",
-    "train.epochs",
     "train.log_every",
-    "train.checkpoint_every",
-    "data.num_workers",
-    "train.static_graph",
+    "train.eval_every",
+    "train.resume",
+    "train.allow_data_change",
 }
+RESUME_APPLIED = {
+    "model.dropout",
+    "data.train",  # same data at another path (the fingerprint is compared separately)
+    "data.skip_bad_lines",
+    "train.batch_size",  # with the same global batch: another split over processes
+    "train.grad_accum",
+    "train.lr",
+    "train.momentum",
+    "train.lr_schedule",
+    "train.warmup_ratio",
+    "train.weight_decay",
+    "train.max_grad_norm",
+    "train.precision",
+}
+
+# Files of a run in output_dir that `train.resume=never` moves aside before starting afresh.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "metrics.png", "model", "config.yaml")
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -42,38 +73,71 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def choose_checkpoint(root: Path, mode: str, info: DistInfo) -> Path | None:
+def set_aside_earlier_run(output_dir: Path) -> Path | None:
+    """Move an earlier run's files into output_dir/earlier-runs/<time>/ so that a fresh start
+    overwrites nothing. Returns where they went (None: there was no earlier run)."""
+    present = [name for name in RUN_FILES if (output_dir / name).exists()]
+    if not step_folders(output_dir / "checkpoints") and "metrics.jsonl" not in present and "model" not in present:
+        return None
+    target = output_dir / "earlier-runs" / time.strftime("%Y%m%d-%H%M%S")
+    while target.exists():
+        target = target.with_name(target.name + "+")
+    target.mkdir(parents=True)
+    for name in present:
+        shutil.move(str(output_dir / name), str(target / name))
+    return target
+
+
+def choose_checkpoint(output_dir: Path, mode: str, info: DistInfo) -> Path | None:
     """The checkpoint to continue from, decided by rank 0 (which verifies the manifests) and
     broadcast, so every rank loads the same one."""
+    root = output_dir / "checkpoints"
     choice: Path | None = None
     problem: str | None = None
     if info.is_main:
-        if mode == "never":
-            if list_checkpoints(root):
-                problem = (
-                    f"train.resume=never, but {root} already holds checkpoints that this run would "
-                    "overwrite: use another output_dir, or train.resume=auto to continue"
-                )
-        elif mode == "auto":
-            for candidate in reversed(list_checkpoints(root)):
-                damage = verify_checkpoint(candidate)
-                if damage is None:
-                    choice = candidate
-                    break
-                print(f"warning: skipping checkpoint {candidate}: {damage}; trying the one before", flush=True)
-        else:
-            damage = verify_checkpoint(Path(mode))
-            if damage is not None:
-                problem = f"train.resume={mode}: the checkpoint is damaged ({damage})"
-            choice = Path(mode)
+        try:
+            choice = _choose(output_dir, root, mode)
+        except ConfigError as err:
+            problem = str(err)
+        except OSError as err:
+            problem = f"cannot read the checkpoints in {root}: {err.strerror or err}"
     problem, choice = broadcast_object((problem, choice))  # type: ignore[misc]
     if problem:
         raise ConfigError(str(problem))
     return choice
 
 
-def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_steps: int) -> None:
-    """Refuse a checkpoint this run cannot continue exactly; warn about settings that changed."""
+def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:
+    if mode == "never":
+        moved = set_aside_earlier_run(output_dir)
+        if moved is not None:
+            print(f"train.resume=never: the earlier run in {output_dir} was moved to {moved}", flush=True)
+        return None
+    if mode != "auto":
+        damage = verify_checkpoint(Path(mode))
+        if damage is not None:
+            raise ConfigError(f"train.resume={mode}: the checkpoint is damaged ({damage})")
+        return Path(mode)
+    skipped = []
+    for candidate in reversed(list_checkpoints(root)):
+        damage = verify_checkpoint(candidate)
+        if damage is None:
+            return candidate
+        skipped.append(f"{candidate.name}: {damage}")
+        print(f"warning: skipping checkpoint {candidate}: {damage}; trying the one before", flush=True)
+    if step_folders(root):
+        # A run was here, and none of its checkpoints can be used: starting from step 0 would
+        # silently redo (and overwrite the record of) all its work.
+        found = "; ".join(skipped) if skipped else "each lacks its trainer_state.json"
+        raise ConfigError(
+            f"no usable checkpoint in {root} ({found}): name one with train.resume=PATH, or start "
+            "afresh with train.resume=never (the earlier run's files are moved aside, not deleted)"
+        )
+    return None
+
+
+def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_steps: int, data: dict[str, Any]) -> None:
+    """Refuse a checkpoint this run cannot continue; warn about settings that take effect now."""
     state = read_trainer_state(directory)
     if state["global_batch"] != global_batch:
         raise ConfigError(
@@ -82,8 +146,40 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_st
             "with the same global batch, or start afresh in another output_dir"
         )
     if state["step"] > total_steps:
-        raise ConfigError(f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps")
+        raise ConfigError(
+            f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps: raise "
+            "train.max_steps (or train.epochs), or start afresh with train.resume=never"
+        )
     saved, now = _flatten(state["config"]), _flatten(dataclasses.asdict(cfg))
-    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k) and k not in RESUME_MAY_DIFFER)
-    if changed:
-        print0(f"warning: resuming {directory} with changed settings: {', '.join(changed)}")
+    # Keys the checkpoint's version did not have yet (or that were removed since) are not compared.
+    changed = sorted(k for k in now if k in saved and saved[k] != now[k])
+    refused = [k for k in changed if k not in RESUME_SILENT | RESUME_APPLIED]
+    if refused:
+        detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in refused)
+        raise ConfigError(
+            f"cannot resume {directory} with changed {detail}: it changes the model, the data or the "
+            "optimizer the checkpoint holds; set it back, or start afresh with train.resume=never"
+        )
+    _check_data(directory, state.get("data"), data, cfg)
+    applied = [k for k in changed if k in RESUME_APPLIED]
+    if applied:
+        print0(
+            f"warning: resuming {directory} with changed settings, applied from step {state['step']} on: "
+            + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in applied)
+        )
+
+
+def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -> None:
+    if not isinstance(saved, dict):
+        return  # a checkpoint from before data identities were recorded
+    if (saved.get("examples"), saved.get("fingerprint")) == (now["examples"], now["fingerprint"]):
+        return
+    what = (
+        f"data.train={cfg.data.train!r} is not the data checkpoint {directory} was trained on "
+        f"({saved.get('examples')} examples, fingerprint {saved.get('fingerprint')}; now {now['examples']} "
+        f"examples, fingerprint {now['fingerprint']})"
+    )
+    if cfg.train.allow_data_change:
+        print0(f"warning: {what}; continuing on the new data (train.allow_data_change=true)")
+        return
+    raise ConfigError(f"{what}: restore that data, or set train.allow_data_change=true to continue on this data anyway")

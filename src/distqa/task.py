@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distqa.config import Config
+from distqa.data_identity import fingerprint
 from distqa.dist import DistInfo
 from distqa.errors import ConfigError
 from distqa.flops import ModelShape, model_shape
@@ -62,6 +63,12 @@ class Task(ABC):
         if "input_ids" in batch:
             return batch["input_ids"].numel()
         return 0
+
+    def data_fingerprint(self, dataset: Dataset) -> str:
+        """An identity of the training data's content: stored in checkpoints, compared on resume
+        and across ranks. The default hashes the length and evenly spaced items (cheap on any
+        dataset; see `distqa.data_identity`); override it with an exact identity if you have one."""
+        return fingerprint(dataset)
 
     def model_shape(self, model: nn.Module) -> ModelShape:
         """Parameters, layers and width for the FLOPs estimate of `distqa bench` (MFU). The

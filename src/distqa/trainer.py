@@ -23,11 +23,11 @@ from tqdm.auto import tqdm
 
 from distqa import checkpoint as ckpt
 from distqa.config import Config, to_yaml
+from distqa.data_identity import agreed_identity
 from distqa.dist import (
     DistInfo,
     autocast_dtype,
     barrier,
-    broadcast_object,
     cleanup,
     data_parallel,
     default_num_workers,
@@ -36,9 +36,10 @@ from distqa.dist import (
     print0,
 )
 from distqa.errors import DistqaError, Preempted
-from distqa.guards import StopSignal, check_replicas, loader_worker_init
+from distqa.guards import StopSignal, check_replicas, loader_worker_init, watch_parent
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
-from distqa.optim import build_optimizer, build_scheduler
+from distqa.optim import apply_settings, build_optimizer, build_scheduler
+from distqa.outdir import claim, export_atomically, write_text
 from distqa.resume import check_resumable, choose_checkpoint
 from distqa.sampler import GlobalBatchSampler, steps_per_epoch
 from distqa.steptimer import StepTimer
@@ -78,20 +79,6 @@ class Trainer:
         self.autocast_dtype = autocast_dtype(cfg.train.precision)
 
     # ----------------------------------------------------------------------------- set-up
-    def _prepare_output_dir(self) -> None:
-        """Rank 0 creates output_dir; every rank learns whether that worked, so none hangs in a
-        barrier waiting for a rank 0 that has already failed."""
-        problem: str | None = None
-        if self.info.is_main:
-            try:
-                self.out.mkdir(parents=True, exist_ok=True)
-                (self.out / "config.yaml").write_text(to_yaml(self.cfg))
-            except OSError as err:
-                problem = f"output_dir={str(self.out)!r} cannot be written: {err.strerror or err}"
-        problem = broadcast_object(problem)
-        if problem:
-            raise DistqaError(problem)
-
     def _loader(self, dataset: Dataset, epoch: int, start_step: int) -> DataLoader:
         sampler = GlobalBatchSampler(
             len(dataset),  # type: ignore[arg-type]
@@ -191,6 +178,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "world_size": self.info.world_size,
             "config": dataclasses.asdict(self.cfg),
+            "data": self.data_identity,
         }
         ckpt.save_checkpoint(
             self.ckpt_root,
@@ -214,8 +202,18 @@ class Trainer:
         )
 
     def fit(self) -> Path:
+        self.lock = claim(self.out, self.info)
+        try:
+            return self._fit()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _fit(self) -> Path:
         cfg, info = self.cfg, self.info
-        self._prepare_output_dir()
+        # Decided before anything is written: train.resume=never may move an earlier run aside.
+        resume_from = choose_checkpoint(self.out, cfg.train.resume, info)
+        write_text(self.out / "config.yaml", to_yaml(cfg), info)
         if cfg.train.deterministic:
             # cuBLAS is only deterministic with a fixed workspace; it must be set before its first use.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -230,6 +228,7 @@ class Trainer:
             self.raw_model = self.task.build_model().to(info.device)
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
+        self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
         epoch_steps = steps_per_epoch(len(dataset), cfg.train.batch_size, cfg.train.grad_accum, info.world_size)  # type: ignore[arg-type]
         total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * epoch_steps
         self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)
@@ -238,9 +237,10 @@ class Trainer:
         self.model = self._wrap()
 
         step = 0
-        resume_from = choose_checkpoint(self.ckpt_root, cfg.train.resume, info)
         if resume_from is not None:
-            check_resumable(resume_from, cfg, global_batch=self.global_batch, total_steps=total_steps)
+            check_resumable(
+                resume_from, cfg, global_batch=self.global_batch, total_steps=total_steps, data=self.data_identity
+            )
             state = ckpt.load_checkpoint(
                 resume_from,
                 model=self.raw_model,
@@ -249,6 +249,7 @@ class Trainer:
                 scaler=self.scaler,
                 info=info,
             )
+            apply_settings(self.optimizer, self.scheduler, cfg.train)
             step = state["step"]
             if not state["rng_restored"]:
                 seed_everything(derive_seed(cfg.seed, info.rank, step))
@@ -270,7 +271,7 @@ class Trainer:
         )  # type: ignore[arg-type]
         metrics = MetricsWriter(self.out, info, resume_step=step)
         meter = ThroughputMeter(info.device)
-        stop = StopSignal(info)  # from here on, SIGTERM means "checkpoint, then exit"
+        stop = StopSignal(info, self.lock)  # from here on, SIGTERM means "checkpoint, then exit"
         progress = tqdm(total=total_steps, initial=step, disable=not info.is_main, desc="train", dynamic_ncols=True)
         self.model.train()
         try:
@@ -311,10 +312,18 @@ class Trainer:
             progress.close()
             metrics.close()
 
-        if info.is_main and self.save_outputs:
-            if metrics.path.is_file():
+        if self.lock is not None and self.lock.lost:
+            raise DistqaError(self.lock.lost + ": the model is not exported")
+        if self.save_outputs:
+            if info.is_main and metrics.path.is_file():
                 plot_metrics(metrics.path, self.out / "metrics.png")
-            self.task.save_model(self.raw_model, self.out / "model")
+            export_atomically(
+                lambda folder: self.task.save_model(self.raw_model, folder),
+                self.out / "model",
+                info,
+                note="the final checkpoint holds the same weights: free space and run the same command "
+                "again (it only writes model/)",
+            )
             print0(f"model written to {self.out / 'model'}")
         barrier()
         return self.out / "model"
@@ -322,6 +331,7 @@ class Trainer:
 
 def train(cfg: Config) -> Path:
     """Entry point of `distqa train`: one call per process, under torchrun or alone."""
+    watch_parent()  # before the rendezvous, which is where an orphan would otherwise wait longest
     info = init_distributed()
     try:
         with local_main_first(info):  # the task may download a tokenizer

@@ -68,6 +68,10 @@ class NQTask(Task):
 
     def build_train_dataset(self) -> Dataset:
         data = self.cfg.data
+        # Before the dummy branch: validation on real data is also wanted (and must not be
+        # dropped silently) when training on the DummyDataset.
+        if data.valid is not None:  # prepared here too: this runs on one process per node first
+            self._valid_folder = resolve_features(self.cfg, data.valid, self.tokenizer, training=False)
         if data.train == "dummy":
             return DummyDataset(
                 data.dummy_size,
@@ -76,8 +80,6 @@ class NQTask(Task):
                 seed=self.cfg.seed,
                 **self._special_ids(),
             )
-        if data.valid is not None:  # prepared here too: this runs on one process per node first
-            self._valid_folder = resolve_features(self.cfg, data.valid, self.tokenizer, training=False)
         folder = resolve_features(self.cfg, data.train, self.tokenizer, training=True)
         return FeatureDataset(folder, TRAIN_COLUMNS)
 

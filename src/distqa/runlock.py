@@ -1,0 +1,230 @@
+"""One live run per output_dir: a lock file that works across the nodes of a shared volume.
+
+Two runs writing into one folder interleave their metrics and overwrite each other's checkpoints.
+Rank 0 therefore holds `output_dir/run.lock` for the whole run. An OS file lock (flock) would be
+released by the kernel at death, but it is not honoured by every shared filesystem a results
+volume may be (FUSE, object-store mounts), so the lock is a plain file created with O_EXCL (atomic
+on local disks and NFS alike) plus a heartbeat: the holder touches it every `HEARTBEAT_S`.
+
+A lock whose holder is gone is recognised without anyone deleting files:
+- on the same machine and in the same pid namespace, at once: its process (pid and start time,
+  so a reused pid does not count) no longer exists;
+- elsewhere, when its heartbeat is older than `LEASE_S`. Ages are measured against the clock of
+  the filesystem that holds the folder (the mtime of a file written just now), so nodes whose
+  clocks disagree still agree on the age. A lock younger than that is watched until its heartbeat
+  moves (a live holder: refuse) or it grows older than the lease (a dead one: take it over).
+
+The holder re-reads the lock at every heartbeat; if another run has taken it (it was wrongly
+judged dead), the holder learns it at its next step and stops, so two runs never go on together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from distqa.errors import DistqaError
+
+LOCK_NAME = "run.lock"
+HEARTBEAT_S = 5.0
+LEASE_S = 60.0
+
+
+def _proc_start(pid: int) -> str | None:
+    """The start time of process `pid` (clock ticks since boot), or None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name before ")" may hold spaces
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _identity() -> dict[str, Any]:
+    """What makes a process unique on a machine: pid, its start time, the pid namespace, the boot."""
+
+    def read(path: str) -> str | None:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return None
+
+    pidns = None
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pass
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "proc_start": _proc_start(os.getpid()),
+        "pidns": pidns,
+        "boot_id": read("/proc/sys/kernel/random/boot_id"),
+    }
+
+
+def describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "an unknown run (the lock file is unreadable)"
+    since = f", since {holder['started']}" if holder.get("started") else ""
+    return f"host {holder.get('host')!s}, pid {holder.get('pid')!s}{since}"
+
+
+class RunLock:
+    """Held by rank 0 from the start of a run to its end. `lost` becomes a message if another
+    run took the lock over; the trainer polls it every step."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+        self.path = output_dir / LOCK_NAME
+        self.token = uuid.uuid4().hex
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ taking the lock
+    def acquire(self) -> None:
+        """Take the lock or raise a DistqaError naming output_dir and the holder."""
+        record = {
+            **_identity(),
+            "token": self.token,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "command": " ".join(sys.argv)[:500],
+        }
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._break_if_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            break
+        self._thread = threading.Thread(target=self._heartbeat, name="distqa-run-lock", daemon=True)
+        self._thread.start()
+
+    def _holder(self) -> tuple[str, dict[str, Any] | None]:
+        raw = _read(self.path)
+        try:
+            holder = json.loads(raw)
+        except ValueError:
+            holder = None
+        return raw, holder if isinstance(holder, dict) else None
+
+    def _fs_now(self) -> float:
+        """The filesystem's idea of now: the mtime of a file written just now in output_dir."""
+        probe = self.output_dir / f".clock-{self.token}"
+        probe.write_bytes(b"")
+        try:
+            return probe.stat().st_mtime
+        finally:
+            probe.unlink(missing_ok=True)
+
+    def _break_if_stale(self) -> None:
+        """Return when the lock is gone or was stale (and is now removed); raise if it is held."""
+        try:
+            raw, holder = self._holder()
+            first_mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            return  # released in the meantime: try again
+        me = _identity()
+        if (
+            holder is not None
+            and me["proc_start"] is not None  # a system without /proc: only the heartbeat can tell
+            and all(holder.get(k) == me[k] for k in ("host", "pidns", "boot_id"))
+            and type(holder.get("pid")) is int
+            and holder["pid"] > 0
+        ):
+            if holder["pid"] == me["pid"] or _proc_start(holder["pid"]) == holder.get("proc_start"):
+                raise self._held(holder)
+            self._remove_stale(raw, holder, "its process no longer exists")
+            return
+        # Another machine (or namespace): judge by the heartbeat.
+        announced = False
+        while True:
+            try:
+                mtime = self.path.stat().st_mtime
+                current = _read(self.path)
+            except FileNotFoundError:
+                return
+            if current != raw:
+                return  # replaced by another run: judge the new lock afresh
+            if mtime != first_mtime:
+                raise self._held(holder)  # the heartbeat moved: its holder is alive
+            age = self._fs_now() - mtime
+            if age > LEASE_S:
+                self._remove_stale(raw, holder, f"its heartbeat stopped {age:.0f} s ago")
+                return
+            if not announced:
+                print(
+                    f"distqa: {self.path} is held by {describe(holder)}; waiting up to {LEASE_S - age:.0f} s "
+                    "for its heartbeat to tell whether that run is alive",
+                    flush=True,
+                )
+                announced = True
+            time.sleep(min(1.0, HEARTBEAT_S / 2))
+
+    def _held(self, holder: dict[str, Any] | None) -> DistqaError:
+        return DistqaError(
+            f"output_dir {self.output_dir} is in use by another run ({describe(holder)}): wait for it "
+            "to end or stop it, or use another output_dir"
+        )
+
+    def _remove_stale(self, raw: str, holder: dict[str, Any] | None, why: str) -> None:
+        """Move the stale lock aside (only one of several racing runs can), then delete it."""
+        aside = self.path.with_name(f"{LOCK_NAME}.stale-{self.token}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another run broke it first
+        if _read(aside) != raw:
+            # Between our look and the rename, another run replaced the stale lock with its own:
+            # put it back if we can (link fails if yet another lock appeared; that run's heartbeat
+            # then finds it lost and stops).
+            try:
+                os.link(aside, self.path)
+            except OSError:
+                pass
+            aside.unlink(missing_ok=True)
+            return
+        aside.unlink(missing_ok=True)
+        print(f"distqa: taking over {self.output_dir} from a run that is gone ({describe(holder)}: {why})", flush=True)
+
+    # ------------------------------------------------------------------ holding it
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                raw = _read(self.path)
+                if self.token not in raw:
+                    _, holder = self._holder()
+                    self.lost = f"another run took over output_dir {self.output_dir} ({describe(holder)})"
+                    return
+                os.utime(self.path)
+            except FileNotFoundError:
+                self.lost = f"the lock {self.path} was deleted while this run held it"
+                return
+            except OSError:
+                continue  # a passing storage hiccup: the lease allows for many missed beats
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        try:
+            if self.token in _read(self.path):
+                self.path.unlink()
+        except OSError:
+            pass  # already gone, or the folder is unwritable now: a later run sees the lock as stale

@@ -1,0 +1,259 @@
+"""Resume never crashes and never continues on the wrong thing: damaged checkpoints (any bytes in any
+file), a folder whose checkpoints are all unusable, changed data, and every changed setting."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import SMALL, load_weights, max_abs_diff
+from distqa.checkpoint import REQUIRED_FILES, list_checkpoints, verify_checkpoint
+from distqa.config import describe_keys, load_config
+from distqa.errors import ConfigError, DistqaError
+from distqa.resume import RESUME_APPLIED, RESUME_SILENT
+from distqa.trainer import train
+
+BASE = [
+    *SMALL,
+    "train.batch_size=2",
+    "train.lr=1e-3",
+    "train.lr_schedule=constant",
+    "train.warmup_ratio=0",
+    "train.checkpoint_every=2",
+    "train.keep_checkpoints=0",
+]
+
+
+def run(out: Path, *extra: str) -> Path:
+    try:
+        train(load_config(None, [*BASE, f"output_dir={out}", *extra]))
+    finally:
+        torch.use_deterministic_algorithms(False)  # train.deterministic sets it process-wide
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> Path:
+    """A run of 4 steps with checkpoints at 2 and 4; tests copy it before damaging it."""
+    return run(tmp_path_factory.mktemp("ref") / "run", "train.max_steps=4")
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory) -> Path:
+    return run(tmp_path_factory.mktemp("ref6") / "run", "train.max_steps=6")
+
+
+def copy_run(src: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    return out
+
+
+# ---------------------------------------------------------------------------- damaged files
+CHECKPOINT_FILES = ["manifest.json", *REQUIRED_FILES]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(CHECKPOINT_FILES), data=st.binary(max_size=300))
+def test_any_bytes_in_any_checkpoint_file_are_reported_never_raised(four_steps, tmp_path, name, data):
+    folder = tmp_path / "step-4"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(four_steps / "checkpoints" / "step-4", folder)
+    assert verify_checkpoint(folder) is None
+    (folder / name).write_bytes(data)
+    problem = verify_checkpoint(folder)
+    assert isinstance(problem, str) and problem and "\n" not in problem
+
+
+@pytest.mark.parametrize(
+    "manifest, expected",
+    [
+        (b"[]", "not a JSON object"),
+        (b"{}", "does not list model.safetensors"),
+        (b"null", "not a JSON object"),
+        (b"\xff\xfe garbage", "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON"),  # nested past Python's recursion limit
+        (None, "outside the checkpoint"),  # the real manifest plus an entry that climbs out
+        (False, "malformed entry"),  # the real manifest with a size that is a bool
+    ],
+)
+def test_manifest_shapes_that_once_crashed_or_passed(four_steps, tmp_path, manifest, expected):
+    folder = copy_run(four_steps, tmp_path) / "checkpoints" / "step-4"
+    real = json.loads((folder / "manifest.json").read_text())
+    if manifest is None:
+        real["../../metrics.jsonl"] = real["trainer_state.json"]
+        manifest = json.dumps(real).encode()
+    elif manifest is False:
+        real["model.safetensors"]["bytes"] = True
+        manifest = json.dumps(real).encode()
+    (folder / "manifest.json").write_bytes(manifest)
+    assert expected in verify_checkpoint(folder)
+
+
+def test_garbage_manifest_falls_back_to_the_previous_checkpoint(four_steps, six_steps, tmp_path, capsys):
+    """rel-manifest-garbage: random bytes in the newest checkpoint's manifest."""
+    out = copy_run(four_steps, tmp_path)
+    (out / "checkpoints" / "step-4" / "manifest.json").write_bytes(bytes(range(256)) * 3)
+    capsys.readouterr()
+    run(out, "train.max_steps=6")
+    text = capsys.readouterr().out
+    assert "skipping checkpoint" in text and "step-4" in text and "manifest.json is not valid JSON" in text
+    assert "resumed from" in text and "step-2 at step 2" in text
+    assert max_abs_diff(load_weights(out), load_weights(six_steps)) == 0.0
+
+
+def test_no_usable_checkpoint_stops_and_never_moves_aside_an_earlier_run(four_steps, tmp_path):
+    out = copy_run(four_steps, tmp_path)
+    for step in (2, 4):
+        (out / "checkpoints" / f"step-{step}" / "training_state.pt").write_bytes(b"\0" * 10)
+    metrics_before = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(
+        DistqaError, match=r"no usable checkpoint in .*step-4: training_state.pt has 10 bytes.*resume=never"
+    ):
+        run(out, "train.max_steps=6")
+    assert (out / "metrics.jsonl").read_bytes() == metrics_before  # not emptied by a silent restart
+
+    # train.resume=never is the explicit fresh start: the earlier run is moved aside, not deleted.
+    run(out, "train.max_steps=2", "train.resume=never")
+    (earlier,) = (out / "earlier-runs").iterdir()
+    assert (earlier / "metrics.jsonl").read_bytes() == metrics_before
+    assert {p.name for p in (earlier / "checkpoints").iterdir()} == {"step-2", "step-4"}
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-2"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+# ---------------------------------------------------------------------------- changed settings
+# One other valid value for every key of the schema. The test fails when a key is added to the
+# schema without a value here, so every new key is classified (silent, applied or refused).
+ALTERNATIVES = {
+    "output_dir": None,  # resumed through train.resume=PATH from another folder, below
+    "seed": "7",
+    "task": "toy_task:ToyClassificationTask",
+    "model.name": "bert-base-random",
+    "model.tokenizer": "MINILM",
+    "model.dropout": "0.2",
+    "model.attn_implementation": "eager",
+    "data.train": "NQ",
+    "data.valid": "NQ",
+    "data.max_seq_len": "32",
+    "data.doc_stride": "64",
+    "data.max_query_len": "32",
+    "data.keep_unknown": "0.5",
+    "data.skip_bad_lines": "true",
+    "data.cache_dir": "CACHE",
+    "data.dummy_size": "200",
+    "data.num_workers": "1",
+    "train.max_steps": "5",
+    "train.epochs": "2",
+    "train.batch_size": "1",
+    "train.grad_accum": "2",
+    "train.optimizer": "sgd",
+    "train.lr": "2e-3",
+    "train.momentum": "0.9",
+    "train.lr_schedule": "cosine",
+    "train.warmup_ratio": "0.5",
+    "train.weight_decay": "0.1",
+    "train.max_grad_norm": "0.5",
+    "train.precision": "fp16",
+    "train.compile": None,  # silent by classification; compiling costs a minute on a CPU
+    "train.static_graph": "false",
+    "train.deterministic": "true",
+    "train.checkpoint_every": "1",
+    "train.keep_checkpoints": "1",
+    "train.term_grace_s": "5",
+    "train.check_replicas": "false",
+    "train.log_every": "2",
+    "train.eval_every": "1",
+    "train.resume": None,  # what selects the checkpoint: exercised by every case
+    "train.allow_data_change": "true",
+}
+# Changing these changes the data the task builds; with the tiny model (no tokenizer) a real NQ
+# file is refused by the task itself, naming model.tokenizer.
+NEEDS_TOKENIZER = {"data.train", "data.valid"}
+
+
+def test_every_key_is_classified():
+    assert set(ALTERNATIVES) == {key for key, _, _ in describe_keys()}
+    assert not (RESUME_SILENT & RESUME_APPLIED)
+    assert RESUME_SILENT | RESUME_APPLIED <= set(ALTERNATIVES)
+
+
+def alternative(key: str, tmp_path: Path, minilm_dir: Path) -> list[str]:
+    """`key=<another value>`, plus what keeps the global batch when the key splits it."""
+    from conftest import TESTS
+
+    value = {
+        "MINILM": str(minilm_dir),
+        "NQ": str(TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"),
+        "CACHE": str(tmp_path / "cache"),
+    }.get(ALTERNATIVES[key], ALTERNATIVES[key])
+    # The same global batch split differently is an applied change (another global batch is
+    # refused, tested in test_ddp_training.py).
+    keep = {"train.batch_size": ["train.grad_accum=2"], "train.grad_accum": ["train.batch_size=1"]}
+    return [f"{key}={value}", *keep.get(key, [])]
+
+
+REFUSED = [k for k, v in ALTERNATIVES.items() if v is not None and k not in RESUME_SILENT | RESUME_APPLIED]
+APPLIED = sorted(k for k in RESUME_APPLIED if k not in NEEDS_TOKENIZER)
+
+
+@pytest.mark.parametrize("key", REFUSED)
+def test_a_changed_setting_that_changes_the_state_is_refused_in_one_line(four_steps, tmp_path, key, minilm_dir):
+    out = copy_run(four_steps, tmp_path)
+    with pytest.raises(DistqaError) as caught:
+        run(out, "train.max_steps=6", *alternative(key, tmp_path, minilm_dir))
+    message = str(caught.value)
+    assert "\n" not in message and key in message, message
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-2", "step-4"]  # nothing written
+
+
+@pytest.mark.parametrize("key", APPLIED)
+def test_a_changed_setting_that_applies_from_the_resume_step_names_itself(
+    four_steps, tmp_path, key, minilm_dir, capsys
+):
+    out = copy_run(four_steps, tmp_path)
+    capsys.readouterr()
+    run(out, *(["train.max_steps=6"] if key != "train.max_steps" else []), *alternative(key, tmp_path, minilm_dir))
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "applied from step 4 on" in printed and key in printed
+
+
+def test_settings_that_change_nothing_computed_resume_silently_all_at_once(four_steps, tmp_path, minilm_dir, capsys):
+    keys = [k for k in sorted(RESUME_SILENT) if ALTERNATIVES[k] is not None and k not in NEEDS_TOKENIZER]
+    out = copy_run(four_steps, tmp_path)
+    args = [arg for key in keys for arg in alternative(key, tmp_path, minilm_dir)]
+    capsys.readouterr()
+    run(out, *(arg for arg in args if not arg.startswith("train.max_steps=")), "train.max_steps=5")
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "warning" not in printed
+
+
+@pytest.mark.parametrize("key", sorted(NEEDS_TOKENIZER))
+def test_nq_data_without_a_tokenizer_is_one_line(four_steps, tmp_path, key, minilm_dir):
+    out = copy_run(four_steps, tmp_path)
+    with pytest.raises(DistqaError, match="model.tokenizer"):
+        run(out, "train.max_steps=6", *alternative(key, tmp_path, minilm_dir))
+
+
+def test_resume_from_a_folder_into_another_output_dir(four_steps, six_steps, tmp_path):
+    out = run(tmp_path / "elsewhere", "train.max_steps=6", f"train.resume={four_steps / 'checkpoints' / 'step-4'}")
+    assert max_abs_diff(load_weights(out), load_weights(six_steps)) == 0.0
+
+
+def test_a_changed_rate_takes_effect_on_resume(four_steps, tmp_path):
+    out = copy_run(four_steps, tmp_path)
+    run(out, "train.max_steps=6", "train.lr=2e-3")
+    lrs = [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == [1e-3] * 4 + [2e-3] * 2
+
+
+def test_a_checkpoint_past_the_end_is_refused(four_steps, tmp_path):
+    out = copy_run(four_steps, tmp_path)
+    with pytest.raises(ConfigError, match=r"step-4 is at step 4, past this run's 3 steps: raise train.max_steps"):
+        run(out, "train.max_steps=3")
