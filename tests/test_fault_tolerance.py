@@ -195,3 +195,30 @@ def test_worker_sh_ends_with_distqa_own_line(tmp_path):
     assert last.startswith("distqa: preempted: stopped by SIGTERM at step "), last
     step = int(last.split("at step ")[1].split()[0])
     assert verify_checkpoint(out / "checkpoints" / f"step-{step}") is None
+
+
+def test_full_disk_during_the_final_export_leaves_no_half_model(tmp_path):
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        != 0
+    ):
+        pytest.skip("needs root and tmpfs mounts to make a small disk")
+    try:
+        # The step-1 checkpoint (~17.7 MB with SGD) fits; the 17.6 MB export beside it does not.
+        args = ["train.max_steps=1", "train.optimizer=sgd"]
+        with pytest.raises(
+            DistqaError, match=r"cannot write .*/model \(.*No space left on device.*\): the final checkpoint"
+        ):
+            in_process(disk, "run", *args)
+        assert not (disk / "run" / "model").exists() and not list((disk / "run").glob(".tmp-*"))
+        # With room again, the same command only writes model/ (the final checkpoint is there).
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        in_process(disk, "run", *args)
+        assert load_weights(disk / "run").keys()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
