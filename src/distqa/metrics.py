@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,43 @@ class ThroughputMeter:
         }
 
 
+def _record(raw: bytes) -> dict[str, Any] | None:
+    """The object on one line of metrics.jsonl, or None when the line is damaged: not UTF-8, not
+    JSON, not an object, or without a finite number as its step (a bool is not a step)."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    if not isinstance(record, dict):
+        return None
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    return record
+
+
+def read_metrics(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], list[int]]:
+    """The good lines of `path` in order (raw bytes without the newline, and the parsed object), and
+    the 1-based numbers of the damaged ones, which are reported in one warning line.
+
+    Lines are split on b"\\n" alone, as they are written, so a kept line is kept byte for byte."""
+    good: list[tuple[bytes, dict[str, Any]]] = []
+    damaged: list[int] = []
+    pieces = path.read_bytes().split(b"\n")
+    if pieces[-1] == b"":
+        pieces.pop()  # the empty piece after the final newline is not a line
+    for number, raw in enumerate(pieces, start=1):
+        record = _record(raw)
+        if record is None:
+            damaged.append(number)
+        else:
+            good.append((raw, record))
+    if damaged:
+        shown = ", ".join(str(n) for n in damaged[:10]) + (", ..." if len(damaged) > 10 else "")
+        print(f"warning: {path}: skipped {len(damaged)} damaged line(s) (lines {shown})", flush=True)
+    return good, damaged
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard on rank 0; a silent stand-in elsewhere."""
 
@@ -68,17 +106,18 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(output_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
 
     def _truncate_after(self, step: int) -> None:
-        """Keep the lines of steps <= `step` (the checkpoint we resume from); drop the rest."""
+        """Keep the lines of steps <= `step` (the checkpoint we resume from), byte for byte; drop the
+        rest. A damaged line is dropped with a warning: it must not stop every later resume."""
         if not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash mid-write
-        self.path.write_text("".join(f"{line}\n" for line in kept))
+        lines, damaged = read_metrics(self.path)
+        kept = [raw for raw, record in lines if record["step"] <= step]
+        if len(kept) == len(lines) and not damaged and self.path.read_bytes().endswith(b"\n"):
+            return  # nothing to drop: leave the file alone
+        # Written aside and renamed over: a crash during the rewrite keeps the old file whole.
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_bytes(b"".join(raw + b"\n" for raw in kept))
+        os.replace(tmp, self.path)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -108,15 +147,23 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = [record for _, record in read_metrics(metrics_path)[0]]
+    if not records:
+        return  # nothing to draw; a figure of empty axes would only mislead
+
+    def number(value: Any) -> float:
+        # A field of the wrong type in an otherwise good line is a gap in its curve, not a crash.
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
     steps = [r["step"] for r in records]
     panels = [("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s (all ranks)")]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 7), sharex=True)
     for ax, (key, label) in zip(axes, panels):
-        ax.plot(steps, [r.get(key) for r in records], marker="." if len(steps) < 50 else None)
+        ax.plot(steps, [number(r.get(key)) for r in records], marker="." if len(steps) < 50 else None)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    evals = [(r["step"], r["eval_micro_f1"]) for r in records if r.get("eval_micro_f1") is not None]
+    evals = [(r["step"], number(r.get("eval_micro_f1"))) for r in records]
+    evals = [(step, f1) for step, f1 in evals if not math.isnan(f1)]
     if evals:
         twin = axes[0].twinx()
         twin.plot(*zip(*evals), color="tab:green", marker="o", label="eval micro F1")

@@ -4,6 +4,11 @@ The input is cut into byte ranges, one per process (`--num-proc`); each process 
 builds features with its own word cache and writes Arrow through `datasets.Dataset.from_generator`.
 The result is saved with `save_to_disk` under a fingerprint of (input file, tokenizer, settings):
 running `prepare` again with the same three reuses it, and `distqa train` reads the same cache.
+
+Everything is staged inside the output folder (`.distqa-partial/`), so a writable output folder is
+enough even where its parent is not writable. The fingerprint file is removed before the old files
+are replaced and written last, so a folder is complete exactly when it holds that file; a folder
+left without it by a crash still holds `.distqa-partial/`, which marks it as ours to rebuild.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ from distqa.nq.reader import NQReader, byte_ranges
 # Bump when the feature layout or the targets change: old caches must not be reused.
 FEATURES_VERSION = 2
 FINGERPRINT_FILE = "distqa_fingerprint.json"
+STAGING_DIR = ".distqa-partial"
 
 FEATURES = datasets.Features(
     {
@@ -119,13 +124,11 @@ def prepare_features(
         raise DistqaError(f"tokenizer {tokenizer_name!r} has no fast (Rust) version, which prepare needs")
     fp = fingerprint(source, tokenizer, settings)
     stamp = target / FINGERPRINT_FILE
-    if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fp:
+    recorded = _read_stamp(stamp)
+    if recorded is not None and recorded.get("fingerprint") == fp:
         return PrepareResult(target, reused=True)
-    if target.exists() and any(target.iterdir()) and not stamp.is_file():
-        raise DistqaError(f"{target} exists and is not a distqa features folder: choose another --output")
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".prepare-", dir=target.parent))
+    staging = _open_staging(target)
+    committing = False
     try:
         ranges = byte_ranges(source, max(1, num_proc))
         shards = [
@@ -135,7 +138,7 @@ def prepare_features(
                 "tokenizer": tokenizer_name,
                 "settings": dataclasses.asdict(settings),
                 "skip_bad_lines": skip_bad_lines,
-                "stats": str(work / f"stats-{i}.json"),
+                "stats": str(staging / f"stats-{i}.json"),
             }
             for i, r in enumerate(ranges)
         ]
@@ -149,7 +152,7 @@ def prepare_features(
                 features=FEATURES,
                 gen_kwargs={"shards": shards},  # a list: datasets gives each process its share
                 num_proc=min(len(shards), num_proc) if num_proc > 1 else None,
-                cache_dir=str(work / "cache"),
+                cache_dir=str(staging / "cache"),
             )
         except Exception:
             # A worker's own error explains more than the wrapper `datasets` raises around it.
@@ -166,8 +169,7 @@ def prepare_features(
         errors = [s["error"] for s in stats if "error" in s]
         if errors:
             raise DistqaError(errors[0])
-        staged = work / "dataset"
-        dataset.save_to_disk(str(staged))
+        staged = staging / "dataset"
         result = PrepareResult(
             target,
             reused=False,
@@ -176,24 +178,97 @@ def prepare_features(
             bad_lines=sorted(b for s in stats for b in s["bad_lines"]),
             seconds=max(s["finished"] for s in stats) - min(s["started"] for s in stats),
         )
-        (staged / FINGERPRINT_FILE).write_text(
-            json.dumps(
-                {
-                    "fingerprint": fp,
-                    "docs": result.docs,
-                    "features": result.features,
-                    "bad_lines": len(result.bad_lines),
-                },
-                indent=2,
-            )
-        )
-        # Swap in whole: a reader never sees a half-written folder under the final name.
-        if target.exists():
-            shutil.rmtree(target)
-        staged.rename(target)
+        record = {
+            "fingerprint": fp,
+            "docs": result.docs,
+            "features": result.features,
+            "bad_lines": len(result.bad_lines),
+        }
+        try:
+            dataset.save_to_disk(str(staged))
+            committing = True
+            _commit(target, staged, json.dumps(record, indent=2))
+        except OSError as err:  # a full disk, a folder made read-only meanwhile
+            raise DistqaError(f"cannot write features to {target}: {_reason(err)}") from None
         return result
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        if committing and not stamp.is_file():
+            # Stopped half-way through the swap: keep the (now empty) marker, so that the next
+            # run knows this stamp-less folder is a partial one of ours and rebuilds it.
+            staging.mkdir(exist_ok=True)
+
+
+def _read_stamp(stamp: Path) -> dict[str, Any] | None:
+    """The fingerprint record, or None when it is missing or damaged (then the folder is rebuilt)."""
+    try:
+        record = json.loads(stamp.read_bytes())
+    except (OSError, ValueError, RecursionError):  # absent, unreadable, not UTF-8, not JSON, too deep
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or str(err)
+
+
+def _open_staging(target: Path) -> Path:
+    """Check that `target` can become a features folder and make an empty staging folder in it.
+
+    Only the output folder itself must be writable: its parent only when it has to be created.
+    """
+    blocker = next((p for p in (target, *target.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "it" if blocker == target else str(blocker)
+        raise DistqaError(f"cannot write features to {target}: {where} is a file, not a folder")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DistqaError(f"cannot create the folder {target} ({_reason(err)}): choose another --output") from None
+    try:
+        ours = (target / FINGERPRINT_FILE).is_file() or (target / STAGING_DIR).is_dir()
+        if not ours and any(target.iterdir()):
+            raise DistqaError(f"{target} exists and is not a distqa features folder: choose another --output")
+        staging = target / STAGING_DIR
+        shutil.rmtree(staging, ignore_errors=True)  # left by a run that was killed: never reused
+        staging.mkdir()
+    except OSError as err:
+        raise DistqaError(f"cannot write features to {target}: {_reason(err)}") from None
+    return staging
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data (or a folder's entries) to the disk before the stamp can name it complete."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(target: Path, staged: Path, record: str) -> None:
+    """Replace the contents of `target` with those of `staged`; the stamp goes first and comes last."""
+    for path in staged.rglob("*"):
+        if path.is_file():
+            _fsync(path)
+    # From here until the new stamp lands, readers (`load_features`, a reuse check) see an
+    # incomplete folder and refuse or rebuild it, instead of mixing old and new files.
+    (target / FINGERPRINT_FILE).unlink(missing_ok=True)
+    _fsync(target)
+    for entry in target.iterdir():
+        if entry.name == STAGING_DIR:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for entry in staged.iterdir():
+        os.replace(entry, target / entry.name)
+    pending = target / STAGING_DIR / FINGERPRINT_FILE
+    pending.write_text(record)
+    _fsync(pending)
+    os.replace(pending, target / FINGERPRINT_FILE)
+    _fsync(target)
 
 
 def load_features(path: str | os.PathLike) -> datasets.Dataset:

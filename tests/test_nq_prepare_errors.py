@@ -1,0 +1,200 @@
+"""`distqa prepare --output` that cannot be written is one line naming the path; a writable output
+folder is enough even where its parent is not; a half-written folder is never taken as complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT, TESTS, subprocess_env
+from distqa import cli
+from distqa.errors import DistqaError
+from distqa.nq import prepare
+from distqa.nq.features import FeatureSettings
+from distqa.nq.prepare import FINGERPRINT_FILE, STAGING_DIR, load_features, prepare_features
+
+SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+SETTINGS = FeatureSettings(max_seq_len=128, doc_stride=64)
+
+
+def assert_one_line_error(rc: int, stderr: str, path: Path) -> None:
+    assert rc != 0
+    assert "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("distqa: error:") and str(path) in last, last
+
+
+def cli_prepare(capsys, output: Path, minilm_dir: Path) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli.main(["prepare", "--input", str(SAMPLE), "--output", str(output), f"model.tokenizer={minilm_dir}"])
+    return rc, capsys.readouterr().err
+
+
+def test_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path, capsys, minilm_dir):
+    existing = tmp_path / "file.txt"
+    existing.write_bytes(b"notes\n")
+    for output in (existing, existing / "sub"):
+        rc, err = cli_prepare(capsys, output, minilm_dir)
+        assert_one_line_error(rc, err, output)
+        assert "is a file, not a folder" in err
+    assert existing.read_bytes() == b"notes\n"
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A folder another user can enter (pytest's tmp_path is private to its owner)."""
+    path = Path(tempfile.mkdtemp(prefix="distqa-prepare-"))
+    path.chmod(0o755)
+    yield path
+    for folder, _, _ in os.walk(path):
+        os.chmod(folder, 0o755)  # a non-root owner needs write access back to remove it
+    shutil.rmtree(path)
+
+
+def unprivileged(env: dict[str, str]) -> list[str]:
+    """The prefix that runs a command where folder permissions apply: root ignores them."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root, which ignores folder permissions, and setpriv is missing to drop them")
+    prefix = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import distqa"], env=env, capture_output=True, cwd=ROOT)
+    if probe.returncode != 0:
+        pytest.skip(f"user 65534 cannot run this Python and distqa: {probe.stderr.decode()[-200:]}")
+    return prefix
+
+
+def test_unwritable_output_is_one_line_and_a_writable_folder_is_enough(shared_tmp, minilm_dir):
+    hf_home = shared_tmp / "hf"
+    hf_home.mkdir(mode=0o777)
+    hf_home.chmod(0o777)
+    env = subprocess_env(HF_HOME=str(hf_home))
+    locked = shared_tmp / "locked"
+    stale = locked / "features"
+    # Features of other settings, made earlier: stale, to be replaced in place.
+    prepare_features(SAMPLE, stale, tokenizer_name=str(minilm_dir), settings=FeatureSettings(max_seq_len=256))
+    for path in (stale, *stale.iterdir()):
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    readonly = locked / "readonly"
+    shutil.copytree(stale, readonly)
+    readonly.chmod(0o555)
+    kept = {p.name: p.read_bytes() for p in readonly.iterdir()}
+    locked.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    prefix = unprivileged(env)
+
+    def run(output: Path) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "distqa", "prepare", "--input", str(SAMPLE), "--output", str(output)]
+        cmd += [f"model.tokenizer={minilm_dir}", "data.max_seq_len=128", "data.doc_stride=64"]
+        return subprocess.run([*prefix, *cmd], env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    missing = locked / "new"
+    proc = run(missing)
+    assert_one_line_error(proc.returncode, proc.stderr, missing)
+    assert "Permission denied" in proc.stderr and not missing.exists()
+
+    proc = run(readonly)
+    assert_one_line_error(proc.returncode, proc.stderr, readonly)
+    assert {p.name: p.read_bytes() for p in readonly.iterdir()} == kept  # the old features stay
+
+    proc = run(stale)
+    assert proc.returncode == 0, proc.stderr
+    assert f"to {stale}" in proc.stdout
+    assert sorted(p.name for p in stale.iterdir()) == sorted(
+        ["data-00000-of-00001.arrow", "dataset_info.json", "state.json", FINGERPRINT_FILE]
+    )
+    record = json.loads((stale / FINGERPRINT_FILE).read_text())
+    assert record["fingerprint"]["settings"]["max_seq_len"] == 128
+    assert len(load_features(stale)) == record["features"] > 0
+
+
+def test_a_run_killed_mid_build_leaves_a_folder_that_is_rebuilt_not_used(tmp_path, minilm_dir):
+    out = tmp_path / "features"
+    # What SIGKILL during the build leaves: the staging folder, no fingerprint.
+    (out / STAGING_DIR / "dataset").mkdir(parents=True)
+    (out / STAGING_DIR / "dataset" / "state.json").write_bytes(b"\x00\xff{")
+    with pytest.raises(DistqaError, match="not a folder written by `distqa prepare`"):
+        load_features(out)
+    result = prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS)
+    assert not result.reused and len(load_features(out)) == result.features
+    assert not (out / STAGING_DIR).exists()
+
+
+@pytest.mark.parametrize("when", ["removing the old files", "before the new stamp"])
+def test_a_crash_while_swapping_in_is_never_taken_as_complete(tmp_path, monkeypatch, minilm_dir, when):
+    out = tmp_path / "features"
+    old = prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=FeatureSettings(max_seq_len=256))
+    real_fsync, real_unlink, real_iterdir = prepare._fsync, Path.unlink, Path.iterdir
+    removed = []
+
+    def crash_before_the_stamp(path: Path) -> None:
+        if path.name == FINGERPRINT_FILE:
+            raise KeyboardInterrupt  # as a Ctrl-C between moving the data in and writing the stamp
+        real_fsync(path)
+
+    def crash_half_way_through_removal(path: Path, missing_ok: bool = False) -> None:
+        if path.parent == out and path.name != FINGERPRINT_FILE:
+            # Whatever order the folder lists its files in, the stamp goes before any of them.
+            assert not (out / FINGERPRINT_FILE).exists(), f"{path.name} removed while the folder looked complete"
+            removed.append(path.name)
+            if len(removed) == 2:
+                raise KeyboardInterrupt  # one old data file gone, the others still there
+        real_unlink(path, missing_ok=missing_ok)
+
+    def stamp_listed_last(path: Path) -> Iterator[Path]:
+        return iter(sorted(real_iterdir(path), key=lambda p: p.name == FINGERPRINT_FILE))
+
+    if when == "before the new stamp":
+        monkeypatch.setattr(prepare, "_fsync", crash_before_the_stamp)
+    else:
+        monkeypatch.setattr(Path, "unlink", crash_half_way_through_removal)
+        monkeypatch.setattr(Path, "iterdir", stamp_listed_last)  # the order most at risk
+    with pytest.raises(KeyboardInterrupt):
+        prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS)
+    monkeypatch.undo()
+    with pytest.raises(DistqaError, match="not a folder written by `distqa prepare`"):
+        load_features(out)  # a mix of old and new files, or some missing: without a stamp, not complete
+    assert (out / STAGING_DIR).is_dir()  # the marker that this stamp-less folder is ours
+    # Neither the old fingerprint nor the new one is trusted: built again.
+    again = prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=FeatureSettings(max_seq_len=256))
+    assert not again.reused and again.features == old.features == len(load_features(out))
+
+
+def test_a_full_disk_while_writing_is_one_line(tmp_path, monkeypatch, minilm_dir):
+    def no_space(self, path, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prepare.datasets.Dataset, "save_to_disk", no_space)
+    out = tmp_path / "features"
+    with pytest.raises(DistqaError, match=rf"cannot write features to {out}: No space left on device"):
+        prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS)
+    assert list(out.iterdir()) == []  # the staging folder is gone; an empty folder is fine to reuse
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_a_damaged_fingerprint_file_is_never_trusted_nor_a_crash(data):
+    with tempfile.TemporaryDirectory() as folder:
+        stamp = Path(folder) / FINGERPRINT_FILE
+        stamp.write_bytes(data)
+        record = prepare._read_stamp(stamp)
+        assert record is None or isinstance(record, dict)
+
+
+def test_a_damaged_fingerprint_file_means_rebuild(tmp_path, minilm_dir):
+    out = tmp_path / "features"
+    prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS)
+    for damage in (b"\xff\xfe[", b"[]", b'{"fingerprint": 5}'):
+        (out / FINGERPRINT_FILE).write_bytes(damage)
+        assert not prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS).reused
+        assert prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS).reused
