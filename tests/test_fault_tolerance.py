@@ -20,6 +20,7 @@ from distqa.trainer import train
 
 RUN = [
     *SMALL,
+    "data.num_workers=2",  # as users run: the loader's worker processes must survive the faults too
     "model.dropout=0.1",
     "train.lr=1e-3",
     "train.lr_schedule=constant",
