@@ -183,12 +183,13 @@ def test_missing_examples_are_empty_predictions_and_unknown_ids_fail():
         score(gold, read_submission(SUBMISSION))
 
 
-def test_main_score_prints_json_last(tmp_path, capsys):
+def test_main_score_prints_exactly_one_json_object_on_stdout(tmp_path, capsys):
     path = tmp_path / "submission.csv"
     path.write_text("example_id,PredictionString\n5655493461695504401_long,1952:2019\n5655493461695504401_short,\n")
     assert main_score(TRAIN_SAMPLE, path) == 0
     captured = capsys.readouterr()
-    result = json.loads(captured.out.strip().splitlines()[-1])
+    result = json.loads(captured.out)  # the whole of stdout: `distqa score ... > score.json` is valid JSON
+    assert "micro F1" in captured.err  # the human summary
     assert {"micro_f1", "long_f1", "short_f1", "tp", "fp", "fn"} <= result.keys()
     assert (result["tp"], result["fp"], result["fn"], result["missing_examples"]) == (1, 0, 9, 9)
     assert "lacks 18 rows (9 whole examples)" in captured.err

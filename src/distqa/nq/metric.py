@@ -250,7 +250,8 @@ def score(gold: Mapping[str, tuple[set[str], set[str]]], pred: Mapping[str, str]
 
 
 def main_score(gold_path: str | Path, pred_path: str | Path) -> int:
-    """Score a submission file against a gold JSONL file; the last stdout line is the JSON result."""
+    """Score a submission file against a gold JSONL file. stdout holds exactly one JSON object (so
+    `distqa score ... > score.json` is valid JSON); the human summary goes to stderr."""
     gold = read_gold(gold_path)
     pred = read_submission(pred_path)
     result = score(gold, pred)
@@ -263,7 +264,8 @@ def main_score(gold_path: str | Path, pred_path: str | Path) -> int:
     print(
         f"{len(gold)} examples: micro F1 {result['micro_f1']:.4f} "
         f"(long {result['long_f1']:.4f}, short {result['short_f1']:.4f}; "
-        f"TP {result['tp']}, FP {result['fp']}, FN {result['fn']})"
+        f"TP {result['tp']}, FP {result['fp']}, FN {result['fn']})",
+        file=sys.stderr,
     )
     print(json.dumps(result, sort_keys=True), flush=True)
     return 0

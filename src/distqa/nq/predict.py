@@ -27,18 +27,47 @@ def model_folder(path: str | Path) -> Path:
     raise DistqaError(f"--checkpoint {folder}: no model there (expected config.json, or a model/ folder with one)")
 
 
+# Files a saved tokenizer consists of (any one will do): without them, AutoTokenizer would build a
+# BERT tokenizer with only its 5 special tokens from config.json, and every word would become [UNK].
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spiece.model", "vocab.json")
+
+
+def check_tokenizer(tokenizer: object, vocab_size: int, name: str) -> None:
+    """Refuse a tokenizer that cannot be this model's: its ids must fit the embedding, and its
+    vocabulary must be about as large (models round theirs up a little for fast kernels)."""
+    size = len(tokenizer)  # type: ignore[arg-type]
+    if size > vocab_size or size < 0.95 * vocab_size:
+        raise DistqaError(
+            f"tokenizer {name} has {size} entries but the model's vocabulary has {vocab_size}: "
+            "set model.tokenizer to the tokenizer the model was trained with"
+        )
+
+
 def predict(cfg: Config, input_path: str, checkpoint: str, output: str) -> dict[str, int]:
     folder = model_folder(checkpoint)
-    # The export carries its tokenizer; an explicit model.tokenizer still wins.
+    # The export carries its tokenizer (when training had one); an explicit model.tokenizer wins.
+    if cfg.model.tokenizer is None and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise DistqaError(
+            f"{folder} has no tokenizer files (a model trained without a tokenizer, e.g. on dummy data): "
+            "set model.tokenizer to the tokenizer of its vocabulary, e.g. model.tokenizer=bert-base-uncased"
+        )
     cfg.model = ModelConfig(name=str(folder), tokenizer=cfg.model.tokenizer or str(folder))
     tokenizer = load_tokenizer(cfg)
     if tokenizer is None:
         raise DistqaError(f"{folder} has no tokenizer files: set model.tokenizer")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = BertJointQA.from_pretrained(folder).to(device)
+    check_tokenizer(tokenizer, model.config.vocab_size, str(cfg.model.tokenizer))
     thresholds_path = folder / THRESHOLDS_FILE
     # Without thresholds (a run with no data.valid) every example gets its best answer.
     thresholds = json.loads(thresholds_path.read_text()) if thresholds_path.is_file() else {}
+    if thresholds:
+        print(f"thresholds from {thresholds_path}: long {thresholds.get('long')}, short {thresholds.get('short')}")
+    else:
+        print(
+            f"no {THRESHOLDS_FILE} in {folder} (the model was trained without data.valid): every example "
+            "gets its best long and short answer"
+        )
 
     features = resolve_features(cfg, input_path, tokenizer, training=False)
     bests = window_bests(

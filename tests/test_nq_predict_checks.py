@@ -1,0 +1,64 @@
+"""`distqa predict` refuses what would give a meaningless submission, and says which thresholds it
+applies: a model exported without a tokenizer (the quick start's), or a tokenizer of another size."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SMALL, TESTS, subprocess_env
+from distqa.config import load_config
+from distqa.trainer import train
+
+SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The model `make train` makes: tiny, trained on the DummyDataset, exported without a tokenizer."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    train(load_config(None, [*SMALL, "train.max_steps=2", "train.batch_size=2", f"output_dir={out}"]))
+    return out
+
+
+def predict(tmp_path, checkpoint, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "distqa", "predict", "--input", str(SAMPLE), "--checkpoint", str(checkpoint)]
+    cmd += ["--output", str(tmp_path / "sub.csv"), "data.max_seq_len=128", f"data.cache_dir={tmp_path / 'cache'}"]
+    return subprocess.run(
+        [*cmd, *overrides], env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_model_without_tokenizer_files_is_refused_and_no_file_written(tmp_path, tiny_run):
+    """nq-predict-no-tokenizer"""
+    proc = predict(tmp_path, tiny_run)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "has no tokenizer files" in last and "model.tokenizer" in last, last
+    assert not (tmp_path / "sub.csv").exists()
+
+
+def test_a_tokenizer_of_another_size_is_refused(tmp_path, tiny_run):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    small = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1, "[CLS]": 2, "[SEP]": 3, "the": 4}, unk_token="[UNK]"))
+    small.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = tmp_path / "small-tokenizer"
+    PreTrainedTokenizerFast(
+        tokenizer_object=small, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    ).save_pretrained(str(folder))
+    proc = predict(tmp_path, tiny_run, f"model.tokenizer={folder}")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "has 5 entries but the model's vocabulary has 30522" in last, last
+    assert not (tmp_path / "sub.csv").exists()
+
+
+def test_the_right_tokenizer_predicts_and_says_no_thresholds_were_saved(tmp_path, tiny_run, minilm_dir):
+    proc = predict(tmp_path, tiny_run, f"model.tokenizer={minilm_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no distqa_thresholds.json" in proc.stdout and "best long and short answer" in proc.stdout
+    assert (tmp_path / "sub.csv").read_text().startswith("example_id,PredictionString")
