@@ -197,6 +197,7 @@ def test_real_kaggle_without_credentials(tmp_path, kaggle_home, capsys):
         "(KAGGLE_CONFIG_DIR picks the folder), then run again"
     )
     assert capsys.readouterr().out == ""  # kaggle's page of help, printed on import and on failure, is hidden
+    assert not (tmp_path / "data").exists()  # a failed sign-in leaves no empty folder behind
 
 
 def test_real_kaggle_offline(tmp_path, kaggle_home, monkeypatch):

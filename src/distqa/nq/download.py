@@ -221,35 +221,51 @@ def download(output_dir: str | os.PathLike = Path("data"), api: KaggleApiLike | 
     step = ["preparing"]  # what is being done, for the error message (a list: _explained reads it late)
     kept: list[str] = []
     written: list[str] = []
-    with _explained(output_dir, step):
-        output_dir.mkdir(parents=True, exist_ok=True)
-        step[0] = "signing in to Kaggle"
-        if api is None:
-            api = _real_api()
-        _authenticate(api)
-        step[0] = f"listing the files of {COMPETITION}"
-        names = _list_files(api)
-        if not names:
-            raise DistqaError(f"Kaggle lists no files for {COMPETITION}")
-        for name in names:
-            if (output_dir / name).exists():
-                print(f"kept {output_dir / name} (already there, not downloaded)", flush=True)
-                kept.append(name)
-                continue
-            step[0] = f"downloading {name}"
-            staging = output_dir / STAGING / name
-            staging.mkdir(parents=True, exist_ok=True)
-            api.competition_download_file(COMPETITION, name, path=str(staging), quiet=False)
-            step[0] = f"unpacking {name}"
-            new, existing = _install(staging, output_dir)
-            for item in new:
-                print(f"wrote {output_dir / item}", flush=True)
-            for item in existing:
-                print(f"kept {output_dir / item} (already there; the downloaded copy was not used)", flush=True)
-            written += new
-            kept += existing
-            shutil.rmtree(staging)
-        with contextlib.suppress(OSError):
-            (output_dir / STAGING).rmdir()  # only when empty
+    created = not output_dir.exists()
+    try:
+        with _explained(output_dir, step):
+            _download_into(output_dir, api, step, kept, written)
+    except DistqaError:
+        # A failure before anything arrived (no credentials, no network) leaves no empty folder.
+        if created:
+            with contextlib.suppress(OSError):
+                (output_dir / STAGING).rmdir()
+                output_dir.rmdir()  # only when empty: a partial download is kept
+        raise
     print(f"{COMPETITION}: {len(written)} file(s) written, {len(kept)} kept in {output_dir}", flush=True)
     return 0
+
+
+def _download_into(
+    output_dir: Path, api: KaggleApiLike | None, step: list[str], kept: list[str], written: list[str]
+) -> None:
+    """The body of `download`, run inside its error translation."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    step[0] = "signing in to Kaggle"
+    if api is None:
+        api = _real_api()
+    _authenticate(api)
+    step[0] = f"listing the files of {COMPETITION}"
+    names = _list_files(api)
+    if not names:
+        raise DistqaError(f"Kaggle lists no files for {COMPETITION}")
+    for name in names:
+        if (output_dir / name).exists():
+            print(f"kept {output_dir / name} (already there, not downloaded)", flush=True)
+            kept.append(name)
+            continue
+        step[0] = f"downloading {name}"
+        staging = output_dir / STAGING / name
+        staging.mkdir(parents=True, exist_ok=True)
+        api.competition_download_file(COMPETITION, name, path=str(staging), quiet=False)
+        step[0] = f"unpacking {name}"
+        new, existing = _install(staging, output_dir)
+        for item in new:
+            print(f"wrote {output_dir / item}", flush=True)
+        for item in existing:
+            print(f"kept {output_dir / item} (already there; the downloaded copy was not used)", flush=True)
+        written += new
+        kept += existing
+        shutil.rmtree(staging)
+    with contextlib.suppress(OSError):
+        (output_dir / STAGING).rmdir()  # only when empty
