@@ -228,9 +228,9 @@ def download(output_dir: str | os.PathLike = Path("data"), api: KaggleApiLike | 
     except DistqaError:
         # A failure before anything arrived (no credentials, no network) leaves no empty folder.
         if created:
-            with contextlib.suppress(OSError):
-                (output_dir / STAGING).rmdir()
-                output_dir.rmdir()  # only when empty: a partial download is kept
+            for folder in (output_dir / STAGING, output_dir):  # only when empty: a partial download is kept
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         raise
     print(f"{COMPETITION}: {len(written)} file(s) written, {len(kept)} kept in {output_dir}", flush=True)
     return 0
