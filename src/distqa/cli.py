@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_settings(train)
+    train.add_argument(
+        "--check-config",
+        action="store_true",
+        help="only load and check the settings, then exit (0, or 2 with the error); imports no torch, "
+        "so launch scripts run it once before starting torchrun",
+    )
 
     prepare = commands.add_parser(
         "prepare",
@@ -152,6 +158,12 @@ def _prepare(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from distqa.config import load_config
+
+        if args.check_config:
+            # Before torchrun: a mistake is then said once, not once per rank and then again in
+            # torchrun's failure report. The trainer (and torch with it) is not imported here.
+            load_config(args.config, args.overrides)
+            return 0
         from distqa.trainer import train
 
         train(load_config(args.config, args.overrides))
