@@ -144,16 +144,17 @@ def test_pet_variables_do_not_reach_torchrun(tmp_path):
     fake.chmod(0o755)
     proc = worker(
         tmp_path,
-        "x=1",
+        "train.lr=1e-4",
         WORKER_DRY_RUN="0",
         TORCHRUN=str(fake),
         PET_NNODES="1",
         PET_RDZV_ENDPOINT="elsewhere:1234",
-        MASTER_ADDR="job-master-0",
+        MASTER_ADDR="localhost",  # node 0 checks that it leads here
+        MASTER_PORT=str(_free_port()),
     )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "pet.txt").read_text() == ""
-    assert (tmp_path / "args.txt").read_text().split()[-3:] == ["distqa", "train", "x=1"]
+    assert (tmp_path / "args.txt").read_text().split()[-3:] == ["distqa", "train", "train.lr=1e-4"]
 
 
 def test_slurm(tmp_path):
@@ -282,7 +283,7 @@ def test_worker_starts_torchrun_once_the_master_answers(tmp_path):
         port = server.getsockname()[1]
         proc = worker(
             tmp_path,
-            "a=1",
+            "train.lr=1e-4",
             WORKER_DRY_RUN="0",
             TORCHRUN=str(fake),
             NNODES="2",
@@ -293,7 +294,7 @@ def test_worker_starts_torchrun_once_the_master_answers(tmp_path):
         )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("torchrun --nnodes 2 --node-rank 1 ")
-    assert proc.stdout.split()[-3:] == ["distqa", "train", "a=1"]
+    assert proc.stdout.split()[-3:] == ["distqa", "train", "train.lr=1e-4"]
 
 
 # ---- the deploy/ examples, each as its scheduler would run it --------------------------------

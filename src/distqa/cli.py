@@ -197,10 +197,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(line: str) -> None:
+def _report(line: str, *, show: bool = True) -> None:
     """Print the one-line message; also append it to DISTQA_ERROR_FILE when a launcher (worker.sh)
     asked for it, so the launcher can repeat it after torchrun's own failure report."""
-    print(line, file=sys.stderr, flush=True)
+    if show:
+        print(line, file=sys.stderr, flush=True)
     path = os.environ.get("DISTQA_ERROR_FILE")
     if path:
         try:
@@ -215,9 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except Preempted as err:
-        # Not a crash: the job was asked to stop and saved its state. Said once, by rank 0.
-        if os.environ.get("RANK", "0") == "0":
-            _report(f"distqa: preempted: {err}")
+        # Not a crash: the job was asked to stop and saved its state. Said once, by rank 0; every
+        # rank leaves the line for its node's launcher, which has no rank 0 on nodes other than 0.
+        _report(f"distqa: preempted: {err}", show=os.environ.get("RANK", "0") == "0")
         return err.exit_code
     except DistqaError as err:
         if os.environ.get("DISTQA_DEBUG") == "1":
