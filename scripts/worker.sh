@@ -294,7 +294,8 @@ trap forward_term TERM
 trap 'kill -INT "$child" 2>/dev/null' INT
 status=0
 while :; do
-  wait "$child" && status=0 || status=$?
+  # (2>/dev/null: bash's own "Killed" job notice; the line below says it better)
+  wait "$child" 2>/dev/null && status=0 || status=$?
   kill -0 "$child" 2>/dev/null || break # `wait` also returns when a trapped signal arrives
 done
 preempted=""
