@@ -285,13 +285,15 @@ term_sent=0
 forward_term() {
   if ((term_sent)); then
     note "SIGTERM again: ignored, torchrun is already stopping the workers"
-    return
+    # `return 0`, not `return`: in a trap a bare return gives the status of the command the signal
+    # interrupted (wait: 143), and `set -e` would then end this script.
+    return 0
   fi
   term_sent=1
   kill -TERM "$child" 2>/dev/null || true
 }
 trap forward_term TERM
-trap 'kill -INT "$child" 2>/dev/null' INT
+trap 'kill -INT "$child" 2>/dev/null || true' INT
 status=0
 while :; do
   # (2>/dev/null: bash's own "Killed" job notice; the line below says it better)

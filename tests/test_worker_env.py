@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -521,4 +522,71 @@ def test_threads_follow_the_cpu_affinity(tmp_path):
         pytest.skip("util-linux's taskset is not installed")
     assert threads(tmp_path, "taskset", "-c", "0", NPROC_PER_NODE="1") == (
         "worker.sh: OMP_NUM_THREADS=1 (1 CPU(s) / 1 process(es))"
+    )
+
+
+# ---- SIGTERM, with a stand-in torchrun -------------------------------------------------------
+
+# Records its process group and how many SIGTERMs reach it; then ends as torchrun does after one
+# (status 1), leaving a preempted line in DISTQA_ERROR_FILE as distqa's ranks would when PREEMPTED=1.
+TERM_COUNTING_TORCHRUN = """#!/bin/bash
+n=0
+trap 'n=$((n + 1))' TERM
+read -r _ _ _ _ pgid _ </proc/$$/stat
+echo "$pgid" >"$DIR/pgid"
+touch "$DIR/ready"
+for _ in $(seq 100); do ((n > 0)) && break; sleep 0.1; done
+for _ in $(seq 15); do sleep 0.1; done  # time for a second SIGTERM to arrive, if one does
+echo "$n" >"$DIR/terms"
+if [[ $PREEMPTED == 1 ]]; then
+  echo "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..." >>"$DISTQA_ERROR_FILE"
+fi
+exit 1
+"""
+
+
+def sigterm_twice(tmp_path: Path, preempted: str) -> tuple[subprocess.Popen, str]:
+    fake = tmp_path / "torchrun"
+    fake.write_text(TERM_COUNTING_TORCHRUN)
+    fake.chmod(0o755)
+    env = base_env(
+        tmp_path,
+        WORKER_DRY_RUN="0",
+        TORCHRUN=str(fake),
+        MASTER_PORT=str(_free_port()),
+        DIR=str(tmp_path),
+        PREEMPTED=preempted,
+    )
+    proc = subprocess.Popen(
+        [str(WORKER)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as a supervisor or `kill -- -PGID` does
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # an impatient second one, to worker.sh only
+    _, stderr = proc.communicate(timeout=20)
+    return proc, stderr
+
+
+def test_sigterm_reaches_torchrun_once_and_143_needs_distqa_preempted_line(tmp_path):
+    proc, stderr = sigterm_twice(tmp_path, preempted="1")
+    # torchrun is outside worker.sh's process group, and the second SIGTERM was not passed on:
+    # either would abort torchrun's wait for the workers' checkpoint.
+    assert int((tmp_path / "pgid").read_text()) != proc.pid
+    assert (tmp_path / "terms").read_text().strip() == "1"
+    assert "SIGTERM again: ignored" in stderr
+    assert proc.returncode == 143
+    assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
+
+
+def test_sigterm_without_a_checkpoint_is_not_reported_as_143(tmp_path):
+    proc, stderr = sigterm_twice(tmp_path, preempted="0")
+    assert proc.returncode == 1
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .startswith("worker.sh: error: stopped by SIGTERM, but distqa confirmed no checkpoint (torchrun exited 1)")
     )
