@@ -9,4 +9,16 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   if (( gpus > 0 )); then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
 fi
 
+# The Python that runs torchrun (its #! line), so the check sees the same distqa and packages.
+python=python3
+if torchrun_path=$(command -v torchrun) && read -r shebang <"$torchrun_path" && [[ $shebang == '#!'*python* ]]; then
+  read -ra words <<<"${shebang#\#!}"
+  python=${words[0]}
+  if [[ ${python##*/} == env ]]; then python=${words[1]:-python3}; fi
+fi
+
+# Check the settings once, in a second and without torch: a mistake is then one line instead of
+# one per rank followed by torchrun's failure report.
+"$python" -m distqa train --check-config "$@" || exit
+
 exec torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" -m distqa train "$@"

@@ -12,6 +12,7 @@
 #   NPROC_PER_NODE  processes on this node (default: one per GPU, or 1 without GPUs)
 #   RDZV_TIMEOUT    seconds to wait for node 0 and for the rendezvous (default 600)
 #   MAX_RESTARTS    torchrun --max-restarts (default 0)
+#   OMP_NUM_THREADS threads per process (default: the CPUs this node may use / NPROC_PER_NODE)
 # Understood from schedulers, in this order after the explicit variables:
 #   Kubeflow PyTorchJob  PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT,
 #                        PET_NPROC_PER_NODE; then WORLD_SIZE/RANK (pods) of older operators
@@ -20,8 +21,11 @@
 #   Neu.ro               NEURO_JOB_INTERNAL_HOSTNAME is "this host"
 # For tests and debugging: WORKER_DRY_RUN=1 prints the torchrun command line instead of running
 # it, and TORCHRUN replaces the torchrun command (split on spaces, e.g. "python -m torch.distributed.run").
-# Exit status: 2 for a missing or contradictory setting, 3 when node 0 does not answer in time;
-# otherwise torchrun's.
+# Before torchrun starts: the settings are checked (`distqa train --check-config`), and node 0
+# checks that MASTER_PORT is free here and that MASTER_ADDR leads to this host (distqa.rdzv_check).
+# Exit status: 2 for a missing or contradictory setting, 3 when node 0 does not answer in time,
+# 143 after a SIGTERM that distqa answered with a checkpoint (its `distqa: preempted:` line is then
+# the last line); otherwise torchrun's (128+N when a signal N killed torchrun).
 set -euo pipefail
 
 # die MESSAGE [STATUS]
@@ -166,6 +170,28 @@ if [[ -z $master_addr || $master_addr == self ]]; then
   fi
 fi
 
+# ---- threads per process -----------------------------------------------------------------------
+# torchrun sets OMP_NUM_THREADS=1 only when it starts several processes, so a node with one process
+# would use every CPU and one with two a single thread each: other thread counts give (slightly)
+# other float results, and one thread each wastes a large CPU node. Share this node's CPUs instead.
+threads_note=""
+if [[ -z ${OMP_NUM_THREADS:-} ]] && in_range "$nproc" 1; then
+  # nproc counts the CPUs this process may run on (taskset, cpusets); a cgroup CPU quota
+  # (docker --cpus, Kubernetes limits) caps them further.
+  cpus=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+  if [[ -r /sys/fs/cgroup/cpu.max ]] && read -r quota period </sys/fs/cgroup/cpu.max && [[ $quota =~ ^[0-9]+$ ]] &&
+    ((period > 0)); then
+    limit=$(((quota + period - 1) / period))
+    if ((limit < cpus)); then cpus=$limit; fi
+  fi
+  threads=$((cpus / nproc))
+  if ((threads < 1)); then threads=1; fi
+  export OMP_NUM_THREADS=$threads
+  threads_note="OMP_NUM_THREADS=$threads ($cpus CPU(s) / $nproc process(es))"
+elif [[ -n ${OMP_NUM_THREADS:-} ]]; then
+  threads_note="OMP_NUM_THREADS=$OMP_NUM_THREADS (set)"
+fi
+
 read -ra torchrun <<<"${TORCHRUN:-torchrun}"
 cmd=(
   "${torchrun[@]}"
@@ -178,10 +204,36 @@ cmd=(
 if [[ ${WORKER_DRY_RUN:-0} == 1 ]]; then
   printf -v line '%q ' "${cmd[@]}"
   echo "${line% }"
+  if [[ -n $threads_note ]]; then note "$threads_note"; fi
   exit 0
 fi
 
-note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$master_port (from $master_addr_FROM)"
+note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$master_port (from $master_addr_FROM)${threads_note:+; $threads_note}"
+
+# ---- checks before torchrun starts --------------------------------------------------------------
+# The Python that runs torchrun (TORCHRUN's first word, or torchrun's #! line), so that the checks
+# import the same distqa. Neither imports torch: together they take well under a second.
+python=python3
+if [[ ${torchrun[0]##*/} == python* ]]; then
+  python=${torchrun[0]}
+elif torchrun_path=$(command -v "${torchrun[0]}") && read -r shebang <"$torchrun_path" 2>/dev/null &&
+  [[ $shebang == '#!'*python* ]]; then
+  read -ra words <<<"${shebang#\#!}"
+  python=${words[0]}
+  if [[ ${python##*/} == env ]]; then python=${words[1]:-python3}; fi
+fi
+
+# A settings mistake is then one line here, rather than one per rank and torchrun's report.
+"$python" -m distqa train --check-config "$@" || exit
+
+# On node 0, torchrun hosts the rendezvous on MASTER_PORT and also connects to MASTER_ADDR. A port
+# in use, an address that does not resolve, or one that leads to another host (a second node 0) ends
+# in a long traceback after tens of seconds; this says which, at once. DNS names that a scheduler
+# publishes a little after the start are waited for up to 10 s.
+if ((node_rank == 0)); then
+  "$python" -m distqa.rdzv_check --prog worker.sh --addr "$master_addr" --addr-from "$master_addr_FROM" \
+    --port "$master_port" --timeout "$((rdzv_timeout < 10 ? rdzv_timeout : 10))" || exit
+fi
 
 # ---- wait for node 0 (PITFALLS #2) -------------------------------------------------------------
 # Without this, torchrun on a worker whose master is wrong or down retries and ends in a long
@@ -215,21 +267,55 @@ while read -r var; do unset "$var"; done < <(compgen -e | grep '^PET_' || true)
 
 # torchrun runs as a child, not exec'd, for one reason: when a worker fails, torchrun's own failure
 # report would be the last thing printed. distqa writes its one-line message to DISTQA_ERROR_FILE,
-# and it is repeated here as the last line. The platform's SIGTERM (to this script, PID 1 in the
-# container) is passed on to torchrun, which passes it to the workers: they checkpoint and exit.
+# and it is repeated here as the last line.
+#
+# The platform's SIGTERM (to this script, PID 1 in the container, or to its whole process group) is
+# passed on to torchrun exactly once; torchrun passes it to the workers, which checkpoint and exit.
+# torchrun runs in a session of its own (setsid) for that: a group-wide SIGTERM would otherwise
+# reach it twice, directly and forwarded, and a second SIGTERM aborts torchrun's wait for the
+# workers' checkpoint. (torchrun starts each worker in a session of its own already.)
 export DISTQA_ERROR_FILE="${TMPDIR:-/tmp}/distqa-error.$$"
 rm -f "$DISTQA_ERROR_FILE"
-"${cmd[@]}" &
+# Without job control `setsid` execs torchrun in place (this script's children are not group
+# leaders), so $! is torchrun itself.
+if command -v setsid >/dev/null 2>&1; then setsid "${cmd[@]}" & else "${cmd[@]}" & fi
 child=$!
-trap 'kill -TERM "$child" 2>/dev/null' TERM
-trap 'kill -INT "$child" 2>/dev/null' INT
+term_sent=0
+# shellcheck disable=SC2329  # called by the trap below
+forward_term() {
+  if ((term_sent)); then
+    note "SIGTERM again: ignored, torchrun is already stopping the workers"
+    # `return 0`, not `return`: in a trap a bare return gives the status of the command the signal
+    # interrupted (wait: 143), and `set -e` would then end this script.
+    return 0
+  fi
+  term_sent=1
+  kill -TERM "$child" 2>/dev/null || true
+}
+trap forward_term TERM
+trap 'kill -INT "$child" 2>/dev/null || true' INT
 status=0
 while :; do
-  wait "$child" && status=0 || status=$?
+  # (2>/dev/null: bash's own "Killed" job notice; the line below says it better)
+  wait "$child" 2>/dev/null && status=0 || status=$?
   kill -0 "$child" 2>/dev/null || break # `wait` also returns when a trapped signal arrives
 done
+preempted=""
 if ((status != 0)) && [[ -s $DISTQA_ERROR_FILE ]]; then
+  preempted=$(grep -m 1 '^distqa: preempted: ' "$DISTQA_ERROR_FILE" || true)
+fi
+if [[ -n $preempted ]]; then
+  # Every rank checkpointed and said so (each writes the line; rank 0 also prints it): the run
+  # stopped as asked, whatever torchrun's own status after its SIGTERM.
+  echo "$preempted" >&2
+  status=143
+elif ((status != 0)) && [[ -s $DISTQA_ERROR_FILE ]]; then
   head -n 1 "$DISTQA_ERROR_FILE" >&2
+elif ((status > 128)); then
+  signal=$(kill -l "$((status - 128))" 2>/dev/null || echo "signal $((status - 128))")
+  note "error: torchrun (pid $child) was killed by SIG${signal#SIG}: the run stopped without a checkpoint of its last steps; run the same command again to resume from the newest checkpoint"
+elif ((status != 0 && term_sent)); then
+  note "error: stopped by SIGTERM, but distqa confirmed no checkpoint (torchrun exited $status): the next run resumes from the newest complete checkpoint"
 fi
 rm -f "$DISTQA_ERROR_FILE"
 exit "$status"

@@ -81,6 +81,10 @@ def fakebin_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         "HOME": str(tmp_path),
         "FAKE_LOG": str(tmp_path / "calls.jsonl"),
     }
+    # The distqa under test when it is not the installed one (a checkout's src/ on PYTHONPATH):
+    # the scripts run `python -m distqa...` checks before their launch.
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     env.update(extra)
     return env
 

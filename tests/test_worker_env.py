@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -144,16 +146,17 @@ def test_pet_variables_do_not_reach_torchrun(tmp_path):
     fake.chmod(0o755)
     proc = worker(
         tmp_path,
-        "x=1",
+        "train.lr=1e-4",
         WORKER_DRY_RUN="0",
         TORCHRUN=str(fake),
         PET_NNODES="1",
         PET_RDZV_ENDPOINT="elsewhere:1234",
-        MASTER_ADDR="job-master-0",
+        MASTER_ADDR="localhost",  # node 0 checks that it leads here
+        MASTER_PORT=str(_free_port()),
     )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "pet.txt").read_text() == ""
-    assert (tmp_path / "args.txt").read_text().split()[-3:] == ["distqa", "train", "x=1"]
+    assert (tmp_path / "args.txt").read_text().split()[-3:] == ["distqa", "train", "train.lr=1e-4"]
 
 
 def test_slurm(tmp_path):
@@ -282,7 +285,7 @@ def test_worker_starts_torchrun_once_the_master_answers(tmp_path):
         port = server.getsockname()[1]
         proc = worker(
             tmp_path,
-            "a=1",
+            "train.lr=1e-4",
             WORKER_DRY_RUN="0",
             TORCHRUN=str(fake),
             NNODES="2",
@@ -293,7 +296,7 @@ def test_worker_starts_torchrun_once_the_master_answers(tmp_path):
         )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("torchrun --nnodes 2 --node-rank 1 ")
-    assert proc.stdout.split()[-3:] == ["distqa", "train", "a=1"]
+    assert proc.stdout.split()[-3:] == ["distqa", "train", "train.lr=1e-4"]
 
 
 # ---- the deploy/ examples, each as its scheduler would run it --------------------------------
@@ -372,3 +375,218 @@ def test_pytorchjob_example(tmp_path):
         assert (r["--nnodes"], r["--node-rank"], r["--nproc-per-node"]) == ("2", str(rank), "8")
         assert r["--master-addr"] == "distqa-bert-base-master-0" and r["--rdzv-conf"] == "timeout=1800"
         assert r["train_args"] == container["args"]
+
+
+# ---- checks before torchrun starts (all with a stand-in torchrun that records its start) --------
+
+
+def recording_torchrun(tmp_path: Path) -> Path:
+    fake = tmp_path / "torchrun"
+    fake.write_text(f'#!/bin/sh\necho "torchrun $*"\ntouch "{tmp_path}/torchrun-started"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one `worker.sh: error:` line; the start note before it is allowed."""
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("worker.sh: node ")]
+    assert len(lines) == 1 and lines[0].startswith("worker.sh: error: "), proc.stderr
+    return lines[0]
+
+
+def test_node_zero_says_when_the_port_is_in_use(tmp_path):
+    with socket.socket() as other:  # another program holding the port, on one address only
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        start = time.monotonic()
+        proc = worker(tmp_path, WORKER_DRY_RUN="0", TORCHRUN=str(recording_torchrun(tmp_path)), MASTER_PORT=str(port))
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert (
+        f"port {port} is already in use on this host" in line
+        and f"set MASTER_PORT to a free port, e.g. {port + 1}" in line
+    )
+    assert not (tmp_path / "torchrun-started").exists()
+    assert time.monotonic() - start < 10
+
+
+def test_node_zero_says_when_its_master_addr_does_not_resolve(tmp_path):
+    start = time.monotonic()
+    proc = worker(
+        tmp_path,
+        WORKER_DRY_RUN="0",
+        TORCHRUN=str(recording_torchrun(tmp_path)),
+        NNODES="2",
+        MASTER_ADDR="no-such-host.invalid",
+        MASTER_PORT=str(_free_port()),
+        RDZV_TIMEOUT="3",
+    )
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert "MASTER_ADDR=no-such-host.invalid (from MASTER_ADDR) does not resolve" in line, line
+    assert not (tmp_path / "torchrun-started").exists()
+    assert time.monotonic() - start < 3 + 10
+
+
+def test_node_zero_with_its_own_address_starts_torchrun(tmp_path):
+    """The nonce check finds this host behind 127.0.0.1 and `localhost`, and frees the port for torchrun."""
+    for addr in ("self", "localhost"):
+        port = _free_port()
+        proc = worker(
+            tmp_path,
+            WORKER_DRY_RUN="0",
+            TORCHRUN=str(recording_torchrun(tmp_path)),
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+        )
+        assert proc.returncode == 0, proc.stderr
+        with socket.socket() as again:  # what torchrun does next: the check left the port free
+            again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            again.bind(("", port))
+
+
+def test_a_bad_setting_is_one_line_before_torchrun(tmp_path):
+    proc = worker(
+        tmp_path,
+        "train.batchsize=4",
+        WORKER_DRY_RUN="0",
+        TORCHRUN=str(recording_torchrun(tmp_path)),
+        MASTER_PORT=str(_free_port()),
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("worker.sh: node ")]
+    assert lines == [
+        "distqa: error: unknown config key 'train.batchsize' in the command line (did you mean train.batch_size?)"
+    ]
+    assert not (tmp_path / "torchrun-started").exists()
+
+
+def test_worker_waits_for_a_master_that_starts_late(tmp_path):
+    """Node 0 opens its port 2 s after the worker started: the worker waits, then starts torchrun."""
+    port = _free_port()
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [str(WORKER), "train.lr=1e-4"],
+        env=base_env(
+            tmp_path,
+            WORKER_DRY_RUN="0",
+            TORCHRUN=str(recording_torchrun(tmp_path)),
+            NNODES="2",
+            NODE_RANK="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RDZV_TIMEOUT="20",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2)
+    assert proc.poll() is None and not (tmp_path / "torchrun-started").exists(), proc.communicate()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        stdout, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 0, stderr
+    assert "waiting up to 20s for the master" in stderr
+    assert stdout.startswith("torchrun --nnodes 2 --node-rank 1 ") and time.monotonic() - start >= 2
+
+
+# ---- threads per process ---------------------------------------------------------------------
+
+
+def threads(tmp_path: Path, *prefix: str, **env: str) -> str:
+    """OMP_NUM_THREADS as the (dry-run) worker.sh reports it."""
+    proc = subprocess.run(
+        [*prefix, str(WORKER)], env=base_env(tmp_path, **env), capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_threads_share_the_cpus_this_node_may_use(tmp_path):
+    cpus = len(os.sched_getaffinity(0))
+    assert threads(tmp_path, NPROC_PER_NODE="1") == f"worker.sh: OMP_NUM_THREADS={cpus} ({cpus} CPU(s) / 1 process(es))"
+    per = max(1, cpus // 2)
+    assert threads(tmp_path, NPROC_PER_NODE="2") == f"worker.sh: OMP_NUM_THREADS={per} ({cpus} CPU(s) / 2 process(es))"
+    # More processes than CPUs: still one thread each, never zero.
+    assert threads(tmp_path, NPROC_PER_NODE=str(cpus + 1)).startswith("worker.sh: OMP_NUM_THREADS=1 (")
+    # An explicit value wins.
+    assert threads(tmp_path, NPROC_PER_NODE="1", OMP_NUM_THREADS="3") == "worker.sh: OMP_NUM_THREADS=3 (set)"
+
+
+def test_threads_follow_the_cpu_affinity(tmp_path):
+    """A node pinned to one CPU (taskset, a cpuset) gets one thread per process."""
+    if shutil.which("taskset") is None:
+        pytest.skip("util-linux's taskset is not installed")
+    assert threads(tmp_path, "taskset", "-c", "0", NPROC_PER_NODE="1") == (
+        "worker.sh: OMP_NUM_THREADS=1 (1 CPU(s) / 1 process(es))"
+    )
+
+
+# ---- SIGTERM, with a stand-in torchrun -------------------------------------------------------
+
+# Records its process group and how many SIGTERMs reach it; then ends as torchrun does after one
+# (status 1), leaving a preempted line in DISTQA_ERROR_FILE as distqa's ranks would when PREEMPTED=1.
+TERM_COUNTING_TORCHRUN = """#!/bin/bash
+n=0
+trap 'n=$((n + 1))' TERM
+read -r _ _ _ _ pgid _ </proc/$$/stat
+echo "$pgid" >"$DIR/pgid"
+touch "$DIR/ready"
+for _ in $(seq 100); do ((n > 0)) && break; sleep 0.1; done
+for _ in $(seq 15); do sleep 0.1; done  # time for a second SIGTERM to arrive, if one does
+echo "$n" >"$DIR/terms"
+if [[ $PREEMPTED == 1 ]]; then
+  echo "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..." >>"$DISTQA_ERROR_FILE"
+fi
+exit 1
+"""
+
+
+def sigterm_twice(tmp_path: Path, preempted: str) -> tuple[subprocess.Popen, str]:
+    fake = tmp_path / "torchrun"
+    fake.write_text(TERM_COUNTING_TORCHRUN)
+    fake.chmod(0o755)
+    env = base_env(
+        tmp_path,
+        WORKER_DRY_RUN="0",
+        TORCHRUN=str(fake),
+        MASTER_PORT=str(_free_port()),
+        DIR=str(tmp_path),
+        PREEMPTED=preempted,
+    )
+    proc = subprocess.Popen(
+        [str(WORKER)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as a supervisor or `kill -- -PGID` does
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # an impatient second one, to worker.sh only
+    _, stderr = proc.communicate(timeout=20)
+    return proc, stderr
+
+
+def test_sigterm_reaches_torchrun_once_and_143_needs_distqa_preempted_line(tmp_path):
+    proc, stderr = sigterm_twice(tmp_path, preempted="1")
+    # torchrun is outside worker.sh's process group, and the second SIGTERM was not passed on:
+    # either would abort torchrun's wait for the workers' checkpoint.
+    assert int((tmp_path / "pgid").read_text()) != proc.pid
+    assert (tmp_path / "terms").read_text().strip() == "1"
+    assert "SIGTERM again: ignored" in stderr
+    assert proc.returncode == 143
+    assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
+
+
+def test_sigterm_without_a_checkpoint_is_not_reported_as_143(tmp_path):
+    proc, stderr = sigterm_twice(tmp_path, preempted="0")
+    assert proc.returncode == 1
+    assert (
+        stderr.strip()
+        .splitlines()[-1]
+        .startswith("worker.sh: error: stopped by SIGTERM, but distqa confirmed no checkpoint (torchrun exited 1)")
+    )

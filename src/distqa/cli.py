@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_settings(train)
+    train.add_argument(
+        "--check-config",
+        action="store_true",
+        help="only load and check the settings, then exit (0, or 2 with the error); imports no torch, "
+        "so launch scripts run it once before starting torchrun",
+    )
 
     prepare = commands.add_parser(
         "prepare",
@@ -152,6 +158,12 @@ def _prepare(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from distqa.config import load_config
+
+        if args.check_config:
+            # Before torchrun: a mistake is then said once, not once per rank and then again in
+            # torchrun's failure report. The trainer (and torch with it) is not imported here.
+            load_config(args.config, args.overrides)
+            return 0
         from distqa.trainer import train
 
         train(load_config(args.config, args.overrides))
@@ -185,10 +197,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(line: str) -> None:
+def _report(line: str, *, show: bool = True) -> None:
     """Print the one-line message; also append it to DISTQA_ERROR_FILE when a launcher (worker.sh)
     asked for it, so the launcher can repeat it after torchrun's own failure report."""
-    print(line, file=sys.stderr, flush=True)
+    if show:
+        print(line, file=sys.stderr, flush=True)
     path = os.environ.get("DISTQA_ERROR_FILE")
     if path:
         try:
@@ -203,9 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except Preempted as err:
-        # Not a crash: the job was asked to stop and saved its state. Said once, by rank 0.
-        if os.environ.get("RANK", "0") == "0":
-            _report(f"distqa: preempted: {err}")
+        # Not a crash: the job was asked to stop and saved its state. Said once, by rank 0; every
+        # rank leaves the line for its node's launcher, which has no rank 0 on nodes other than 0.
+        _report(f"distqa: preempted: {err}", show=os.environ.get("RANK", "0") == "0")
         return err.exit_code
     except DistqaError as err:
         if os.environ.get("DISTQA_DEBUG") == "1":
