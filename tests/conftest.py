@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -149,3 +150,10 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
         assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (tests run beside other launches that use 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, launch, load_weights, max_abs_diff, run_train, subprocess_env, wait_for_step
+from conftest import (
+    ROOT,
+    SMALL,
+    free_port,
+    launch,
+    load_weights,
+    max_abs_diff,
+    run_train,
+    subprocess_env,
+    wait_for_step,
+)
 from distqa.checkpoint import list_checkpoints, verify_checkpoint
 from distqa.config import load_config
 from distqa.errors import DistqaError
@@ -163,7 +173,11 @@ def test_replica_check_catches_ranks_that_drift_apart(tmp_path):
 
 
 def worker(args: list[str]) -> subprocess.Popen:
-    env = subprocess_env(NPROC_PER_NODE="2", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = subprocess_env(
+        NPROC_PER_NODE="2",
+        MASTER_PORT=str(free_port()),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    )
     return subprocess.Popen(
         ["bash", str(ROOT / "scripts" / "worker.sh"), *args],
         env=env,
@@ -191,7 +205,7 @@ def test_worker_sh_ends_with_distqa_own_line(tmp_path):
     wait_for_step(proc, out, 4)
     proc.send_signal(signal.SIGTERM)  # what a platform sends to the container's PID 1
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 143  # "terminated", not a failure: platforms reschedule the job
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("distqa: preempted: stopped by SIGTERM at step "), last
     step = int(last.split("at step ")[1].split()[0])

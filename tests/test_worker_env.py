@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fakebin_env
+from conftest import fakebin_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "scripts" / "worker.sh"
@@ -152,7 +152,7 @@ def test_pet_variables_do_not_reach_torchrun(tmp_path):
         PET_NNODES="1",
         PET_RDZV_ENDPOINT="elsewhere:1234",
         MASTER_ADDR="localhost",  # node 0 checks that it leads here
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
     )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "pet.txt").read_text() == ""
@@ -247,15 +247,9 @@ def test_errors_are_one_clear_line(tmp_path, env, message):
     assert message in lines[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_master_fails_in_time_with_the_address(tmp_path):
     """Nothing listens on the port: the worker gives up after RDZV_TIMEOUT, and never starts torchrun."""
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     proc = worker(
         tmp_path,
@@ -419,7 +413,7 @@ def test_node_zero_says_when_its_master_addr_does_not_resolve(tmp_path):
         TORCHRUN=str(recording_torchrun(tmp_path)),
         NNODES="2",
         MASTER_ADDR="no-such-host.invalid",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         RDZV_TIMEOUT="3",
     )
     assert proc.returncode == 2
@@ -432,7 +426,7 @@ def test_node_zero_says_when_its_master_addr_does_not_resolve(tmp_path):
 def test_node_zero_with_its_own_address_starts_torchrun(tmp_path):
     """The nonce check finds this host behind 127.0.0.1 and `localhost`, and frees the port for torchrun."""
     for addr in ("self", "localhost"):
-        port = _free_port()
+        port = free_port()
         proc = worker(
             tmp_path,
             WORKER_DRY_RUN="0",
@@ -452,7 +446,7 @@ def test_a_bad_setting_is_one_line_before_torchrun(tmp_path):
         "train.batchsize=4",
         WORKER_DRY_RUN="0",
         TORCHRUN=str(recording_torchrun(tmp_path)),
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("worker.sh: node ")]
@@ -464,7 +458,7 @@ def test_a_bad_setting_is_one_line_before_torchrun(tmp_path):
 
 def test_worker_waits_for_a_master_that_starts_late(tmp_path):
     """Node 0 opens its port 2 s after the worker started: the worker waits, then starts torchrun."""
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     proc = subprocess.Popen(
         [str(WORKER), "train.lr=1e-4"],
@@ -553,7 +547,7 @@ def sigterm_twice(tmp_path: Path, preempted: str) -> tuple[subprocess.Popen, str
         tmp_path,
         WORKER_DRY_RUN="0",
         TORCHRUN=str(fake),
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         DIR=str(tmp_path),
         PREEMPTED=preempted,
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SMALL, load_weights, max_abs_diff, subprocess_env
+from conftest import ROOT, SMALL, free_port, load_weights, max_abs_diff, subprocess_env
 from distqa.checkpoint import verify_checkpoint
 from test_multinode import two_hosts  # noqa: F401  (a fixture)
 
@@ -42,13 +41,6 @@ PREEMPT_RUN = [
     "train.checkpoint_every=20",
     "train.keep_checkpoints=0",
 ]
-
-
-def free_port() -> int:
-    # Other test runs may share this host: never assume 29500 is free.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -200,7 +192,6 @@ def test_worker_sh_says_torchrun_was_killed_and_exits(killed_torchrun):
     assert "Traceback" not in k["stderr"] and "Killed" not in k["stderr"]
 
 
-@pytest.mark.xfail(strict=False, reason="needs the worker watchdog from main")
 def test_no_process_of_a_killed_run_survives_and_the_same_command_runs_again(killed_torchrun):
     """rel-orphans: the training processes notice that torchrun is gone and stop; then the same
     command, on the same MASTER_PORT, completes."""
