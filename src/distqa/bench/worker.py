@@ -27,6 +27,7 @@ from distqa.config import Config, load_config
 from distqa.dist import DistInfo, barrier, cleanup, gather_to_main, init_distributed, local_main_first
 from distqa.errors import DistqaError
 from distqa.flops import device_name
+from distqa.guards import watch_parent
 from distqa.steptimer import PHASES, StepTimer
 from distqa.task import Task, load_task
 from distqa.trainer import Trainer
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     cfg = _bench_config(args)
+    watch_parent()  # a bench launch killed with its torchrun leaves no worker behind either
     info = init_distributed()
     try:
         with local_main_first(info):
