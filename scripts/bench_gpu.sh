@@ -15,7 +15,7 @@ fi
 nproc=1
 for (( n = 2; n <= gpus; n *= 2 )); do nproc+=",$n"; done
 
-common=(model.name=bert-base-random data.max_seq_len=512 train.precision=bf16 train.batch_size=32)
+common=(model.name=bert-base-random task.max_seq_len=512 train.precision=bf16 train.batch_size=32)
 distqa bench --nproc "$nproc" --output "$out/eager" "${common[@]}" "$@"
 distqa bench --nproc "$nproc" --output "$out/compile" --warmup 10 "${common[@]}" train.compile=true "$@"
 

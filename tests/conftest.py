@@ -24,8 +24,8 @@ ROOT = TESTS.parent
 # A tiny BERT on short DummyDataset sequences: a step takes milliseconds on one CPU core.
 SMALL = [
     "model.name=tiny",
-    "data.max_seq_len=64",
-    "data.dummy_size=256",
+    "task.max_seq_len=64",
+    "task.dummy_size=256",
     "data.num_workers=0",
     "train.log_every=1",
     "train.check_replicas=true",  # the debug check that every rank holds the same weights, on in tests

@@ -22,7 +22,7 @@ from distqa.flops import ModelShape, model_shape, peak_tflops
 from distqa.nq.model import BertJointQA
 from distqa.steptimer import PHASES, StepTimer
 
-BENCH_SMALL = ["model.name=tiny", "data.max_seq_len=64", "data.dummy_size=256", "data.num_workers=0"]
+BENCH_SMALL = ["model.name=tiny", "task.max_seq_len=64", "task.dummy_size=256", "data.num_workers=0"]
 
 
 def test_parse_nproc_sorts_and_rejects_bad_lists():

@@ -25,14 +25,14 @@ SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
 @pytest.mark.slow
 def test_train_validate_predict_score(tmp_path, minilm_dir):
     out, cache = tmp_path / "run", tmp_path / "cache"
-    common = [f"model.tokenizer={minilm_dir}", "data.max_seq_len=128", f"data.cache_dir={cache}"]
+    common = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", f"task.cache_dir={cache}"]
     run_train(
         [
             *SMALL,
             *common,
             f"data.train={SAMPLE}",
             f"data.valid={SAMPLE}",
-            "data.keep_unknown=0.3",
+            "task.keep_unknown=0.3",
             "train.batch_size=4",
             "train.max_steps=4",
             "train.eval_every=2",

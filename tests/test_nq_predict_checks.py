@@ -25,7 +25,7 @@ def tiny_run(tmp_path_factory):
 
 def predict(tmp_path, checkpoint, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "distqa", "predict", "--input", str(SAMPLE), "--checkpoint", str(checkpoint)]
-    cmd += ["--output", str(tmp_path / "sub.csv"), "data.max_seq_len=128", f"data.cache_dir={tmp_path / 'cache'}"]
+    cmd += ["--output", str(tmp_path / "sub.csv"), "task.max_seq_len=128", f"task.cache_dir={tmp_path / 'cache'}"]
     return subprocess.run(
         [*cmd, *overrides], env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
     )

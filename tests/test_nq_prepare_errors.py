@@ -95,7 +95,7 @@ def test_unwritable_output_is_one_line_and_a_writable_folder_is_enough(shared_tm
 
     def run(output: Path) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "distqa", "prepare", "--input", str(SAMPLE), "--output", str(output)]
-        cmd += [f"model.tokenizer={minilm_dir}", "data.max_seq_len=128", "data.doc_stride=64"]
+        cmd += [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", "task.doc_stride=64"]
         return subprocess.run([*prefix, *cmd], env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
 
     missing = locked / "new"

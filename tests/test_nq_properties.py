@@ -627,7 +627,7 @@ def test_no_room_is_a_value_error(tokenizer, builder, example, question, max_que
     s = FeatureSettings(max_seq_len=max_seq_len, doc_stride=8, max_query_len=max_query_len, keep_unknown=1.0)
     room = max_seq_len - len(question_ids(tokenizer, question, max_query_len)) - 3
     if room < 1:
-        with pytest.raises(ValueError, match=rf"data\.max_seq_len={max_seq_len} leaves no room"):
+        with pytest.raises(ValueError, match=rf"task\.max_seq_len={max_seq_len} leaves no room"):
             build(builder, s, example)
     else:
         check_features(tokenizer, example, s, build(builder, s, example))

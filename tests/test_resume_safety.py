@@ -16,7 +16,7 @@ from conftest import SMALL, load_weights, max_abs_diff
 from distqa.checkpoint import REQUIRED_FILES, list_checkpoints, verify_checkpoint
 from distqa.config import describe_keys, load_config
 from distqa.errors import ConfigError, DistqaError
-from distqa.resume import RESUME_APPLIED, RESUME_SILENT
+from distqa.resume import RESUME_APPLIED, RESUME_SILENT, resume_kind
 from distqa.trainer import train
 
 BASE = [
@@ -31,8 +31,11 @@ BASE = [
 
 
 def run(out: Path, *extra: str) -> Path:
+    base = BASE
+    if any(arg.startswith("task.name=") for arg in extra):  # another task: the NQ task's keys do not apply
+        base = [arg for arg in BASE if not arg.startswith("task.")]
     try:
-        train(load_config(None, [*BASE, f"output_dir={out}", *extra]))
+        train(load_config(None, [*base, f"output_dir={out}", *extra]))
     finally:
         torch.use_deterministic_algorithms(False)  # train.deterministic sets it process-wide
     return out
@@ -134,20 +137,20 @@ def test_no_usable_checkpoint_stops_and_never_moves_aside_an_earlier_run(four_st
 ALTERNATIVES = {
     "output_dir": None,  # resumed through train.resume=PATH from another folder, below
     "seed": "7",
-    "task": "toy_task:ToyClassificationTask",
+    "task.name": "toy_task:ToyClassificationTask",
     "model.name": "bert-base-random",
     "model.tokenizer": "MINILM",
     "model.dropout": "0.2",
     "model.attn_implementation": "eager",
     "data.train": "NQ",
     "data.valid": "NQ",
-    "data.max_seq_len": "32",
-    "data.doc_stride": "64",
-    "data.max_query_len": "32",
-    "data.keep_unknown": "0.5",
-    "data.skip_bad_lines": "true",
-    "data.cache_dir": "CACHE",
-    "data.dummy_size": "200",
+    "task.max_seq_len": "32",
+    "task.doc_stride": "64",
+    "task.max_query_len": "32",
+    "task.keep_unknown": "0.5",
+    "task.skip_bad_lines": "true",
+    "task.cache_dir": "CACHE",
+    "task.dummy_size": "200",
     "data.num_workers": "1",
     "train.max_steps": "5",
     "train.epochs": "2",
@@ -181,23 +184,24 @@ NEEDS_TOKENIZER = {"data.train", "data.valid"}
 # What the README promises is refused: the checkpoint's state would mean something else.
 PROMISED_REFUSED = {
     "seed",
-    "task",
+    "task.name",
     "model.name",
     "model.tokenizer",
     "train.optimizer",
-    "data.max_seq_len",
-    "data.doc_stride",
-    "data.max_query_len",
-    "data.keep_unknown",
-    "data.dummy_size",
+    "task.max_seq_len",
+    "task.doc_stride",
+    "task.max_query_len",
+    "task.keep_unknown",
+    "task.dummy_size",
 }
 
 
 def test_every_key_is_classified():
-    assert set(ALTERNATIVES) == {key for key, _, _ in describe_keys()}
+    assert set(ALTERNATIVES) == {key for key, _, _ in describe_keys(load_config())}
     assert not (RESUME_SILENT & RESUME_APPLIED)
     assert RESUME_SILENT | RESUME_APPLIED <= set(ALTERNATIVES)
-    assert set(ALTERNATIVES) - RESUME_SILENT - RESUME_APPLIED == PROMISED_REFUSED
+    cfg = load_config()
+    assert {k for k in ALTERNATIVES if resume_kind(cfg, k) == "refused"} == PROMISED_REFUSED
 
 
 def alternative(key: str, tmp_path: Path, minilm_dir: Path) -> list[str]:
@@ -215,8 +219,9 @@ def alternative(key: str, tmp_path: Path, minilm_dir: Path) -> list[str]:
     return [f"{key}={value}", *keep.get(key, [])]
 
 
-REFUSED = [k for k, v in ALTERNATIVES.items() if v is not None and k not in RESUME_SILENT | RESUME_APPLIED]
-APPLIED = sorted(k for k in RESUME_APPLIED if k not in NEEDS_TOKENIZER)
+KIND = {key: resume_kind(load_config(), key) for key in ALTERNATIVES}  # the default task's keys included
+REFUSED = [k for k, v in ALTERNATIVES.items() if v is not None and KIND[k] == "refused"]
+APPLIED = sorted(k for k in ALTERNATIVES if KIND[k] == "applied" and k not in NEEDS_TOKENIZER)
 
 
 @pytest.mark.parametrize("key", REFUSED)
@@ -241,7 +246,8 @@ def test_a_changed_setting_that_applies_from_the_resume_step_names_itself(
 
 
 def test_settings_that_change_nothing_computed_resume_silently_all_at_once(four_steps, tmp_path, minilm_dir, capsys):
-    keys = [k for k in sorted(RESUME_SILENT) if ALTERNATIVES[k] is not None and k not in NEEDS_TOKENIZER]
+    keys = [k for k in sorted(ALTERNATIVES) if KIND[k] == "silent" and ALTERNATIVES[k] is not None]
+    keys = [k for k in keys if k not in NEEDS_TOKENIZER]
     out = copy_run(four_steps, tmp_path)
     args = [arg for key in keys for arg in alternative(key, tmp_path, minilm_dir)]
     capsys.readouterr()

@@ -76,9 +76,9 @@ def test_resume_on_changed_training_data_is_refused(tmp_path, minilm_dir):
     args = [
         *SMALL,
         f"model.tokenizer={minilm_dir}",
-        "data.max_seq_len=128",
-        "data.keep_unknown=0.3",
-        f"data.cache_dir={tmp_path / 'cache'}",
+        "task.max_seq_len=128",
+        "task.keep_unknown=0.3",
+        f"task.cache_dir={tmp_path / 'cache'}",
         f"data.train={data}",
         "train.batch_size=2",
         "train.checkpoint_every=2",

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_train, subprocess_env
-from toy_task import BlobsDataset, ToyClassifier
+from toy_task import BlobsDataset, ToyClassifier, ToySettings
 
 
 @pytest.mark.slow
@@ -21,7 +21,7 @@ def test_toy_classifier_trains_through_the_generic_trainer(tmp_path):
         [
             f"output_dir={out}",
             "task=toy_task:ToyClassificationTask",
-            "data.dummy_size=1024",
+            "task.size=1024",
             "data.num_workers=0",
             "train.optimizer=sgd",
             "train.lr=0.1",
@@ -55,15 +55,45 @@ def test_core_never_imports_the_nq_task():
 
 
 def test_task_names_are_checked():
-    from distqa.config import Config
+    from distqa.config import load_config
     from distqa.errors import ConfigError
-    from distqa.task import load_task
 
     for name, message in [
         ("nosuch", "neither"),
         ("no_such_module:Task", "cannot import"),
-        ("toy_task:Missing", "no Task subclass"),
-        ("toy_task:BlobsDataset", "no Task subclass"),
+        ("toy_task:Missing", "has nothing named 'Missing'"),
+        ("toy_task:BlobsDataset", "is not a distqa.task.Task subclass"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            load_task(Config(task=name))
+            load_config(None, [f"task.name={name}"])
+
+
+def test_a_task_owns_typed_settings_listed_saved_and_compared(tmp_path, capsys):
+    """task.KEY from the task's Config: typed, checked with a suggestion, in --help and config.yaml,
+    and a change on resume is refused like a core key's."""
+    from distqa.cli import main
+    from distqa.config import load_config, to_yaml
+    from distqa.errors import ConfigError
+    from distqa.trainer import train
+
+    cfg = load_config(None, ["task=toy_task:ToyClassificationTask", "task.size=64"])
+    assert (
+        isinstance(cfg.task, ToySettings) and cfg.task.size == 64 and cfg.task.name == "toy_task:ToyClassificationTask"
+    )
+    assert "size: 64" in to_yaml(cfg)
+    with pytest.raises(ConfigError, match=r"unknown config key 'task.sizes' .*\(did you mean task.size\?\)"):
+        load_config(None, ["task.name=toy_task:ToyClassificationTask", "task.sizes=3"])
+    with pytest.raises(ConfigError, match="bad value for 'task.size'"):
+        load_config(None, ["task.name=toy_task:ToyClassificationTask", "task.size=many"])
+    with pytest.raises(ConfigError, match="unknown config key 'task.size'"):  # not a key of the default task
+        load_config(None, ["task.size=3"])
+    with pytest.raises(SystemExit):
+        main(["train", "task.name=toy_task:ToyClassificationTask", "--help"])
+    assert "task.size = 4096" in capsys.readouterr().out
+
+    args = ["task=toy_task:ToyClassificationTask", "task.size=64", "data.num_workers=0", "train.batch_size=8"]
+    out = tmp_path / "run"
+    train(load_config(None, [*args, "train.max_steps=2", f"output_dir={out}"]))
+    assert "size: 64" in (out / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"task.size \(64 -> 72\)"):
+        train(load_config(None, [*args, "task.size=72", "train.max_steps=4", f"output_dir={out}"]))

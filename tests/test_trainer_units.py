@@ -103,7 +103,7 @@ def test_unwritable_output_dir_is_a_clear_error(tmp_path):
 
 
 def test_too_small_dataset_names_the_keys(tmp_path):
-    cfg = load_config(None, [*SMALL, f"output_dir={tmp_path / 'x'}", "data.dummy_size=3", "train.batch_size=4"])
+    cfg = load_config(None, [*SMALL, f"output_dir={tmp_path / 'x'}", "task.dummy_size=3", "train.batch_size=4"])
     with pytest.raises(ConfigError, match="train.batch_size=4"):
         train(cfg)
 
@@ -126,7 +126,7 @@ def test_malformed_training_file_names_file_and_line(tmp_path, minilm_dir):
             f"output_dir={tmp_path / 'x'}",
             f"data.train={data}",
             f"model.tokenizer={minilm_dir}",
-            f"data.cache_dir={tmp_path / 'cache'}",
+            f"task.cache_dir={tmp_path / 'cache'}",
         ],
     )
     with pytest.raises(DistqaError, match=r"train\.jsonl, line 2: not valid JSON"):

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow
 # As tests/test_fault_tolerance.py's RUN (dropout on, AdamW), with the sizes of the check.
 PREEMPT_RUN = [
     "model.name=tiny",
-    "data.max_seq_len=64",
-    "data.dummy_size=2048",
+    "task.max_seq_len=64",
+    "task.dummy_size=2048",
     "data.num_workers=2",
     "train.log_every=1",
     "train.check_replicas=true",

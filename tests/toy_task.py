@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import Dataset
 
+from distqa.config import setting
 from distqa.task import Batch, Task
 
 FEATURES, CLASSES = 16, 4
@@ -50,12 +52,19 @@ class ToyClassifier(nn.Module):
         return self.net(features)
 
 
+@dataclass
+class ToySettings:
+    size: int = setting(4096, "examples in the synthetic blobs dataset")
+
+
 class ToyClassificationTask(Task):
+    Config = ToySettings  # task.size
+
     def build_model(self) -> nn.Module:
         return ToyClassifier()
 
     def build_train_dataset(self) -> Dataset:
-        return BlobsDataset(self.cfg.data.dummy_size, self.cfg.seed)
+        return BlobsDataset(self.cfg.task.size, self.cfg.seed)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return F.cross_entropy(model(batch["features"]), batch["label"])
@@ -88,4 +97,4 @@ class RankSkewedTask(ToyClassificationTask):
 
     def build_train_dataset(self) -> Dataset:
         short = int(os.environ.get("RANK", "0")) == 1
-        return BlobsDataset(self.cfg.data.dummy_size - (8 if short else 0), self.cfg.seed)
+        return BlobsDataset(self.cfg.task.size - (8 if short else 0), self.cfg.seed)

@@ -12,13 +12,34 @@ from distqa.config import describe_keys
 from distqa.errors import DistqaError, Preempted
 
 
-def _keys_reference() -> str:
-    lines = ["configuration keys (KEY=VALUE; default, then meaning):"]
-    for key, default, help_text in describe_keys():
+def _task_in(argv: Sequence[str]) -> str | None:
+    """The task an argument list selects (`task.name=X` or `task=X`), for `--help` to list its keys."""
+    found = None
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in ("task", "task.name"):
+            found = value
+    return found
+
+
+def _keys_reference(task: str | None = None) -> str:
+    """Every key with its default and meaning; the task's own keys too (the default task's, or
+    the one named on the command line)."""
+    from distqa.config import TaskSettings, default_config
+    from distqa.tasks import settings_class
+
+    name = task or TaskSettings().name
+    try:
+        defaults = default_config(settings_class(name))
+        note = ""
+    except DistqaError as err:
+        defaults, note = default_config(), f"\n(task {name!r}'s own keys are not listed: {err})"
+    lines = [f"configuration keys (KEY=VALUE; default, then meaning), task.name={name!r}:"]
+    for key, default, help_text in describe_keys(defaults):
         shown = "null" if default is None else repr(default) if isinstance(default, str) else default
         lines.append(f"  {key} = {shown}")
         lines.extend(textwrap.wrap(help_text, width=88, initial_indent=" " * 6, subsequent_indent=" " * 6))
-    return "\n".join(lines)
+    return "\n".join(lines) + note
 
 
 def _add_settings(command: argparse.ArgumentParser) -> None:
@@ -27,14 +48,14 @@ def _add_settings(command: argparse.ArgumentParser) -> None:
     command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(task: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distqa", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train",
         help="train a model (run it under torchrun for several processes)",
         description="Train with DDP. Settings: defaults < --config FILE < KEY=VALUE overrides.",
-        epilog=_keys_reference(),
+        epilog=_keys_reference(task),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_settings(train)
@@ -50,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn Natural Questions JSONL into cached model features",
         description="Tokenize and window a Natural Questions JSONL file into a `datasets` folder "
         "(reused when input, tokenizer and settings are unchanged). Keys as for train "
-        "(model.tokenizer, data.max_seq_len, data.doc_stride, data.max_query_len, data.keep_unknown, "
-        "data.skip_bad_lines, seed).",
+        "(model.tokenizer, task.max_seq_len, task.doc_stride, task.max_query_len, task.keep_unknown, "
+        "task.skip_bad_lines, seed).",
     )
     prepare.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL (train, dev or test format)")
     prepare.add_argument("--output", required=True, metavar="DIR", help="folder to write the features to")
@@ -60,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=("train", "eval"),
         default="train",
-        help="train: keep data.keep_unknown of the windows without an answer; eval: keep every window",
+        help="train: keep task.keep_unknown of the windows without an answer; eval: keep every window",
     )
     _add_settings(prepare)
 
@@ -69,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a Kaggle submission.csv for an NQ JSONL file",
         description="Predict a long and a short answer for every example of an NQ JSONL file "
         "(test, dev or train format) with a trained model, applying the thresholds chosen on "
-        "data.valid during training. Keys as for train (data.max_seq_len, data.doc_stride, ...).",
+        "data.valid during training. Keys as for train (task.max_seq_len, task.doc_stride, ...).",
     )
     predict.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL file")
     predict.add_argument("--checkpoint", required=True, metavar="DIR", help="a model/ folder, or its output_dir")
@@ -137,7 +158,7 @@ def _prepare(args: argparse.Namespace) -> None:
         tokenizer_name=tokenizer_name(cfg),
         settings=feature_settings(cfg, training=args.mode == "train"),
         num_proc=args.num_proc,
-        skip_bad_lines=cfg.data.skip_bad_lines,
+        skip_bad_lines=cfg.task.skip_bad_lines,
     )
     if result.reused:
         print(f"reused {result.path}: same input, tokenizer and settings, nothing to do")
@@ -159,14 +180,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from distqa.config import load_config
 
+        # Checked before the trainer (and torch with it) is imported: a mistake is said at once.
+        # --check-config stops there (launch scripts run it once before torchrun, so a mistake is
+        # said once, not once per rank and again in torchrun's failure report).
+        cfg = load_config(args.config, args.overrides)
         if args.check_config:
-            # Before torchrun: a mistake is then said once, not once per rank and then again in
-            # torchrun's failure report. The trainer (and torch with it) is not imported here.
-            load_config(args.config, args.overrides)
             return 0
         from distqa.trainer import train
 
-        train(load_config(args.config, args.overrides))
+        train(cfg)
     elif args.command == "prepare":
         _prepare(args)
     elif args.command == "predict":
@@ -212,7 +234,8 @@ def _report(line: str, *, show: bool = True) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_task_in(argv)).parse_args(argv)
     try:
         return _run(args)
     except Preempted as err:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from distqa.errors import ConfigError
@@ -27,12 +28,19 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+# Public names for tasks' own Config dataclasses: `setting(default, help, resume="silent")`.
+# `resume` says what a change on resume means: "silent" (nothing computed changes), "applied"
+# (takes effect from the resume step, with a warning); without it the change is refused.
+def setting(default: Any, help: str, **kw: Any) -> Any:
+    return _f(default, help, **kw)
+
+
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
 
 
-def _check_min(key: str, value: float, low: float, *, strict: bool = False) -> None:
+def check_min(key: str, value: float, low: float, *, strict: bool = False) -> None:
     if value < low or (strict and value == low):
         raise ConfigError(f"{key}={value} must be {'>' if strict else '>='} {low}")
 
@@ -57,15 +65,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = _f("dummy", "'dummy' (DummyDataset), an NQ JSONL file, or a folder `distqa prepare` wrote")
-    valid: str | None = _f(None, "validation data, as data.train (default: none)")
-    max_seq_len: int = _f(512, "tokens per input sequence, special tokens included")
-    doc_stride: int = _f(128, "document tokens between the starts of two windows (at most a window's length)")
-    max_query_len: int = _f(64, "question tokens kept (the rest is cut)")
-    keep_unknown: float = _f(0.02, "fraction of training windows without the answer that are kept")
-    skip_bad_lines: bool = _f(False, "skip (and count) malformed JSONL lines instead of stopping")
-    cache_dir: str | None = _f(None, "where prepared features are cached (default: HF_HOME/distqa/features)")
-    dummy_size: int = _f(4096, "number of examples in the DummyDataset")
+    train: str = _f(
+        "dummy",
+        "training data, as the task reads it (nq: 'dummy', an NQ JSONL file, or a folder `distqa prepare` wrote)",
+    )
+    valid: str | None = _f(None, "validation data, as the task reads it (default: none)")
     num_workers: int | None = _f(
         None,
         "DataLoader worker processes per rank (0 = load in the training process; "
@@ -73,14 +77,8 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_min("data.max_seq_len", self.max_seq_len, 8)
-        _check_min("data.dummy_size", self.dummy_size, 1)
         if self.num_workers is not None:
-            _check_min("data.num_workers", self.num_workers, 0)
-        _check_min("data.doc_stride", self.doc_stride, 1)
-        _check_min("data.max_query_len", self.max_query_len, 1)
-        if not 0.0 <= self.keep_unknown <= 1.0:
-            raise ConfigError(f"data.keep_unknown={self.keep_unknown} must be in [0, 1]")
+            check_min("data.num_workers", self.num_workers, 0)
         for key, value in (("data.train", self.train), ("data.valid", self.valid)):
             if value not in (None, "dummy") and not Path(value).exists():
                 # Never fall back to dummy data silently: a typo would train on noise for hours.
@@ -123,17 +121,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "grad_accum", "checkpoint_every", "log_every"):
-            _check_min(f"train.{key}", getattr(self, key), 1)
+            check_min(f"train.{key}", getattr(self, key), 1)
         _check_choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
         _check_choice("train.lr_schedule", self.lr_schedule, ("linear", "constant", "cosine"))
         _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
-        _check_min("train.lr", self.lr, 0.0, strict=True)
-        _check_min("train.momentum", self.momentum, 0.0)
-        _check_min("train.weight_decay", self.weight_decay, 0.0)
-        _check_min("train.max_grad_norm", self.max_grad_norm, 0.0)
-        _check_min("train.eval_every", self.eval_every, 0)
-        _check_min("train.keep_checkpoints", self.keep_checkpoints, 0)
-        _check_min("train.term_grace_s", self.term_grace_s, 0.0, strict=True)
+        check_min("train.lr", self.lr, 0.0, strict=True)
+        check_min("train.momentum", self.momentum, 0.0)
+        check_min("train.weight_decay", self.weight_decay, 0.0)
+        check_min("train.max_grad_norm", self.max_grad_norm, 0.0)
+        check_min("train.eval_every", self.eval_every, 0)
+        check_min("train.keep_checkpoints", self.keep_checkpoints, 0)
+        check_min("train.term_grace_s", self.term_grace_s, 0.0, strict=True)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
@@ -141,68 +139,149 @@ class TrainConfig:
 
 
 @dataclass
+class TaskSettings:
+    """`task.name`, plus the selected task's own settings: a `Task` subclass declares them as a
+    dataclass in its `Config` attribute, and `load_config` merges them in under `task.`."""
+
+    name: str = _f("nq", "'nq' or 'package.module:TaskClass' (see README, 'Fork it')")
+
+
+@dataclass
 class Config:
     output_dir: str = _f("results/run", "folder for config.yaml, metrics, checkpoints and the final model")
-    seed: int = _f(42, "seed for weights, data order, dropout and the DummyDataset")
-    task: str = _f("nq", "'nq' or 'package.module:TaskClass' (see README, 'Fork it')")
+    seed: int = _f(42, "seed for weights, data order, dropout and synthetic data")
+    task: TaskSettings = _f(TaskSettings, "")
     model: ModelConfig = _f(ModelConfig, "")
     data: DataConfig = _f(DataConfig, "")
     train: TrainConfig = _f(TrainConfig, "")
 
 
-def describe_keys(schema: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
-    """Yield (dotted key, default, help) for every leaf of the schema, in declaration order."""
-    defaults = schema()
-    for f in dataclasses.fields(schema):
+def describe_keys(schema: Any = Config, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
+    """Yield (dotted key, default, help) for every leaf of a schema (a dataclass or an instance:
+    pass `default_config(task)` to include a task's own keys), in declaration order."""
+    defaults = schema() if isinstance(schema, type) else schema
+    for f in dataclasses.fields(defaults):
         value = getattr(defaults, f.name)
         if dataclasses.is_dataclass(value):
-            yield from describe_keys(type(value), f"{prefix}{f.name}.")
+            yield from describe_keys(value, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", value, f.metadata.get("help", "")
 
 
-def _suggest(key: str) -> str:
-    known = [k for k, _, _ in describe_keys()]
-    close = difflib.get_close_matches(key, known, n=1)
+def _suggest(key: str, known: list[str]) -> str:
+    """The closest full key: first one with the same last part (`data.max_seq_len` ->
+    `task.max_seq_len` once it moved), else the closest spelling of the whole key."""
+    last = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == last]
+    close = same_leaf[:1] or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _raise_config_error(err: OmegaConfBaseException, source: str) -> None:
+def _raise_config_error(err: OmegaConfBaseException, source: str, known: list[str]) -> None:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
-        raise ConfigError(f"unknown config key '{key}' in {source}{_suggest(key)}") from err
+        raise ConfigError(f"unknown config key '{key}' in {source}{_suggest(key, known)}") from err
     # OmegaConf's own message names the expected type and the value it got; keep its first line.
     detail = str(err).splitlines()[0]
     raise ConfigError(f"bad value for '{key}' in {source}: {detail}") from err
 
 
-def load_config(path: str | None = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
-    """Defaults < YAML file < `key=value` overrides, checked against the schema."""
-    merged = OmegaConf.structured(Config)
-    if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            layer = OmegaConf.load(path)
-        except Exception as err:  # yaml's many parser errors: report the file, not the internals
-            raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from err
+@functools.cache
+def task_settings_class(settings: type) -> type:
+    """The dataclass of `task.*` for a task whose own settings are `settings` (its `Config`):
+    `name` first, then the task's keys. An instance is an instance of the task's `Config`."""
+    if not (isinstance(settings, type) and dataclasses.is_dataclass(settings)):
+        raise ConfigError(f"the task's Config must be a dataclass, not {settings!r}")
+    if issubclass(settings, TaskSettings):
+        return settings
+    if "name" in {f.name for f in dataclasses.fields(settings)}:
+        raise ConfigError("a task's Config may not define 'name': task.name selects the task")
+    combined = dataclasses.make_dataclass(settings.__name__, [], bases=(settings, TaskSettings))
+    combined.__module__, combined.__qualname__ = settings.__module__, settings.__qualname__  # for reprs
+    # A class made here cannot be found by name when unpickled (DataLoader workers started with
+    # spawn, broadcasts): rebuild it from the task's own class, which can.
+    combined.__reduce__ = lambda self: (_rebuild_settings, (settings, dataclasses.asdict(self)))
+    return combined
+
+
+def _rebuild_settings(settings: type, values: dict[str, Any]) -> Any:
+    return task_settings_class(settings)(**values)
+
+
+def default_config(settings: type | None = None) -> Config:
+    """Every default, with the task's own settings under `task.` when `settings` (its Config) is given."""
+    cfg = Config()
+    if settings is not None:
+        cfg.task = task_settings_class(settings)()
+    return cfg
+
+
+def _read_yaml(path: str) -> DictConfig:
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        layer = OmegaConf.load(path)
+    except Exception as err:  # yaml's many parser errors: report the file, not the internals
+        raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from err
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"config file {path} is not a mapping of settings")
+    if isinstance(layer.get("task"), str):  # `task: NAME`, the shorthand of `task: {name: NAME}`
+        layer["task"] = {"name": layer["task"]}
+    return layer
+
+
+def _task_name(layer: DictConfig | None, items: list[str]) -> str:
+    for item in reversed(items):
+        if item.startswith("task.name="):
+            return item.partition("=")[2]
+    if layer is not None and isinstance(layer.get("task"), DictConfig) and "name" in layer["task"]:
+        return str(layer["task"]["name"])
+    return TaskSettings().name
+
+
+def load_config(
+    path: str | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+    *,
+    settings_of: Callable[[str], type] | None = None,
+) -> Config:
+    """Defaults < YAML file < `key=value` overrides, checked against the schema.
+
+    The task is found first (`task.name`, or the shorthand `task=NAME`), so that its own settings
+    (`settings_of(name)`, by default the task's `Config`) are typed and checked like every other key.
+    """
+    layer = _read_yaml(path) if path is not None else None
+    items = []
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form KEY=VALUE{_suggest(item, [])}")
+        key, _, value = item.partition("=")
+        items.append(f"task.name={value}" if key == "task" else item)
+    if settings_of is None:
+        from distqa.tasks import settings_class as settings_of
+    defaults = default_config(settings_of(_task_name(layer, items)))
+    known = [k for k, _, _ in describe_keys(defaults)]
+    merged = OmegaConf.structured(defaults)
+    if layer is not None:
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
-            _raise_config_error(err, path)
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form KEY=VALUE{_suggest(item)}")
+            _raise_config_error(err, str(path), known)
+    for item in items:
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except ConfigKeyError as err:
+            # OmegaConf names only the first unknown part (`trian`); the key as typed says more.
+            typed = item.partition("=")[0]
+            raise ConfigError(f"unknown config key '{typed}' in the command line{_suggest(typed, known)}") from err
         except OmegaConfBaseException as err:
-            _raise_config_error(err, "the command line")
+            _raise_config_error(err, "the command line", known)
     try:
         cfg = OmegaConf.to_object(merged)  # instantiates the dataclasses: runs every __post_init__
     except OmegaConfBaseException as err:
         if isinstance(err.__cause__, ConfigError):
             raise err.__cause__ from None
-        _raise_config_error(err, "the configuration")
+        _raise_config_error(err, "the configuration", known)
     assert isinstance(cfg, Config)
     return cfg
 

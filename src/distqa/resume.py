@@ -7,6 +7,8 @@ checkpoint's (a test walks every key of the schema):
 - `RESUME_APPLIED`: takes effect from the resume step on, and a warning names it;
 - everything else changes what the checkpoint's state means (the model, the data, the optimizer's
   kind, the seed): refused in one line naming the key, never a traceback at the first step.
+A task's own keys (`task.*`) say their kind in their field's metadata (`resume="silent"` or
+`"applied"`); without it, a change is refused.
 The data itself is compared by fingerprint (`distqa.data_identity`), so a moved file is fine and a
 changed one is refused unless `train.allow_data_change=true`.
 """
@@ -28,7 +30,6 @@ RESUME_SILENT = {
     "output_dir",
     "model.attn_implementation",
     "data.valid",
-    "data.cache_dir",
     "data.num_workers",
     "train.max_steps",  # the schedule is rebuilt for the new length
     "train.epochs",
@@ -47,7 +48,6 @@ RESUME_SILENT = {
 RESUME_APPLIED = {
     "model.dropout",
     "data.train",  # same data at another path (the fingerprint is compared separately)
-    "data.skip_bad_lines",
     "train.batch_size",  # with the same global batch: another split over processes
     "train.grad_accum",
     "train.lr",
@@ -61,6 +61,20 @@ RESUME_APPLIED = {
 
 # Files of a run in output_dir that `train.resume=never` moves aside before starting afresh.
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "metrics.png", "model", "config.yaml")
+
+
+def resume_kind(cfg: Config, key: str) -> str:
+    """ "silent", "applied" or "refused": what a change of `key` means when resuming."""
+    if key in RESUME_SILENT:
+        return "silent"
+    if key in RESUME_APPLIED:
+        return "applied"
+    if key.startswith("task.") and key != "task.name":
+        fields = {f.name: f for f in dataclasses.fields(cfg.task)}
+        kind = fields[key[5:]].metadata.get("resume") if key[5:] in fields else None
+        if kind in ("silent", "applied"):
+            return kind
+    return "refused"
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -153,7 +167,7 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_st
     saved, now = _flatten(state["config"]), _flatten(dataclasses.asdict(cfg))
     # Keys the checkpoint's version did not have yet (or that were removed since) are not compared.
     changed = sorted(k for k in now if k in saved and saved[k] != now[k])
-    refused = [k for k in changed if k not in RESUME_SILENT | RESUME_APPLIED]
+    refused = [k for k in changed if resume_kind(cfg, k) == "refused"]
     if refused:
         detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in refused)
         raise ConfigError(
@@ -161,7 +175,7 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_st
             "optimizer the checkpoint holds; set it back, or start afresh with train.resume=never"
         )
     _check_data(directory, state.get("data"), data, cfg)
-    applied = [k for k in changed if k in RESUME_APPLIED]
+    applied = [k for k in changed if resume_kind(cfg, k) == "applied"]
     if applied:
         print0(
             f"warning: resuming {directory} with changed settings, applied from step {state['step']} on: "

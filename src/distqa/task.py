@@ -2,15 +2,15 @@
 
 The trainer knows nothing of Natural Questions. It asks a `Task` for a model, a training dataset,
 a collate function and a loss, and hands the trained model back to it for export. To train another
-model or task, subclass `Task` in your own module and run `distqa train task=your.module:YourTask`;
+model or task, subclass `Task` in your own module and run `distqa train task.name=your.module:YourTask`;
 `distqa.nq.task.NQTask` is the worked example and `tests/toy_task.py` the smallest one.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +18,29 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from distqa.config import Config
+from distqa.config import Config as RunConfig
 from distqa.data_identity import fingerprint
 from distqa.dist import DistInfo
-from distqa.errors import ConfigError
 from distqa.flops import ModelShape, model_shape
-
-# Short names for the tasks that ship with distqa; anything else is a "module:Class" path.
-BUILTIN_TASKS = {"nq": "distqa.nq.task:NQTask"}
+from distqa.tasks import task_class
 
 Batch = Mapping[str, torch.Tensor]
 
 
 class Task(ABC):
-    """What a task provides. All methods run on every rank unless their docstring says otherwise."""
+    """What a task provides. All methods run on every rank unless their docstring says otherwise.
 
-    def __init__(self, cfg: Config) -> None:
+    A task's own settings are a dataclass in `Config`: its fields become `task.KEY` settings, typed,
+    checked, listed by `distqa train task.name=... --help`, saved with the run and compared on resume
+    (a field's metadata `resume="silent"` or `"applied"` allows a change on resume; any other change
+    is refused). In the task they are `self.cfg.task`, an instance of `Config`.
+    """
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
     @abstractmethod
@@ -88,17 +95,6 @@ class Task(ABC):
         """Export the trained (unwrapped) model to `directory`. Called on rank 0 only."""
 
 
-def load_task(cfg: Config) -> Task:
-    """Instantiate the task named by `cfg.task` ("nq" or "package.module:ClassName")."""
-    target = BUILTIN_TASKS.get(cfg.task, cfg.task)
-    module_name, _, class_name = target.partition(":")
-    if not module_name or not class_name:
-        raise ConfigError(f"task={cfg.task!r} is neither one of {sorted(BUILTIN_TASKS)} nor 'module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"task={cfg.task!r}: cannot import module {module_name!r} ({err})") from err
-    task_class = getattr(module, class_name, None)
-    if not (isinstance(task_class, type) and issubclass(task_class, Task)):
-        raise ConfigError(f"task={cfg.task!r}: {module_name} has no Task subclass named {class_name!r}")
-    return task_class(cfg)
+def load_task(cfg: RunConfig) -> Task:
+    """Instantiate the task named by `cfg.task.name` ("nq" or "package.module:ClassName")."""
+    return task_class(cfg.task.name)(cfg)

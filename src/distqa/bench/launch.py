@@ -165,7 +165,7 @@ def run_bench(args: Any) -> dict[str, Any]:
         "host": first["host"],
         "device": first["device"],
         "torch": first["torch"],
-        "task": cfg.task,
+        "task": cfg.task.name,
         "model": cfg.model.name,
         "precision": first["precision"],
         "compile": first["compile"],

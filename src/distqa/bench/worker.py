@@ -42,12 +42,12 @@ def _bench_config(args: argparse.Namespace) -> Config:
     cfg.train.max_steps = args.warmup + args.steps
     cfg.train.resume = "never"
     cfg.train.checkpoint_every = cfg.train.max_steps + 1
-    if cfg.data.train == "dummy":
+    if cfg.data.train == "dummy" and hasattr(cfg.task, "dummy_size"):  # a task with a synthetic dataset
         # Keep the whole run inside one epoch: a new epoch starts new DataLoader workers, whose
         # start-up would land in the measured steps of large world sizes only.
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         needed = cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum * world_size
-        cfg.data.dummy_size = max(cfg.data.dummy_size, needed)
+        cfg.task.dummy_size = max(cfg.task.dummy_size, needed)
     return cfg
 
 
@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
             summary, model = _measure(cfg, task, info, args.loop, args.warmup)
         except torch.OutOfMemoryError as err:  # scripts/bench_gpu.sh looks for the largest batch this way
             raise DistqaError(
-                f"out of GPU memory at train.batch_size={cfg.train.batch_size}, "
-                f"data.max_seq_len={cfg.data.max_seq_len}: {str(err).splitlines()[0]}"
+                f"out of GPU memory at train.batch_size={cfg.train.batch_size}"
+                + (f", task.max_seq_len={cfg.task.max_seq_len}" if hasattr(cfg.task, "max_seq_len") else "")
+                + f": {str(err).splitlines()[0]}"
             ) from err
         if info.device.type == "cuda":
             summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(info.device) / 2**30
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                 "threads_per_process": torch.get_num_threads(),
                 "precision": cfg.train.precision,
                 "compile": cfg.train.compile,
-                "seq_len": cfg.data.max_seq_len,
+                "seq_len": getattr(cfg.task, "max_seq_len", None),  # a text task's; None for others
                 "batch_size": cfg.train.batch_size,
                 "grad_accum": cfg.train.grad_accum,
                 "steps": parts[0]["steps"],

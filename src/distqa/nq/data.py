@@ -21,7 +21,7 @@ TRAIN_COLUMNS = ["input_ids", "token_type_ids", "attention_mask", "start_positio
 
 
 def feature_settings(cfg: Config, *, training: bool) -> FeatureSettings:
-    d = cfg.data
+    d = cfg.task
     return FeatureSettings(
         max_seq_len=d.max_seq_len,
         doc_stride=d.doc_stride,
@@ -54,7 +54,7 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
         return source
     name = tokenizer_name(cfg)
     settings = feature_settings(cfg, training=training)
-    cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+    cache_root = Path(cfg.task.cache_dir) if cfg.task.cache_dir else default_cache_dir()
     target = cache_root / fingerprint_key(fingerprint(source, tokenizer, settings))
     result = prepare_features(
         source,
@@ -62,7 +62,7 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
         tokenizer_name=name,
         settings=settings,
         num_proc=os.cpu_count() or 1,
-        skip_bad_lines=cfg.data.skip_bad_lines,
+        skip_bad_lines=cfg.task.skip_bad_lines,
     )
     if not result.reused:
         print(

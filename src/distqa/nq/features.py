@@ -129,9 +129,9 @@ class FeatureBuilder:
         room = s.max_seq_len - len(query) - 3  # [CLS] query [SEP] window [SEP]
         if room < 1:
             raise ValueError(
-                f"data.max_seq_len={s.max_seq_len} leaves no room for the document after a question of "
+                f"task.max_seq_len={s.max_seq_len} leaves no room for the document after a question of "
                 f"{len(query)} tokens (example {example.example_id}): "
-                "raise data.max_seq_len or lower data.max_query_len"
+                "raise task.max_seq_len or lower task.max_query_len"
             )
 
         first_tok, last_tok, answer_type = select_target(example)

@@ -76,10 +76,10 @@ def predict(cfg: Config, input_path: str, checkpoint: str, output: str) -> dict[
         device=device,
         batch_size=cfg.train.batch_size,
         pad_id=tokenizer.pad_token_id or 0,
-        max_len=cfg.data.max_seq_len,
+        max_len=cfg.task.max_seq_len,
         autocast_dtype=autocast_dtype(cfg.train.precision) if device.type == "cuda" else None,
     )
-    examples = GoldIndex(input_path, skip_bad_lines=cfg.data.skip_bad_lines).examples
+    examples = GoldIndex(input_path, skip_bad_lines=cfg.task.skip_bad_lines).examples
     answers = final_answers(group_by_example(bests), examples, thresholds)
     write_submission(output, answers)
     return {

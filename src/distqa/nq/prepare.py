@@ -162,7 +162,7 @@ def prepare_features(
             if sum(s["features"] for s in shard_stats()) == 0:
                 raise DistqaError(
                     f"{source} produced no features (no examples, or every window dropped: "
-                    "data.keep_unknown keeps that fraction of windows without an answer)"
+                    "task.keep_unknown keeps that fraction of windows without an answer)"
                 ) from None
             raise
         stats = shard_stats()

@@ -160,6 +160,6 @@ class NQReader:
                 reason = str(err) if isinstance(err, BadLine) else f"{type(err).__name__}: {err}"
                 if not self.skip_bad_lines:
                     raise DistqaError(
-                        f"{self.path}, line {line_no}: {reason} (set data.skip_bad_lines=true to skip such lines)"
+                        f"{self.path}, line {line_no}: {reason} (set task.skip_bad_lines=true to skip such lines)"
                     ) from None
                 self.bad_lines.append((line_no, reason))

@@ -19,6 +19,7 @@ from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import GoldIndex, score_predictions, window_bests
 from distqa.nq.model import RANDOM_MODELS, BertJointQA, bert_joint_loss, load_error
 from distqa.nq.postprocess import group_by_example
+from distqa.nq.settings import NQSettings
 from distqa.task import Batch, Task
 
 
@@ -41,6 +42,8 @@ THRESHOLDS_FILE = "distqa_thresholds.json"
 
 
 class NQTask(Task):
+    Config = NQSettings  # the task.* keys (max_seq_len, doc_stride, ...): distqa.nq.settings
+
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.tokenizer = load_tokenizer(cfg)
@@ -53,9 +56,9 @@ class NQTask(Task):
     def build_model(self) -> nn.Module:
         model = BertJointQA.build(self.cfg.model)
         max_positions = getattr(model.config, "max_position_embeddings", None)
-        if max_positions is not None and self.cfg.data.max_seq_len > max_positions:
+        if max_positions is not None and self.cfg.task.max_seq_len > max_positions:
             raise DistqaError(
-                f"data.max_seq_len={self.cfg.data.max_seq_len} exceeds the {max_positions} positions "
+                f"task.max_seq_len={self.cfg.task.max_seq_len} exceeds the {max_positions} positions "
                 f"model {self.cfg.model.name!r} was built for"
             )
         if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
@@ -67,15 +70,15 @@ class NQTask(Task):
         return model
 
     def build_train_dataset(self) -> Dataset:
-        data = self.cfg.data
+        data, own = self.cfg.data, self.cfg.task
         # Before the dummy branch: validation on real data is also wanted (and must not be
         # dropped silently) when training on the DummyDataset.
         if data.valid is not None:  # prepared here too: this runs on one process per node first
             self._valid_folder = resolve_features(self.cfg, data.valid, self.tokenizer, training=False)
         if data.train == "dummy":
             return DummyDataset(
-                data.dummy_size,
-                data.max_seq_len,
+                own.dummy_size,
+                own.max_seq_len,
                 vocab_size=self._vocab_size,
                 seed=self.cfg.seed,
                 **self._special_ids(),
@@ -96,7 +99,7 @@ class NQTask(Task):
 
     def collate(self, items: list[Any]) -> Batch:
         pad_id = self._special_ids().get("pad_id", 0)
-        return pad_collate(items, pad_id=pad_id, max_len=self.cfg.data.max_seq_len)
+        return pad_collate(items, pad_id=pad_id, max_len=self.cfg.task.max_seq_len)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         outputs = model(
@@ -116,7 +119,7 @@ class NQTask(Task):
             device=info.device,
             batch_size=self.cfg.train.batch_size,
             pad_id=self._special_ids().get("pad_id", 0),
-            max_len=self.cfg.data.max_seq_len,
+            max_len=self.cfg.task.max_seq_len,
             autocast_dtype=autocast_dtype(self.cfg.train.precision),
             share=(info.rank, info.world_size),
         )
@@ -124,7 +127,7 @@ class NQTask(Task):
         if not info.is_main:
             return {}
         if self._gold is None:
-            self._gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.data.skip_bad_lines)
+            self._gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.task.skip_bad_lines)
         metrics, self.thresholds = score_predictions(group_by_example(gathered), self._gold)
         return metrics
 

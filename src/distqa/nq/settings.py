@@ -1,0 +1,35 @@
+"""Natural Questions' own settings, the `task.*` keys of `task.name=nq` (NQTask.Config).
+
+A module of its own that imports no torch: the configuration is checked before the trainer (and
+torch with it) is imported, so a mistake is reported at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distqa.config import check_min, setting
+from distqa.errors import ConfigError
+
+
+@dataclass
+class NQSettings:
+    max_seq_len: int = setting(512, "tokens per input sequence, special tokens included")
+    doc_stride: int = setting(128, "document tokens between the starts of two windows (at most a window's length)")
+    max_query_len: int = setting(64, "question tokens kept (the rest is cut)")
+    keep_unknown: float = setting(0.02, "fraction of training windows without the answer that are kept")
+    skip_bad_lines: bool = setting(
+        False, "skip (and count) malformed JSONL lines instead of stopping", resume="applied"
+    )
+    cache_dir: str | None = setting(
+        None, "where prepared features are cached (default: HF_HOME/distqa/features)", resume="silent"
+    )
+    dummy_size: int = setting(4096, "number of examples in the DummyDataset (data.train=dummy)")
+
+    def __post_init__(self) -> None:
+        check_min("task.max_seq_len", self.max_seq_len, 8)
+        check_min("task.dummy_size", self.dummy_size, 1)
+        check_min("task.doc_stride", self.doc_stride, 1)
+        check_min("task.max_query_len", self.max_query_len, 1)
+        if not 0.0 <= self.keep_unknown <= 1.0:
+            raise ConfigError(f"task.keep_unknown={self.keep_unknown} must be in [0, 1]")
