@@ -166,6 +166,7 @@ ALTERNATIVES = {
     "train.precision": "fp16",
     "train.compile": None,  # silent by classification; compiling costs a minute on a CPU
     "train.static_graph": "false",
+    "train.find_unused_parameters": "true",
     "train.deterministic": "true",
     "train.checkpoint_every": "1",
     "train.keep_checkpoints": "1",

@@ -97,3 +97,25 @@ def test_a_task_owns_typed_settings_listed_saved_and_compared(tmp_path, capsys):
     assert "size: 64" in (out / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"task.size \(64 -> 72\)"):
         train(load_config(None, [*args, "task.size=72", "train.max_steps=4", f"output_dir={out}"]))
+
+
+def test_task_state_is_checkpointed_and_non_tensor_batch_values_reach_the_loss(tmp_path):
+    from distqa.config import load_config
+    from distqa.trainer import train
+
+    args = ["task=toy_task:CountingTask", "task.size=64", "data.num_workers=0", "train.batch_size=8"]
+    train(load_config(None, [*args, "train.max_steps=3", "train.checkpoint_every=3", f"output_dir={tmp_path / 'a'}"]))
+    train(load_config(None, [*args, "train.max_steps=5", f"output_dir={tmp_path / 'a'}"]))  # resumed at 3
+    train(load_config(None, [*args, "train.max_steps=5", f"output_dir={tmp_path / 'b'}"]))  # straight
+    # A task that forgot its state on resume would have seen only the 2 resumed steps.
+    assert json.loads((tmp_path / "a" / "model" / "seen.json").read_text()) == 5
+    assert json.loads((tmp_path / "b" / "model" / "seen.json").read_text()) == 5
+
+
+@pytest.mark.slow
+def test_a_model_with_an_unused_head_needs_find_unused_parameters(tmp_path):
+    args = ["task=toy_task:UnusedHeadTask", "data.num_workers=0", "train.batch_size=4", "train.grad_accum=2"]
+    args += ["train.max_steps=3", "train.optimizer=sgd", "train.lr=0.1"]
+    proc = run_train([*args, f"output_dir={tmp_path / 'a'}"], nproc=2, check=False)
+    assert proc.returncode != 0 and "set train.find_unused_parameters=true" in proc.stderr
+    run_train([*args, "train.find_unused_parameters=true", f"output_dir={tmp_path / 'b'}"], nproc=2)

@@ -98,3 +98,41 @@ class RankSkewedTask(ToyClassificationTask):
     def build_train_dataset(self) -> Dataset:
         short = int(os.environ.get("RANK", "0")) == 1
         return BlobsDataset(self.cfg.task.size - (8 if short else 0), self.cfg.seed)
+
+
+class CountingTask(ToyClassificationTask):
+    """Keeps a task state across resumes (how many micro-batches it has seen), and feeds `loss`
+    a non-tensor batch value (string ids), which must reach it untouched."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.seen = 0
+
+    def collate(self, items):
+        batch = dict(super().collate(items))
+        batch["ids"] = [f"example-{i}" for i in range(len(items))]
+        return batch
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        assert batch["ids"][0] == "example-0"
+        self.seen += 1
+        return super().loss(model, batch)
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        super().save_model(model, directory)
+        (directory / "seen.json").write_text(json.dumps(self.seen))
+
+
+class UnusedHeadTask(ToyClassificationTask):
+    """A model with a head the loss never uses: DDP needs train.find_unused_parameters."""
+
+    def build_model(self) -> nn.Module:
+        model = ToyClassifier()
+        model.unused = nn.Linear(FEATURES, 2)
+        return model

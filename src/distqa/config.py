@@ -103,6 +103,10 @@ class TrainConfig:
     static_graph: bool = _f(
         True, "tell DDP the same parameters get gradients every step (not used with grad_accum > 1 or compile)"
     )
+    find_unused_parameters: bool = _f(
+        False,
+        "let DDP find parameters a step did not use (a model with an unused head); costs a graph walk per step",
+    )
     deterministic: bool = _f(False, "use deterministic kernels only (slower on GPU; CPU runs are already)")
     checkpoint_every: int = _f(500, "save a checkpoint every N steps (and always at the end)")
     keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0 = keep all)")

@@ -120,7 +120,15 @@ def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:
     """
     static = train.static_graph and train.grad_accum == 1 and not train.compile
     device_ids = [info.local_rank] if info.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, static_graph=static)
+    return DDP(
+        model,
+        device_ids=device_ids,
+        gradient_as_bucket_view=True,
+        static_graph=static,
+        # A parameter no step uses (an unused head) makes DDP wait for its gradient forever or fail;
+        # a static graph copes with that itself, otherwise DDP must look for them each step.
+        find_unused_parameters=train.find_unused_parameters and not static,
+    )
 
 
 def cleanup() -> None:

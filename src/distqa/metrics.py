@@ -157,18 +157,24 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
 
     steps = [r["step"] for r in records]
     panels = [("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s (all ranks)")]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 7), sharex=True)
+    # Every validation metric a task logs (`eval_*`), whatever the task: one panel, one curve each.
+    eval_keys = sorted(
+        {k for r in records for k, v in r.items() if k.startswith("eval_") and not math.isnan(number(v))}
+    )
+    fig, axes = plt.subplots(len(panels) + bool(eval_keys), 1, figsize=(8, 7 + 2 * bool(eval_keys)), sharex=True)
     for ax, (key, label) in zip(axes, panels):
         ax.plot(steps, [number(r.get(key)) for r in records], marker="." if len(steps) < 50 else None)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    evals = [(r["step"], number(r.get("eval_micro_f1"))) for r in records]
-    evals = [(step, f1) for step, f1 in evals if not math.isnan(f1)]
-    if evals:
-        twin = axes[0].twinx()
-        twin.plot(*zip(*evals), color="tab:green", marker="o", label="eval micro F1")
-        twin.set_ylabel("eval micro F1")
-        twin.legend(loc="upper right")
+    if eval_keys:
+        ax = axes[len(panels)]
+        for key in eval_keys:
+            points = [(r["step"], number(r.get(key))) for r in records]
+            points = [(step, value) for step, value in points if not math.isnan(value)]
+            ax.plot(*zip(*points), marker="o", label=key[len("eval_") :])
+        ax.set_ylabel("validation")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
     axes[-1].set_xlabel("step")
     fig.suptitle(str(metrics_path.parent.name))
     fig.tight_layout()

@@ -35,6 +35,7 @@ RESUME_SILENT = {
     "train.epochs",
     "train.compile",
     "train.static_graph",
+    "train.find_unused_parameters",
     "train.deterministic",
     "train.checkpoint_every",
     "train.keep_checkpoints",

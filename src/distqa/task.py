@@ -24,7 +24,8 @@ from distqa.dist import DistInfo
 from distqa.flops import ModelShape, model_shape
 from distqa.tasks import task_class
 
-Batch = Mapping[str, torch.Tensor]
+# Tensors go to the device; other values (example ids, say) reach `loss` as the collate made them.
+Batch = Mapping[str, Any]
 
 
 class Task(ABC):
@@ -89,6 +90,17 @@ class Task(ABC):
         TensorBoard) and anything on the others. The default: no validation.
         """
         return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the task carries across a resume besides the model and optimizer (a running
+        statistic, a vocabulary grown while training). Called on rank 0 at each checkpoint and saved
+        as JSON in its trainer_state.json, so it must be JSON-serialisable (and is read back
+        without unpickling anything). Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned, on every rank, when a run resumes."""
+        del state  # a task without state has nothing to restore
 
     @abstractmethod
     def save_model(self, model: nn.Module, directory: Path) -> None:

@@ -14,6 +14,7 @@ import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,8 +123,21 @@ class Trainer:
         return model
 
     # ----------------------------------------------------------------------------- the loop
-    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.info.device, non_blocking=True) for k, v in batch.items()}
+    def _to_device(self, batch: Batch) -> dict[str, Any]:
+        """Tensors to the device; other values (example ids as strings, say) stay as they are."""
+        return {k: v.to(self.info.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        try:
+            return self.task.loss(self.model, batch)
+        except RuntimeError as err:
+            if "find_unused_parameters" not in str(err):
+                raise
+            # DDP's own message is a paragraph; the cause and the switch fit in a line.
+            raise DistqaError(
+                "some parameters got no gradient in a step (a model part the loss does not use): set "
+                "train.find_unused_parameters=true, or leave that part out of the model"
+            ) from err
 
     def _train_step(self, batches: Iterator[Batch], meter: ThroughputMeter) -> None:
         accum, timer = self.cfg.train.grad_accum, self.timer
@@ -147,7 +161,7 @@ class Trainer:
                     dtype=self.autocast_dtype or torch.float32,
                     enabled=self.autocast_dtype is not None,
                 ):
-                    loss = self.task.loss(self.model, batch)
+                    loss = self._loss(batch)
                 # Each micro-batch's loss is a mean over its examples; dividing by accum makes the
                 # accumulated gradient the mean over the whole global batch.
                 self.scaler.scale(loss / accum).backward()
@@ -179,6 +193,7 @@ class Trainer:
             "world_size": self.info.world_size,
             "config": dataclasses.asdict(self.cfg),
             "data": self.data_identity,
+            "task": self.task.state_dict() if self.info.is_main else {},
         }
         ckpt.save_checkpoint(
             self.ckpt_root,
@@ -250,6 +265,7 @@ class Trainer:
                 info=info,
             )
             apply_settings(self.optimizer, self.scheduler, cfg.train)
+            self.task.load_state_dict(state.get("task") or {})
             step = state["step"]
             if not state["rng_restored"]:
                 seed_everything(derive_seed(cfg.seed, info.rank, step))
