@@ -119,3 +119,18 @@ def test_a_model_with_an_unused_head_needs_find_unused_parameters(tmp_path):
     proc = run_train([*args, f"output_dir={tmp_path / 'a'}"], nproc=2, check=False)
     assert proc.returncode != 0 and "set train.find_unused_parameters=true" in proc.stderr
     run_train([*args, "train.find_unused_parameters=true", f"output_dir={tmp_path / 'b'}"], nproc=2)
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_evaluation_sharded_in_eval_mode_without_gradients(tmp_path):
+    out = tmp_path / "eval"
+    args = ["task=toy_task:EvalProbeTask", "data.num_workers=0", "train.batch_size=4", "train.max_steps=4"]
+    proc = run_train([*args, "train.eval_every=2", "train.log_every=1", f"output_dir={out}"], nproc=2)
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_step_seen" in r]
+    assert [r["eval_step_seen"] for r in evals] == [2.0, 4.0] == [float(r["step"]) for r in evals]
+    for record in evals:  # every item once, in order, across 2 ranks with shares of 5 and 6
+        assert record["eval_items_in_order"] == 1.0
+        assert record["eval_any_training_mode"] == 0.0 and record["eval_any_grad"] == 0.0
+    assert "eval at step 2: eval_items_in_order=1" in proc.stdout  # one console line per evaluation
+    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    assert len(losses) == 4  # training went on in train mode after each evaluation

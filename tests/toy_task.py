@@ -136,3 +136,29 @@ class UnusedHeadTask(ToyClassificationTask):
         model = ToyClassifier()
         model.unused = nn.Linear(FEATURES, 2)
         return model
+
+
+class IndexedBlobs(BlobsDataset):
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(index), "index": torch.tensor(index)}
+
+
+class EvalProbeTask(ToyClassificationTask):
+    """Reports how the trainer ran its evaluation: which items arrived (in order), in which mode,
+    with or without gradients, and at which step. 11 items: the ranks' shares differ in length."""
+
+    def build_eval_dataset(self) -> Dataset:
+        return IndexedBlobs(11, seed=7)
+
+    def eval_step(self, model: nn.Module, batch: Batch) -> list:
+        logits = model(batch["features"])
+        flags = (model.training, torch.is_grad_enabled(), logits.requires_grad)
+        return [(int(i), *flags) for i in batch["index"]]
+
+    def compute_metrics(self, outputs: list, step: int) -> dict[str, float]:
+        return {
+            "eval_items_in_order": float([o[0] for o in outputs] == list(range(11))),
+            "eval_any_training_mode": float(any(o[1] for o in outputs)),
+            "eval_any_grad": float(any(o[2] or o[3] for o in outputs)),
+            "eval_step_seen": float(step),
+        }

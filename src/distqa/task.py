@@ -20,7 +20,6 @@ from torch.utils.data import Dataset, default_collate
 
 from distqa.config import Config as RunConfig
 from distqa.data_identity import fingerprint
-from distqa.dist import DistInfo
 from distqa.flops import ModelShape, model_shape
 from distqa.tasks import task_class
 
@@ -83,13 +82,22 @@ class Task(ABC):
         default reads any Hugging Face config in the model; override it for other models."""
         return model_shape(model)
 
-    def evaluate(self, model: nn.Module, info: DistInfo) -> dict[str, float]:
-        """Validation metrics, called on every rank with the *unwrapped* model in eval mode.
+    def build_eval_dataset(self) -> Dataset | None:
+        """Validation data (map-style), or None for no evaluation (the default). Called once, on
+        every rank, after `build_train_dataset`. The trainer evaluates every `train.eval_every`
+        steps and at the end: each rank takes a contiguous share, batched with `collate`."""
+        return None
 
-        Return the metrics on rank 0 (keys prefixed `eval_`; they go to metrics.jsonl and
-        TensorBoard) and anything on the others. The default: no validation.
-        """
-        return {}
+    def eval_step(self, model: nn.Module, batch: Batch) -> list[Any]:
+        """What one validation batch yields, one small CPU item per example or window (they are
+        gathered to rank 0). The trainer calls it with the unwrapped model in eval mode, under
+        `torch.no_grad()` and the run's autocast, with the batch's tensors on the device."""
+        raise NotImplementedError(f"{type(self).__name__} has a validation set but no eval_step")
+
+    def compute_metrics(self, outputs: list[Any], step: int) -> dict[str, float]:
+        """Rank 0: metrics from every rank's `eval_step` outputs, in dataset order. Prefix the keys
+        `eval_`; they go to metrics.jsonl, TensorBoard, the console and metrics.png."""
+        raise NotImplementedError(f"{type(self).__name__} has a validation set but no compute_metrics")
 
     def state_dict(self) -> dict[str, Any]:
         """What the task carries across a resume besides the model and optimizer (a running

@@ -1,10 +1,9 @@
-"""Evaluation during training, and the forward pass `distqa predict` shares with it.
+"""Natural Questions' side of evaluation, and the forward pass `distqa predict` shares with it.
 
-Every rank runs the *unwrapped* model over its own contiguous share of the validation windows (no
-DistributedSampler, so no padding duplicates to remove, and no collective inside the forward pass,
-so ranks may hold different numbers of windows). Each window shrinks to its best span
-(`WindowBest`, a few numbers) before the gather; rank 0 groups them by example id, predicts,
-chooses the long and short thresholds that maximise F1, and reports the competition metric.
+The trainer runs evaluation (`distqa.evaluation`): each rank's share of the validation windows
+goes through `window_best_spans`, which shrinks each window to its best span (`WindowBest`, a few
+numbers) before the gather; rank 0 groups them by example id, predicts, chooses the long and short
+thresholds that maximise F1, and reports the competition metric (`score_predictions`).
 """
 
 from __future__ import annotations
@@ -34,6 +33,18 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EVAL_COLUMNS = ["example_id", *MODEL_INPUTS, "token_map"]
 
 
+def window_best_spans(model: nn.Module, batch: dict[str, Any]) -> list[WindowBest]:
+    """The best span of every window of a batch (its tensors on the model's device)."""
+    logits = model(**{k: batch[k] for k in MODEL_INPUTS})
+    return best_spans(
+        logits["start_logits"].float().cpu(),
+        logits["end_logits"].float().cpu(),
+        logits["answer_type_logits"].float().cpu(),
+        batch["token_map"].cpu(),
+        batch["example_id"],
+    )
+
+
 @torch.no_grad()
 def window_bests(
     model: nn.Module,
@@ -44,14 +55,10 @@ def window_bests(
     pad_id: int,
     max_len: int,
     autocast_dtype: torch.dtype | None = None,
-    share: tuple[int, int] = (0, 1),
 ) -> list[WindowBest]:
-    """Best span of every window in share `rank` of `world` contiguous shares of a prepared folder."""
+    """Best span of every window of a prepared folder, in one process (`distqa predict`)."""
     data = load_features(folder).select_columns(EVAL_COLUMNS)
-    rank, world = share
-    begin, end = len(data) * rank // world, len(data) * (rank + 1) // world
-    subset = data.select(range(begin, end))
-    loader = DataLoader(subset, batch_size=batch_size, collate_fn=lambda items: pad_collate(items, pad_id, max_len))
+    loader = DataLoader(data, batch_size=batch_size, collate_fn=lambda items: pad_collate(items, pad_id, max_len))
     was_training = model.training
     model.eval()
     out: list[WindowBest] = []
@@ -60,18 +67,9 @@ def window_bests(
     )
     try:
         for batch in loader:
-            inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS}
+            on_device = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
             with autocast:
-                logits = model(**inputs)
-            out.extend(
-                best_spans(
-                    logits["start_logits"].cpu(),
-                    logits["end_logits"].cpu(),
-                    logits["answer_type_logits"].cpu(),
-                    batch["token_map"],
-                    batch["example_id"],
-                )
-            )
+                out.extend(window_best_spans(model, on_device))
     finally:
         model.train(was_training)
     return out

@@ -12,13 +12,12 @@ from torch.utils.data import Dataset
 from transformers import AutoTokenizer
 
 from distqa.config import Config
-from distqa.dist import DistInfo, autocast_dtype, gather_to_main
 from distqa.errors import DistqaError
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features
 from distqa.nq.dummy import DummyDataset
-from distqa.nq.evaluate import GoldIndex, score_predictions, window_bests
+from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
 from distqa.nq.model import RANDOM_MODELS, BertJointQA, bert_joint_loss, load_error
-from distqa.nq.postprocess import group_by_example
+from distqa.nq.postprocess import WindowBest, group_by_example
 from distqa.nq.settings import NQSettings
 from distqa.task import Batch, Task
 
@@ -109,26 +108,19 @@ class NQTask(Task):
         )
         return bert_joint_loss(outputs, dict(batch))
 
-    def evaluate(self, model: nn.Module, info: DistInfo) -> dict[str, float]:
+    def build_eval_dataset(self) -> Dataset | None:
+        # Prepared in build_train_dataset, which runs on one process per node first.
+        return None if self._valid_folder is None else FeatureDataset(self._valid_folder, EVAL_COLUMNS)
+
+    def eval_step(self, model: nn.Module, batch: Batch) -> list[WindowBest]:
+        """Each window shrinks to its best span (a few numbers) before the gather."""
+        return window_best_spans(model, batch)
+
+    def compute_metrics(self, outputs: list[WindowBest], step: int) -> dict[str, float]:
         """Competition F1 on data.valid; also chooses the thresholds saved with the model."""
-        if self._valid_folder is None:
-            return {}
-        bests = window_bests(
-            model,
-            self._valid_folder,
-            device=info.device,
-            batch_size=self.cfg.train.batch_size,
-            pad_id=self._special_ids().get("pad_id", 0),
-            max_len=self.cfg.task.max_seq_len,
-            autocast_dtype=autocast_dtype(self.cfg.train.precision),
-            share=(info.rank, info.world_size),
-        )
-        gathered = [w for part in gather_to_main(bests, info) for w in part]
-        if not info.is_main:
-            return {}
         if self._gold is None:
             self._gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.task.skip_bad_lines)
-        metrics, self.thresholds = score_predictions(group_by_example(gathered), self._gold)
+        metrics, self.thresholds = score_predictions(group_by_example(outputs), self._gold)
         return metrics
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
