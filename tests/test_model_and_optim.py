@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -103,3 +104,26 @@ def test_optimizers_and_schedules():
     # After warm-up: linear falls to 0 at step 10, cosine follows half a cosine period.
     assert math.isclose(lrs("linear")[-1], 1 / 8)
     assert math.isclose(lrs("cosine")[-1], 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+
+
+def test_any_task_gets_hugging_face_models_the_same_way(minilm_dir):
+    """model.name / model.dropout / model.attn_implementation and the load error are generic
+    (distqa.models), not Natural Questions' own: here for a sequence classifier."""
+    from transformers import AutoModelForSequenceClassification
+
+    from distqa.config import ModelConfig
+    from distqa.errors import DistqaError
+    from distqa.models import build_hf_model
+
+    tiny = build_hf_model(
+        AutoModelForSequenceClassification,
+        ModelConfig(name="tiny", dropout=0.0, attn_implementation="eager"),
+        num_labels=3,
+    )
+    assert tiny.config.num_labels == 3 and tiny.config.hidden_size == 128
+    assert tiny.config.hidden_dropout_prob == 0.0 and tiny.config.attention_probs_dropout_prob == 0.0
+    assert tiny.config._attn_implementation == "eager"
+    real = build_hf_model(AutoModelForSequenceClassification, ModelConfig(name=str(minilm_dir)), num_labels=2)
+    assert real.config.hidden_size == 384 and real.config.num_labels == 2
+    with pytest.raises(DistqaError, match=r"cannot load model 'no-such-org/no-such-model' .*set model.name to a local"):
+        build_hf_model(AutoModelForSequenceClassification, ModelConfig(name="no-such-org/no-such-model"))

@@ -11,8 +11,8 @@ from torch.utils.data import Dataset
 
 from distqa.config import Config
 from distqa.errors import DistqaError
+from distqa.models import RANDOM_MODELS
 from distqa.nq.features import FeatureSettings
-from distqa.nq.model import RANDOM_MODELS
 from distqa.nq.prepare import FINGERPRINT_FILE, fingerprint, fingerprint_key, load_features, prepare_features
 
 # Pad values of the padded columns; every other column is a scalar per feature.

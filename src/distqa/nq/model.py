@@ -10,46 +10,21 @@ span head never uses and which would make DDP fail on unused parameters.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForQuestionAnswering, BertConfig, PretrainedConfig
+from transformers import AutoModelForQuestionAnswering, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from distqa.config import ModelConfig
-from distqa.errors import DistqaError
+from distqa.models import RANDOM_MODELS, build_hf_model, hf_config
 
 # 0 unknown, 1 yes, 2 no, 3 short, 4 long (the order of the Natural Questions baseline).
 ANSWER_TYPES = ("unknown", "yes", "no", "short", "long")
 ANSWER_TYPE_HEAD = "answer_type_head"  # attribute and key prefix of the extra weights
-
-# `model.name=tiny`: bert-base-uncased's vocabulary and positions, a fraction of its width and
-# depth. Random weights, no download: for smoke runs, tests and the quick start.
-TINY_BERT = dict(
-    vocab_size=30522,
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=512,
-    max_position_embeddings=512,
-)
-
-# Encoders built from a config with random weights, no download. `bert-base-random` has
-# bert-base-uncased's exact shape (BertConfig's defaults): for speed benchmarks, where only the
-# shape matters, on machines that cannot reach the Hugging Face hub.
-RANDOM_MODELS: dict[str, dict[str, int]] = {"tiny": TINY_BERT, "bert-base-random": {}}
-
-
-def _set_dropout(config: PretrainedConfig, rate: float) -> None:
-    """Set every dropout rate the encoder's config has (names differ between architectures)."""
-    for key, value in config.to_dict().items():
-        if "dropout" in key and isinstance(value, float):
-            setattr(config, key, rate)
 
 
 def _answer_type_head_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -58,17 +33,6 @@ def _answer_type_head_weights(path: Path) -> dict[str, torch.Tensor]:
         return {}
     prefix = f"{ANSWER_TYPE_HEAD}."
     return {k[len(prefix) :]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
-
-
-def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
-    """One line for a model or tokenizer that cannot be loaded: which, why, and what to do."""
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-    return DistqaError(
-        f"cannot load {what} {name!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
-        + ("HF_HUB_OFFLINE=1 is set: " if offline else "")
-        + "download it once where the Hugging Face hub is reachable (it is cached in HF_HOME), "
-        f"or set {key} to a local folder"
-    )
 
 
 class BertJointQA(nn.Module):
@@ -83,20 +47,9 @@ class BertJointQA(nn.Module):
     @classmethod
     def build(cls, cfg: ModelConfig) -> BertJointQA:
         """The model `model.name` asks for: a RANDOM_MODELS name, a Hugging Face id, or a local folder."""
-        kwargs: dict[str, Any] = {}
-        if cfg.attn_implementation is not None:
-            kwargs["attn_implementation"] = cfg.attn_implementation
         if cfg.name in RANDOM_MODELS:
-            config = BertConfig(**RANDOM_MODELS[cfg.name])
-            if cfg.dropout is not None:
-                _set_dropout(config, cfg.dropout)
-            return cls(AutoModelForQuestionAnswering.from_config(config, **kwargs))
-        try:
-            config = AutoConfig.from_pretrained(cfg.name)
-        except (OSError, ValueError) as err:
-            raise load_error("model", cfg.name, err, "model.name") from err
-        if cfg.dropout is not None:
-            _set_dropout(config, cfg.dropout)
+            return cls(build_hf_model(AutoModelForQuestionAnswering, cfg))
+        config = hf_config(cfg)
         head = _answer_type_head_weights(Path(cfg.name) / "model.safetensors")
         # A folder distqa exported holds `answer_type_head.*` beside the QA weights; Hugging Face
         # would report them as unexpected, but we load them ourselves just below.
@@ -105,11 +58,7 @@ class BertJointQA(nn.Module):
             hf_logging.set_verbosity_error()
         try:
             # A plain encoder checkpoint (bert-base-uncased) gets a freshly initialised span head.
-            qa = AutoModelForQuestionAnswering.from_pretrained(cfg.name, config=config, **kwargs)
-        except OSError as err:
-            raise load_error("model", cfg.name, err, "model.name") from err
-        except ValueError as err:  # e.g. an architecture with no extractive-QA class
-            raise DistqaError(f"model.name={cfg.name!r} cannot be used for extractive QA: {err}") from err
+            qa = build_hf_model(AutoModelForQuestionAnswering, cfg, config=config)
         finally:
             if quiet is not None:
                 hf_logging.set_verbosity(quiet)

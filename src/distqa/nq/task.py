@@ -13,10 +13,11 @@ from transformers import AutoTokenizer
 
 from distqa.config import Config
 from distqa.errors import DistqaError
+from distqa.models import RANDOM_MODELS, load_error
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
-from distqa.nq.model import RANDOM_MODELS, BertJointQA, bert_joint_loss, load_error
+from distqa.nq.model import BertJointQA, bert_joint_loss
 from distqa.nq.postprocess import WindowBest, group_by_example
 from distqa.nq.settings import NQSettings
 from distqa.task import Batch, Task

@@ -1,0 +1,90 @@
+"""Hugging Face models as every task gets them: `model.name`, `model.dropout` and
+`model.attn_implementation` mean the same for any task, and so does the one-line error for a model
+that cannot be loaded.
+
+    model = build_hf_model(AutoModelForSequenceClassification, cfg.model, num_labels=3)
+
+`model.name` is a `RANDOM_MODELS` name (built from a config, random weights, no download), a
+Hugging Face id, or a local folder.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+from transformers import AutoConfig, BertConfig, PretrainedConfig
+
+from distqa.config import ModelConfig
+from distqa.errors import DistqaError
+
+# `model.name=tiny`: bert-base-uncased's vocabulary and positions, a fraction of its width and
+# depth. Random weights, no download: for smoke runs, tests and the quick start.
+TINY_BERT = dict(
+    vocab_size=30522,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=512,
+    max_position_embeddings=512,
+)
+
+# Encoders built from a config with random weights, no download. `bert-base-random` has
+# bert-base-uncased's exact shape (BertConfig's defaults): for speed benchmarks, where only the
+# shape matters, on machines that cannot reach the Hugging Face hub.
+RANDOM_MODELS: dict[str, dict[str, int]] = {"tiny": TINY_BERT, "bert-base-random": {}}
+
+
+def set_dropout(config: PretrainedConfig, rate: float) -> None:
+    """Set every dropout rate the encoder's config has (names differ between architectures)."""
+    for key, value in config.to_dict().items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, rate)
+
+
+def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
+    """One line for a model or tokenizer that cannot be loaded: which, why, and what to do."""
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    return DistqaError(
+        f"cannot load {what} {name!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
+        + ("HF_HUB_OFFLINE=1 is set: " if offline else "")
+        + "download it once where the Hugging Face hub is reachable (it is cached in HF_HOME), "
+        f"or set {key} to a local folder"
+    )
+
+
+def hf_config(cfg: ModelConfig, **overrides: Any) -> PretrainedConfig:
+    """The configuration `model.name` names, with `model.dropout` applied and `overrides` set
+    (e.g. num_labels)."""
+    if cfg.name in RANDOM_MODELS:
+        config: PretrainedConfig = BertConfig(**RANDOM_MODELS[cfg.name])
+    else:
+        try:
+            config = AutoConfig.from_pretrained(cfg.name)
+        except (OSError, ValueError) as err:
+            raise load_error("model", cfg.name, err, "model.name") from err
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    if cfg.dropout is not None:
+        set_dropout(config, cfg.dropout)
+    return config
+
+
+def build_hf_model(
+    auto_class: Any, cfg: ModelConfig, config: PretrainedConfig | None = None, **overrides: Any
+) -> nn.Module:
+    """`auto_class` (AutoModelForSequenceClassification, ...) for `model.name`: random weights for a
+    RANDOM_MODELS name, else its pretrained weights (a new head where the checkpoint has none)."""
+    config = config or hf_config(cfg, **overrides)
+    kwargs: dict[str, Any] = {}
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.name in RANDOM_MODELS:
+        return auto_class.from_config(config, **kwargs)
+    try:
+        return auto_class.from_pretrained(cfg.name, config=config, **kwargs)
+    except OSError as err:
+        raise load_error("model", cfg.name, err, "model.name") from err
+    except ValueError as err:  # e.g. an architecture without this kind of head
+        raise DistqaError(f"model.name={cfg.name!r} cannot be used as {auto_class.__name__}: {err}") from err
