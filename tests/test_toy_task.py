@@ -134,3 +134,13 @@ def test_the_trainer_runs_evaluation_sharded_in_eval_mode_without_gradients(tmp_
     assert "eval at step 2: eval_items_in_order=1" in proc.stdout  # one console line per evaluation
     losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     assert len(losses) == 4  # training went on in train mode after each evaluation
+
+
+def test_a_task_brings_its_own_command():
+    cmd = [sys.executable, "-m", "distqa", "toy-count", "task.name=toy_task:CommandTask", "task.size=77"]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "77 examples"
+    # Without the task named, the command does not exist (and argparse says so in one line).
+    proc = subprocess.run(cmd[:4], env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "invalid choice: 'toy-count'" in proc.stderr

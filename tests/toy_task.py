@@ -162,3 +162,21 @@ class EvalProbeTask(ToyClassificationTask):
             "eval_any_grad": float(any(o[2] or o[3] for o in outputs)),
             "eval_step_seen": float(step),
         }
+
+
+def _count(args) -> int:
+    from distqa.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # the task's own settings, as for train
+    print(f"{len(BlobsDataset(cfg.task.size, cfg.seed))} examples")
+    return 0
+
+
+class CommandTask(ToyClassificationTask):
+    """Brings a command of its own: `distqa toy-count task.name=toy_task:CommandTask`."""
+
+    @classmethod
+    def add_commands(cls, commands, add_settings) -> None:
+        parser = commands.add_parser("toy-count", help="count the synthetic examples")
+        add_settings(parser)
+        parser.set_defaults(run=_count)

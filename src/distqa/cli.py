@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 from distqa.config import describe_keys
 from distqa.errors import DistqaError, Preempted
@@ -48,6 +50,21 @@ def _add_settings(command: argparse.ArgumentParser) -> None:
     command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
 
 
+def _add_task_commands(commands: Any, task: str | None) -> None:
+    """The commands tasks bring (`Task.add_commands`): every built-in task's, and those of the
+    fork's task named on the command line (`task.name=module:Class`)."""
+    from distqa.tasks import BUILTIN_COMMANDS, BUILTIN_TASKS, task_class
+
+    for target in BUILTIN_COMMANDS.values():
+        module_name, _, attr = target.partition(":")
+        getattr(importlib.import_module(module_name), attr)(commands, _add_settings)
+    if task is not None and task not in BUILTIN_TASKS:
+        try:
+            task_class(task).add_commands(commands, _add_settings)
+        except DistqaError:
+            pass  # reported when the command loads its configuration
+
+
 def build_parser(task: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distqa", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -65,45 +82,6 @@ def build_parser(task: str | None = None) -> argparse.ArgumentParser:
         help="only load and check the settings, then exit (0, or 2 with the error); imports no torch, "
         "so launch scripts run it once before starting torchrun",
     )
-
-    prepare = commands.add_parser(
-        "prepare",
-        help="turn Natural Questions JSONL into cached model features",
-        description="Tokenize and window a Natural Questions JSONL file into a `datasets` folder "
-        "(reused when input, tokenizer and settings are unchanged). Keys as for train "
-        "(model.tokenizer, task.max_seq_len, task.doc_stride, task.max_query_len, task.keep_unknown, "
-        "task.skip_bad_lines, seed).",
-    )
-    prepare.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL (train, dev or test format)")
-    prepare.add_argument("--output", required=True, metavar="DIR", help="folder to write the features to")
-    prepare.add_argument("--num-proc", type=int, default=1, metavar="N", help="processes (default: 1)")
-    prepare.add_argument(
-        "--mode",
-        choices=("train", "eval"),
-        default="train",
-        help="train: keep task.keep_unknown of the windows without an answer; eval: keep every window",
-    )
-    _add_settings(prepare)
-
-    predict = commands.add_parser(
-        "predict",
-        help="write a Kaggle submission.csv for an NQ JSONL file",
-        description="Predict a long and a short answer for every example of an NQ JSONL file "
-        "(test, dev or train format) with a trained model, applying the thresholds chosen on "
-        "data.valid during training. Keys as for train (task.max_seq_len, task.doc_stride, ...).",
-    )
-    predict.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL file")
-    predict.add_argument("--checkpoint", required=True, metavar="DIR", help="a model/ folder, or its output_dir")
-    predict.add_argument("--output", required=True, metavar="FILE", help="submission.csv to write")
-    _add_settings(predict)
-
-    score = commands.add_parser(
-        "score",
-        help="the competition metric of a submission against gold NQ JSONL",
-        description="Micro F1 over every _long and _short row; prints one JSON object as the last line.",
-    )
-    score.add_argument("--gold", required=True, metavar="FILE.jsonl", help="NQ JSONL with annotations")
-    score.add_argument("--pred", required=True, metavar="submission.csv", help="Kaggle-format predictions")
 
     bench = commands.add_parser(
         "bench",
@@ -133,47 +111,8 @@ def build_parser(task: str | None = None) -> argparse.ArgumentParser:
     )
     _add_settings(bench)
 
-    download = commands.add_parser(
-        "download",
-        help="fetch the Kaggle competition files (needs Kaggle credentials)",
-        description="Download and unzip the tensorflow2-question-answering competition files. Credentials: "
-        "KAGGLE_USERNAME/KAGGLE_KEY or ~/.kaggle/kaggle.json. Existing files are kept.",
-    )
-    download.add_argument("--output", default="data", metavar="DIR", help="folder to write to (default: data)")
+    _add_task_commands(commands, task)
     return parser
-
-
-def _prepare(args: argparse.Namespace) -> None:
-    from distqa.config import load_config
-    from distqa.errors import ConfigError
-    from distqa.nq.data import feature_settings, tokenizer_name
-    from distqa.nq.prepare import prepare_features
-
-    if args.num_proc < 1:
-        raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
-    cfg = load_config(args.config, args.overrides)
-    result = prepare_features(
-        args.input,
-        args.output,
-        tokenizer_name=tokenizer_name(cfg),
-        settings=feature_settings(cfg, training=args.mode == "train"),
-        num_proc=args.num_proc,
-        skip_bad_lines=cfg.task.skip_bad_lines,
-    )
-    if result.reused:
-        print(f"reused {result.path}: same input, tokenizer and settings, nothing to do")
-        return
-    if result.bad_lines:
-        shown = ", ".join(str(line) for line, _ in result.bad_lines[:10])
-        print(
-            f"skipped {len(result.bad_lines)} malformed line(s) of {args.input}: line {shown}"
-            + (" ..." if len(result.bad_lines) > 10 else "")
-        )
-        print(f"first reason: {result.bad_lines[0][1]}")
-    print(
-        f"wrote {result.features} features of {result.docs} documents to {result.path} "
-        f"in {result.seconds:.1f} s with {args.num_proc} process(es): {result.docs_per_s:.1f} docs/s"
-    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -189,33 +128,14 @@ def _run(args: argparse.Namespace) -> int:
         from distqa.trainer import train
 
         train(cfg)
-    elif args.command == "prepare":
-        _prepare(args)
-    elif args.command == "predict":
-        from distqa.config import load_config
-        from distqa.nq.predict import predict
-
-        counts = predict(load_config(args.config, args.overrides), args.input, args.checkpoint, args.output)
-        print(
-            f"wrote {args.output}: {counts['examples']} examples, {counts['long']} long and "
-            f"{counts['short']} short answers"
-        )
-    elif args.command == "score":
-        from distqa.nq.metric import main_score
-
-        return main_score(args.gold, args.pred)
     elif args.command == "bench":
         from distqa.bench.launch import print_table, run_bench
 
         result = run_bench(args)
         print_table(result)
         print(f"wrote {args.output}/bench.json and {args.output}/bench.png")
-    elif args.command == "download":
-        from pathlib import Path
-
-        from distqa.nq.download import download
-
-        return download(Path(args.output))
+    else:  # a task's own command
+        return args.run(args) or 0
     return 0
 
 

@@ -14,6 +14,8 @@ from distqa.errors import ConfigError
 
 BUILTIN_TASKS = {"nq": "distqa.nq.task:NQTask"}
 BUILTIN_SETTINGS = {"nq": "distqa.nq.settings:NQSettings"}
+# The commands each built-in task adds to `distqa` (its Task.add_commands), importable without torch.
+BUILTIN_COMMANDS = {"nq": "distqa.nq.commands:add_commands"}
 
 
 def _import(name: str, target: str) -> Any:

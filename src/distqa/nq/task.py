@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from distqa.config import Config
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS, load_error
+from distqa.nq.commands import add_commands as add_nq_commands
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
@@ -43,6 +44,10 @@ THRESHOLDS_FILE = "distqa_thresholds.json"
 
 class NQTask(Task):
     Config = NQSettings  # the task.* keys (max_seq_len, doc_stride, ...): distqa.nq.settings
+
+    @classmethod
+    def add_commands(cls, commands: Any, add_settings: Any) -> None:
+        add_nq_commands(commands, add_settings)  # prepare, predict, score, download
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)

@@ -1,0 +1,121 @@
+"""Natural Questions' own commands: `distqa prepare`, `predict`, `score` and `download`.
+
+Added to the command line by `NQTask.add_commands` (and for the CLI without importing torch: the
+handlers import what they need when they run).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def add_commands(commands: Any, add_settings: Callable[[argparse.ArgumentParser], None]) -> None:
+    prepare = commands.add_parser(
+        "prepare",
+        help="turn Natural Questions JSONL into cached model features",
+        description="Tokenize and window a Natural Questions JSONL file into a `datasets` folder "
+        "(reused when input, tokenizer and settings are unchanged). Keys as for train "
+        "(model.tokenizer, task.max_seq_len, task.doc_stride, task.max_query_len, task.keep_unknown, "
+        "task.skip_bad_lines, seed).",
+    )
+    prepare.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL (train, dev or test format)")
+    prepare.add_argument("--output", required=True, metavar="DIR", help="folder to write the features to")
+    prepare.add_argument("--num-proc", type=int, default=1, metavar="N", help="processes (default: 1)")
+    prepare.add_argument(
+        "--mode",
+        choices=("train", "eval"),
+        default="train",
+        help="train: keep task.keep_unknown of the windows without an answer; eval: keep every window",
+    )
+    add_settings(prepare)
+    prepare.set_defaults(run=_prepare)
+
+    predict = commands.add_parser(
+        "predict",
+        help="write a Kaggle submission.csv for an NQ JSONL file",
+        description="Predict a long and a short answer for every example of an NQ JSONL file "
+        "(test, dev or train format) with a trained model, applying the thresholds chosen on "
+        "data.valid during training. Keys as for train (task.max_seq_len, task.doc_stride, ...).",
+    )
+    predict.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL file")
+    predict.add_argument("--checkpoint", required=True, metavar="DIR", help="a model/ folder, or its output_dir")
+    predict.add_argument("--output", required=True, metavar="FILE", help="submission.csv to write")
+    add_settings(predict)
+    predict.set_defaults(run=_predict)
+
+    score = commands.add_parser(
+        "score",
+        help="the competition metric of a submission against gold NQ JSONL",
+        description="Micro F1 over every _long and _short row; prints one JSON object as the last line.",
+    )
+    score.add_argument("--gold", required=True, metavar="FILE.jsonl", help="NQ JSONL with annotations")
+    score.add_argument("--pred", required=True, metavar="submission.csv", help="Kaggle-format predictions")
+    score.set_defaults(run=_score)
+
+    download = commands.add_parser(
+        "download",
+        help="fetch the Kaggle competition files (needs Kaggle credentials)",
+        description="Download and unzip the tensorflow2-question-answering competition files. Credentials: "
+        "KAGGLE_USERNAME/KAGGLE_KEY or ~/.kaggle/kaggle.json. Existing files are kept.",
+    )
+    download.add_argument("--output", default="data", metavar="DIR", help="folder to write to (default: data)")
+    download.set_defaults(run=_download)
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from distqa.config import load_config
+    from distqa.errors import ConfigError
+    from distqa.nq.data import feature_settings, tokenizer_name
+    from distqa.nq.prepare import prepare_features
+
+    if args.num_proc < 1:
+        raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
+    cfg = load_config(args.config, args.overrides)
+    result = prepare_features(
+        args.input,
+        args.output,
+        tokenizer_name=tokenizer_name(cfg),
+        settings=feature_settings(cfg, training=args.mode == "train"),
+        num_proc=args.num_proc,
+        skip_bad_lines=cfg.task.skip_bad_lines,
+    )
+    if result.reused:
+        print(f"reused {result.path}: same input, tokenizer and settings, nothing to do")
+        return
+    if result.bad_lines:
+        shown = ", ".join(str(line) for line, _ in result.bad_lines[:10])
+        print(
+            f"skipped {len(result.bad_lines)} malformed line(s) of {args.input}: line {shown}"
+            + (" ..." if len(result.bad_lines) > 10 else "")
+        )
+        print(f"first reason: {result.bad_lines[0][1]}")
+    print(
+        f"wrote {result.features} features of {result.docs} documents to {result.path} "
+        f"in {result.seconds:.1f} s with {args.num_proc} process(es): {result.docs_per_s:.1f} docs/s"
+    )
+
+
+def _predict(args: argparse.Namespace) -> None:
+    from distqa.config import load_config
+    from distqa.nq.predict import predict
+
+    counts = predict(load_config(args.config, args.overrides), args.input, args.checkpoint, args.output)
+    print(
+        f"wrote {args.output}: {counts['examples']} examples, {counts['long']} long and {counts['short']} short answers"
+    )
+
+
+def _score(args: argparse.Namespace) -> int:
+    from distqa.nq.metric import main_score
+
+    return main_score(args.gold, args.pred)
+
+
+def _download(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from distqa.nq.download import download
+
+    return download(Path(args.output))
