@@ -1,14 +1,19 @@
 """Evaluation during training, run by the trainer for any task.
 
-The task says what to compute (`Task.build_eval_dataset`, `Task.eval_step`, `Task.compute_metrics`);
-this module does what every task would otherwise write again: each rank takes a contiguous share of
-the validation set (no sampler padding, so nothing is counted twice, and no collective inside the
-forward pass, so shares may differ in length), runs the unwrapped model in eval mode under
-`no_grad` and the run's autocast, and rank 0 gathers every output in dataset order.
+The trainer owns the mode: at every evaluation it puts the unwrapped model in eval mode under
+`torch.no_grad()` and the run's autocast, calls `Task.evaluate`, puts the model back in train mode
+and prints one line with the metrics and the time taken (`run_evaluation`).
+
+`Task.evaluate` is the escape hatch; its default is the common path (`evaluate_dataset`), which
+does what every task would otherwise write again: each rank takes a contiguous share of the
+validation set (no sampler padding, so nothing is counted twice, and no collective inside the
+forward pass, so shares may differ in length), batches it with the task's `collate`, calls the
+task's `eval_step` per batch, and rank 0 gets every output in dataset order for `compute_metrics`.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
@@ -17,39 +22,44 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from distqa.dist import DistInfo, gather_to_main, print0
-from distqa.task import Task
 
 
-def evaluate(
-    task: Task,
-    model: nn.Module,
-    dataset: Dataset,
-    info: DistInfo,
-    *,
-    step: int,
-    batch_size: int,
-    autocast_dtype: torch.dtype | None,
-    to_device: Any,
-) -> dict[str, float]:
-    """The task's validation metrics on rank 0 (an empty dict elsewhere). Every rank must call it."""
-    start = time.perf_counter()
+def to_device(batch: Any, device: torch.device) -> dict[str, Any]:
+    """Tensors to the device; other values (example ids as strings, say) stay as they are."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistInfo, step: int) -> dict[str, float]:
+    """The common path of `Task.evaluate`: sharded eval_step, gathered, compute_metrics on rank 0."""
     n = len(dataset)  # type: ignore[arg-type]
     share = Subset(dataset, range(n * info.rank // info.world_size, n * (info.rank + 1) // info.world_size))
-    loader = DataLoader(share, batch_size=batch_size, collate_fn=task.collate)
+    loader = DataLoader(share, batch_size=task.cfg.train.batch_size, collate_fn=task.collate)
+    outputs: list[Any] = []
+    for batch in loader:
+        outputs.extend(task.eval_step(model, to_device(batch, info.device)))
+    gathered = [item for part in gather_to_main(outputs, info) for item in part]
+    return task.compute_metrics(gathered, step) if info.is_main else {}
+
+
+def run_evaluation(
+    task: Any, model: nn.Module, info: DistInfo, *, step: int, autocast_dtype: torch.dtype | None
+) -> dict[str, float]:
+    """Call `task.evaluate` as the trainer promises it: eval mode, no gradients, the run's autocast;
+    the model back in train mode afterwards. Every rank must call it."""
+    start = time.perf_counter()
+    # A fork's evaluate(model, info) may predate the step argument.
+    extra = {"step": step} if "step" in inspect.signature(task.evaluate).parameters else {}
     was_training = model.training
     model.eval()
-    outputs: list[Any] = []
     try:
         with (
             torch.no_grad(),
             torch.autocast(info.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None),
         ):
-            for batch in loader:
-                outputs.extend(task.eval_step(model, to_device(batch)))
+            metrics = task.evaluate(model, info, **extra)
     finally:
         model.train(was_training)
-    gathered = [item for part in gather_to_main(outputs, info) for item in part]
-    metrics = task.compute_metrics(gathered, step) if info.is_main else {}
-    shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-    print0(f"eval at step {step}: {shown or 'no metrics'} ({n} items, {time.perf_counter() - start:.1f} s)")
+    if metrics or info.is_main:
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+        print0(f"eval at step {step}: {shown or 'no metrics'} ({time.perf_counter() - start:.1f} s)")
     return metrics

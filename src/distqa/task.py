@@ -21,6 +21,8 @@ from torch.utils.data import Dataset, default_collate
 
 from distqa.config import Config as RunConfig
 from distqa.data_identity import fingerprint
+from distqa.dist import DistInfo
+from distqa.evaluation import evaluate_dataset
 from distqa.flops import ModelShape, model_shape
 from distqa.tasks import task_class
 
@@ -92,10 +94,28 @@ class Task(ABC):
         default reads any Hugging Face config in the model; override it for other models."""
         return model_shape(model)
 
+    def evaluate(self, model: nn.Module, info: DistInfo, step: int = 0) -> dict[str, float]:
+        """Validation metrics (keys `eval_*`) on rank 0, anything on the others; called on every rank
+        every `train.eval_every` steps and at the end, with the *unwrapped* model in eval mode,
+        under `torch.no_grad()` and the run's autocast (the trainer sees to that).
+
+        The default is the common path, with no distributed code in the task: the trainer shards
+        `build_eval_dataset()`, runs `eval_step` on each batch and gives rank 0 every output for
+        `compute_metrics`. Override this only for what that path cannot express.
+        """
+        dataset = self.eval_dataset()
+        return {} if dataset is None else evaluate_dataset(self, model, dataset, info, step)
+
+    def eval_dataset(self) -> Dataset | None:
+        """`build_eval_dataset()`, built once (the trainer asks for it at start, one process per
+        node first, so a task may prepare a cache there)."""
+        if not hasattr(self, "_eval_dataset"):
+            self._eval_dataset = self.build_eval_dataset()
+        return self._eval_dataset
+
     def build_eval_dataset(self) -> Dataset | None:
-        """Validation data (map-style), or None for no evaluation (the default). Called once, on
-        every rank, after `build_train_dataset`. The trainer evaluates every `train.eval_every`
-        steps and at the end: each rank takes a contiguous share, batched with `collate`."""
+        """Validation data (map-style), or None for no evaluation (the default). Each rank takes a
+        contiguous share of it, batched with `collate`."""
         return None
 
     def eval_step(self, model: nn.Module, batch: Batch) -> list[Any]:

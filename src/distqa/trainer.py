@@ -37,7 +37,7 @@ from distqa.dist import (
     print0,
 )
 from distqa.errors import DistqaError, Preempted
-from distqa.evaluation import evaluate
+from distqa.evaluation import run_evaluation, to_device
 from distqa.guards import StopSignal, check_replicas, loader_worker_init, watch_parent
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import apply_settings, build_optimizer, build_scheduler
@@ -125,8 +125,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- the loop
     def _to_device(self, batch: Batch) -> dict[str, Any]:
-        """Tensors to the device; other values (example ids as strings, say) stay as they are."""
-        return {k: v.to(self.info.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return to_device(batch, self.info.device)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         try:
@@ -139,20 +138,6 @@ class Trainer:
                 "some parameters got no gradient in a step (a model part the loss does not use): set "
                 "train.find_unused_parameters=true, or leave that part out of the model"
             ) from err
-
-    def _evaluate(self, step: int) -> dict[str, float]:
-        if self.eval_dataset is None:
-            return {}
-        return evaluate(
-            self.task,
-            self.raw_model,
-            self.eval_dataset,
-            self.info,
-            step=step,
-            batch_size=self.cfg.train.batch_size,
-            autocast_dtype=self.autocast_dtype,
-            to_device=self._to_device,
-        )
 
     def _train_step(self, batches: Iterator[Batch], meter: ThroughputMeter) -> None:
         accum, timer = self.cfg.train.grad_accum, self.timer
@@ -258,7 +243,7 @@ class Trainer:
             self.raw_model = self.task.build_model().to(info.device)
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
-            self.eval_dataset = self.task.build_eval_dataset()
+            self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
         epoch_steps = steps_per_epoch(len(dataset), cfg.train.batch_size, cfg.train.grad_accum, info.world_size)  # type: ignore[arg-type]
         total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * epoch_steps
@@ -327,7 +312,11 @@ class Trainer:
                         if not math.isfinite(record["loss"]):
                             raise DistqaError(f"loss is {record['loss']} at step {step}: lower train.lr or use bf16")
                         if evaluate:
-                            record.update(self._evaluate(step))
+                            record.update(
+                                run_evaluation(
+                                    self.task, self.raw_model, info, step=step, autocast_dtype=self.autocast_dtype
+                                )
+                            )
                             meter.restart_clock()  # evaluation time is not training throughput
                         metrics.log(record)
                         progress.set_postfix(loss=f"{record['loss']:.4f}")
