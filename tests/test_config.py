@@ -136,6 +136,20 @@ def test_cli_reports_a_config_error_in_one_line():
     assert "Traceback" not in proc.stderr
 
 
+def test_a_config_mistake_is_reported_before_torch_is_imported():
+    """ux-fast-errors: the key as typed, the closest full key, and no torch import on the way (which
+    is what made a mistake take seconds)."""
+    code = (
+        "import sys; from distqa.cli import main; code = main(['train', 'trian.max_steps=3']); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'; sys.exit(code)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    expected = "unknown config key 'trian.max_steps' in the command line (did you mean train.max_steps?)"
+    assert last == f"distqa: error: {expected}"
+
+
 SHIPPED_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
