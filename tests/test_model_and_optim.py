@@ -127,3 +127,18 @@ def test_any_task_gets_hugging_face_models_the_same_way(minilm_dir):
     assert real.config.hidden_size == 384 and real.config.num_labels == 2
     with pytest.raises(DistqaError, match=r"cannot load model 'no-such-org/no-such-model' .*set model.name to a local"):
         build_hf_model(AutoModelForSequenceClassification, ModelConfig(name="no-such-org/no-such-model"))
+
+
+def test_the_generic_padding_collate():
+    from distqa.models import pad_collate
+
+    items = [
+        {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "label": 2, "id": "a", "score": torch.tensor(0.5)},
+        {"input_ids": [5], "attention_mask": [1], "label": 0, "id": "b", "score": torch.tensor(1.5)},
+    ]
+    batch = pad_collate(items, {"input_ids": 0, "attention_mask": 0}, max_len=512)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0, 0, 0], [5, 0, 0, 0, 0, 0, 0, 0]]  # to a multiple of 8
+    assert batch["attention_mask"].sum().item() == 4
+    assert batch["label"].tolist() == [2, 0] and batch["label"].dtype == torch.long
+    assert batch["id"] == ["a", "b"] and batch["score"].tolist() == [0.5, 1.5]
+    assert pad_collate(items, {"input_ids": 0, "attention_mask": 0}, max_len=4)["input_ids"].shape == (2, 4)

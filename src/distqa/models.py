@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import AutoConfig, BertConfig, PretrainedConfig
 
@@ -88,3 +89,33 @@ def build_hf_model(
         raise load_error("model", cfg.name, err, "model.name") from err
     except ValueError as err:  # e.g. an architecture without this kind of head
         raise DistqaError(f"model.name={cfg.name!r} cannot be used as {auto_class.__name__}: {err}") from err
+
+
+def pad_collate(
+    items: list[dict[str, Any]], pad_values: dict[str, int], *, max_len: int | None = None, multiple: int = 8
+) -> dict[str, Any]:
+    """A batch of tokenized examples: the sequence columns named in `pad_values` padded with their
+    value to the longest in the batch, rounded up to `multiple` (shapes that suit GPU tensor cores)
+    but never past `max_len`; numbers stacked into a tensor; strings (example ids) kept as a list.
+
+    Padding to the batch's longest, not to `max_len`, is what makes short batches cheap.
+    """
+    longest = max(len(item[key]) for item in items for key in pad_values if key in item)
+    length = max(longest, min(-(-longest // multiple) * multiple, max_len or longest))
+    batch: dict[str, Any] = {}
+    for key in items[0]:
+        values = [item[key] for item in items]
+        if key in pad_values:
+            out = torch.full((len(items), length), pad_values[key], dtype=torch.long)
+            for row, seq in enumerate(values):
+                out[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            batch[key] = out
+        elif all(isinstance(v, str) for v in values):
+            batch[key] = values
+        elif all(torch.is_tensor(v) for v in values):
+            batch[key] = torch.stack(values)
+        elif all(isinstance(v, (int, bool)) for v in values):
+            batch[key] = torch.as_tensor([int(v) for v in values], dtype=torch.long)
+        else:
+            batch[key] = torch.as_tensor(values)
+    return batch

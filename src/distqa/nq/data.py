@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset
 
 from distqa.config import Config
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS
+from distqa.models import pad_collate as generic_pad_collate
 from distqa.nq.features import FeatureSettings
 from distqa.nq.prepare import FINGERPRINT_FILE, fingerprint, fingerprint_key, load_features, prepare_features
 
@@ -87,21 +87,6 @@ class FeatureDataset(Dataset):
 
 
 def pad_collate(items: list[dict[str, Any]], pad_id: int, max_len: int, multiple: int = 8) -> dict[str, Any]:
-    """Pad the sequence columns to the longest in the batch, rounded up to `multiple` (shapes
-    that suit GPU tensor cores) but never past `max_len`; stack the scalar columns."""
-    longest = max(len(item["input_ids"]) for item in items)
-    length = max(longest, min(-(-longest // multiple) * multiple, max_len))
-    batch: dict[str, Any] = {}
-    for key in items[0]:
-        values = [item[key] for item in items]
-        if key in PAD_COLUMNS:
-            pad = pad_id if PAD_COLUMNS[key] is None else PAD_COLUMNS[key]
-            out = torch.full((len(items), length), pad, dtype=torch.long)
-            for row, seq in enumerate(values):
-                out[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-            batch[key] = out
-        elif key == "example_id":
-            batch[key] = values  # strings stay a list
-        else:
-            batch[key] = torch.as_tensor([int(v) for v in values], dtype=torch.long)
-    return batch
+    """Natural Questions' columns through the generic padding collate (`distqa.models`)."""
+    pads = {key: pad_id if value is None else value for key, value in PAD_COLUMNS.items()}
+    return generic_pad_collate(items, pads, max_len=max_len, multiple=multiple)
