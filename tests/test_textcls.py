@@ -189,14 +189,20 @@ def write_keyword_csv(path: Path, n: int, seed: int) -> Path:
     return write_csv(path, ["text,label", *(f"{text},{names[label]}" for text, label in keyword_rows(n, seed))])
 
 
-def exported_predictions(folder: Path, texts: list[str], pairs: list[str] | None = None) -> torch.Tensor:
-    """Class predictions of the export, loaded as anyone would (no distqa), with no missing keys."""
+def exported_predictions(
+    folder: Path, trained_with: Path, texts: list[str], pairs: list[str] | None = None
+) -> torch.Tensor:
+    """Class predictions of the export, loaded as anyone would (no distqa), with no missing keys and
+    the tokenizer it was trained with (`trained_with`)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert model.config.id2label == {0: "negative", 1: "positive"}
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    # Without tokenizer files transformers builds an empty-vocabulary tokenizer, silently: compare ids.
+    original = AutoTokenizer.from_pretrained(trained_with)
+    assert tokenizer(texts, pairs)["input_ids"] == original(texts, pairs)["input_ids"]
     with torch.no_grad():
         logits = model.eval()(**tokenizer(texts, pairs, padding=True, return_tensors="pt")).logits
     assert torch.isfinite(logits).all()
@@ -216,7 +222,7 @@ def test_trains_evaluates_and_exports_in_process(tmp_path, minilm_dir):
     final = [r for r in records if "eval_accuracy" in r][-1]
     assert 0.0 <= final["eval_accuracy"] <= 1.0 and 0.0 <= final["eval_macro_f1"] <= 1.0
     rows = keyword_rows(10, 1)
-    predicted = exported_predictions(out / "model", [text for text, _ in rows])
+    predicted = exported_predictions(out / "model", minilm_dir, [text for text, _ in rows])
     accuracy = (predicted == torch.tensor([label for _, label in rows])).float().mean().item()
     assert accuracy == pytest.approx(final["eval_accuracy"])
 
@@ -245,7 +251,7 @@ def test_minilm_learns_a_keyword_from_csv_under_torchrun(tmp_path, minilm_dir):
     final = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_accuracy" in r][-1]
     assert final["eval_accuracy"] >= 0.85 and final["eval_macro_f1"] >= 0.85, final  # chance is 0.5
     rows = keyword_rows(60, 1)
-    predicted = exported_predictions(out / "model", [text for text, _ in rows])
+    predicted = exported_predictions(out / "model", minilm_dir, [text for text, _ in rows])
     accuracy = (predicted == torch.tensor([label for _, label in rows])).float().mean().item()
     # Padding differs from the evaluation's batches: allow one example to fall the other way.
     assert abs(accuracy - final["eval_accuracy"]) <= 1 / 60 + 1e-9
@@ -272,6 +278,6 @@ def test_minilm_learns_from_the_pair_column_of_jsonl_under_torchrun(tmp_path, mi
     )
     final = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_accuracy" in r][-1]
     assert final["eval_accuracy"] >= 0.85 and final["eval_macro_f1"] >= 0.85, final
-    predicted = exported_predictions(out / "model", [a for a, _, _ in rows], [b for _, b, _ in rows])
+    predicted = exported_predictions(out / "model", minilm_dir, [a for a, _, _ in rows], [b for _, b, _ in rows])
     accuracy = (predicted == torch.tensor([y for _, _, y in rows])).float().mean().item()
     assert abs(accuracy - final["eval_accuracy"]) <= 1 / 60 + 1e-9
