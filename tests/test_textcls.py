@@ -66,6 +66,12 @@ def test_reads_jsonl_pairs_with_own_column_names(tmp_path):
     assert read_examples(path, "data.valid", own) == [Example("is it?", "yes", 1), Example("is it not?", "no", 0)]
 
 
+def test_a_spreadsheet_csv_with_a_byte_order_mark_keeps_its_first_column(tmp_path):
+    path = tmp_path / "excel.csv"
+    path.write_bytes("text,label\r\ncafé,positive\r\n".encode("utf-8-sig"))
+    assert read_examples(path, "data.train", settings()) == [Example("café", None, 1)]
+
+
 def test_class_names_win_over_indices(tmp_path):
     path = write_csv(tmp_path / "a.csv", ["text,label", "x,1", "y,0"])
     own = load_config(None, ["task.name=textcls", "task.labels=1,0"]).task

@@ -33,8 +33,10 @@ def _rows(path: Path, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
         raise DistqaError(f"{key}={str(path)!r}: textcls reads .csv or .jsonl (JSON lines) files, not {path.suffix!r}")
     if not path.is_file():
         raise DistqaError(f"{key}={str(path)!r} is not a file")
-    # newline="" as the csv module asks: a quoted field may hold a line break.
-    with path.open(encoding="utf-8", newline="" if kind == "csv" else None) as f:
+    # newline="" as the csv module asks: a quoted field may hold a line break. utf-8-sig: a CSV saved
+    # by a spreadsheet starts with a byte-order mark, which would otherwise rename the first column.
+    csv_file = kind == "csv"
+    with path.open(encoding="utf-8-sig" if csv_file else "utf-8", newline="" if csv_file else None) as f:
         if kind == "csv":
             reader = csv.DictReader(f)
             for row in reader:
