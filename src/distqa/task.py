@@ -146,5 +146,5 @@ class Task(ABC):
 
 
 def load_task(cfg: RunConfig) -> Task:
-    """Instantiate the task named by `cfg.task.name` ("nq" or "package.module:ClassName")."""
+    """Instantiate the task named by `cfg.task.name` ("nq", "textcls" or "package.module:ClassName")."""
     return task_class(cfg.task.name)(cfg)

@@ -12,8 +12,11 @@ from typing import Any
 
 from distqa.errors import ConfigError
 
-BUILTIN_TASKS = {"nq": "distqa.nq.task:NQTask"}
-BUILTIN_SETTINGS = {"nq": "distqa.nq.settings:NQSettings"}
+BUILTIN_TASKS = {"nq": "distqa.nq.task:NQTask", "textcls": "distqa.textcls.task:TextClsTask"}
+BUILTIN_SETTINGS = {
+    "nq": "distqa.nq.settings:NQSettings",
+    "textcls": "distqa.textcls.settings:TextClsSettings",
+}
 # The commands each built-in task adds to `distqa` (its Task.add_commands), importable without torch.
 BUILTIN_COMMANDS = {"nq": "distqa.nq.commands:add_commands"}
 

@@ -1,0 +1,120 @@
+"""Reading a classification file (CSV or JSON lines) into examples: (text, pair or None, label index).
+
+Both formats are read row by row with the standard library, so a row's number in an error is the
+one an editor shows, and nothing is cached or converted on disk. Texts stay strings until the
+collate tokenizes a batch, which keeps the dataset small and the padding per batch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from torch.utils.data import Dataset
+
+from distqa.errors import DistqaError
+
+FORMATS = {".csv": "csv", ".jsonl": "json", ".json": "json"}
+
+
+class Example(NamedTuple):
+    text: str
+    pair: str | None
+    label: int
+
+
+def _rows(path: Path, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) for each data row of a CSV or JSON-lines file."""
+    kind = FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise DistqaError(f"{key}={str(path)!r}: textcls reads .csv or .jsonl (JSON lines) files, not {path.suffix!r}")
+    if not path.is_file():
+        raise DistqaError(f"{key}={str(path)!r} is not a file")
+    # newline="" as the csv module asks: a quoted field may hold a line break. utf-8-sig: a CSV saved
+    # by a spreadsheet starts with a byte-order mark, which would otherwise rename the first column.
+    csv_file = kind == "csv"
+    with path.open(encoding="utf-8-sig" if csv_file else "utf-8", newline="" if csv_file else None) as f:
+        if kind == "csv":
+            reader = csv.DictReader(f)
+            for row in reader:
+                # The header is line 1; a row's number is where it ends (quoted fields may span lines).
+                yield reader.line_num, row
+            return
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # a trailing blank line is common and means nothing
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DistqaError(f"{key}={str(path)!r} line {number} is not JSON ({err.msg})") from err
+            if not isinstance(row, dict):
+                raise DistqaError(f"{key}={str(path)!r} line {number} is not a JSON object")
+            yield number, row
+
+
+def _label_index(value: Any, labels: list[str]) -> int | None:
+    """The class of a file's label: a name of task.labels first, else an index into it."""
+    text = str(value).strip()
+    if text in labels:  # names win, so labels named "1,0" mean what they say
+        return labels.index(text)
+    if isinstance(value, bool):
+        return None  # JSON true/false is not an index
+    try:
+        index = int(text)
+    except ValueError:
+        return None
+    return index if 0 <= index < len(labels) else None
+
+
+def read_examples(path: str | Path, key: str, settings: Any) -> list[Example]:
+    """Every row of `path` (the value of config key `key`) as an Example; one clear error per bad
+    input. `settings` is the task's TextClsSettings."""
+    path = Path(path)
+    labels = settings.label_names()
+    columns = [settings.text_column, settings.label_column]
+    if settings.text_pair_column is not None:
+        columns.insert(1, settings.text_pair_column)
+    examples: list[Example] = []
+    for number, row in _rows(path, key):
+        where = f"{key}={str(path)!r} {'row ending on line' if path.suffix.lower() == '.csv' else 'line'} {number}"
+        for column in columns:
+            if column in row and row[column] is None:  # csv: a row with fewer fields than the header
+                raise DistqaError(f"{where}: no value in column {column!r}")
+            if column not in row:
+                found = ", ".join(str(c) for c in row if c is not None) or "none"
+                setting_key = {
+                    settings.text_column: "task.text_column",
+                    settings.label_column: "task.label_column",
+                }.get(column, "task.text_pair_column")
+                raise DistqaError(f"{where}: no column {column!r} ({setting_key}); its columns: {found}")
+        texts = [row[settings.text_column]]
+        if settings.text_pair_column is not None:
+            texts.append(row[settings.text_pair_column])
+        if not all(isinstance(t, str) for t in texts):
+            raise DistqaError(f"{where}: the text columns must hold strings")
+        label = _label_index(row[settings.label_column], labels)
+        if label is None:
+            raise DistqaError(
+                f"{where}: label {row[settings.label_column]!r} is neither one of task.labels "
+                f"({', '.join(labels)}) nor an index 0..{len(labels) - 1}"
+            )
+        examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label))
+    if not examples:
+        raise DistqaError(f"{key}={str(path)!r} has no rows")
+    return examples
+
+
+class ExampleDataset(Dataset):
+    """The examples of one file; item i is example i (a plain tuple, tokenized by the collate)."""
+
+    def __init__(self, examples: list[Example]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> Example:
+        return self.examples[index]

@@ -1,0 +1,124 @@
+"""Text and text-pair classification, as the generic trainer sees it (see `distqa.task.Task`).
+
+    torchrun --standalone --nproc-per-node 2 -m distqa train task.name=textcls \
+        task.labels=negative,positive data.train=train.csv data.valid=valid.csv model.name=bert-base-uncased
+
+Any Hugging Face encoder with a sequence-classification head works; the export in
+output_dir/model loads with `AutoModelForSequenceClassification` and `AutoTokenizer`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from distqa.config import Config
+from distqa.errors import DistqaError
+from distqa.models import RANDOM_MODELS, build_hf_model, load_error
+from distqa.task import Batch, Task
+from distqa.textcls.data import Example, ExampleDataset, read_examples
+from distqa.textcls.metric import accuracy_and_macro_f1
+from distqa.textcls.settings import TextClsSettings
+
+
+def load_tokenizer(cfg: Config) -> Any:
+    """The tokenizer of `model.tokenizer` (default: `model.name`); text needs one, so a random
+    model must name it."""
+    name = cfg.model.tokenizer or cfg.model.name
+    if name in RANDOM_MODELS:
+        raise DistqaError(
+            f"model.name={name!r} has no tokenizer: set model.tokenizer to one with a matching vocabulary "
+            "(a Hugging Face id or a local folder)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise load_error("tokenizer", name, err, "model.tokenizer") from err
+
+
+class TextClsTask(Task):
+    Config = TextClsSettings  # task.labels, task.text_column, ...: distqa.textcls.settings
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        # Every input mistake before the tokenizer and model load, so it is reported at once.
+        self.labels = cfg.task.label_names()
+        if not self.labels:
+            raise DistqaError("task.name=textcls needs task.labels, the class names in order (e.g. negative,positive)")
+        for key, value in (("data.train", cfg.data.train), ("data.valid", cfg.data.valid)):
+            if value == "dummy":
+                raise DistqaError(f"{key}=dummy: textcls has no synthetic data; give a .csv or .jsonl file")
+        self.tokenizer = load_tokenizer(cfg)
+
+    def build_model(self) -> nn.Module:
+        model = build_hf_model(
+            AutoModelForSequenceClassification,
+            self.cfg.model,
+            num_labels=len(self.labels),
+            # Saved in the export's config.json, so a pipeline shows class names, not LABEL_0.
+            id2label=dict(enumerate(self.labels)),
+            label2id={name: i for i, name in enumerate(self.labels)},
+        )
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        if max_positions is not None and self.cfg.task.max_seq_len > max_positions:
+            raise DistqaError(
+                f"task.max_seq_len={self.cfg.task.max_seq_len} exceeds the {max_positions} positions "
+                f"model {self.cfg.model.name!r} was built for"
+            )
+        if len(self.tokenizer) > model.config.vocab_size:  # ids past the embedding table fail mid-run
+            raise DistqaError(
+                f"tokenizer {self.cfg.model.tokenizer or self.cfg.model.name!r} has {len(self.tokenizer)} tokens, "
+                f"more than model {self.cfg.model.name!r}'s vocabulary of {model.config.vocab_size}"
+            )
+        return model
+
+    def build_train_dataset(self) -> Dataset:
+        return ExampleDataset(read_examples(self.cfg.data.train, "data.train", self.cfg.task))
+
+    def build_eval_dataset(self) -> Dataset | None:
+        if self.cfg.data.valid is None:
+            return None
+        return ExampleDataset(read_examples(self.cfg.data.valid, "data.valid", self.cfg.task))
+
+    def collate(self, items: list[Example]) -> Batch:
+        """Tokenize a batch, padded to its longest input (not to max_seq_len: short texts stay cheap)."""
+        texts = [item.text for item in items]
+        pairs = None if items[0].pair is None else [item.pair for item in items]
+        batch = dict(
+            self.tokenizer(
+                texts,
+                pairs,
+                padding="longest",
+                truncation=True,  # a pair is cut from its longer text first
+                max_length=self.cfg.task.max_seq_len,
+                return_tensors="pt",
+            )
+        )
+        batch["labels"] = torch.tensor([item.label for item in items])
+        return batch
+
+    def _logits(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return model(**inputs).logits
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        # The loss here, not the model's: cross-entropy in fp32 whatever the autocast.
+        return F.cross_entropy(self._logits(model, batch).float(), batch["labels"])
+
+    def eval_step(self, model: nn.Module, batch: Batch) -> list[tuple[int, int]]:
+        predictions = self._logits(model, batch).argmax(dim=-1)
+        return list(zip(predictions.tolist(), batch["labels"].tolist(), strict=True))
+
+    def compute_metrics(self, outputs: list[tuple[int, int]], step: int) -> dict[str, float]:
+        predictions, gold = zip(*outputs, strict=True)
+        return accuracy_and_macro_f1(list(predictions), list(gold), len(self.labels))
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(str(directory))

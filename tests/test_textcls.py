@@ -1,0 +1,289 @@
+"""The built-in text classification task (task.name=textcls): reading, errors, metrics, training."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_train, subprocess_env
+from distqa.config import load_config
+from distqa.errors import ConfigError, DistqaError
+from distqa.textcls.data import Example, read_examples
+from distqa.textcls.metric import accuracy_and_macro_f1
+
+LABELS = "negative,positive"
+GOOD = ["excellent", "wonderful", "superb", "delightful"]
+BAD = ["terrible", "awful", "dreadful", "horrible"]
+FILLER = "the film about a city at night had long scenes and a quiet ending with music".split()
+
+
+def write_csv(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def settings(**keys: str):
+    """The task's settings as load_config builds them."""
+    items = ["task.name=textcls", f"task.labels={LABELS}", *(f"task.{k}={v}" for k, v in keys.items())]
+    return load_config(None, items).task
+
+
+def keyword_rows(n: int, seed: int) -> list[tuple[str, int]]:
+    """Sentences of filler words; one keyword decides the label (1: a GOOD word, 0: a BAD one)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.randrange(2)
+        words = rng.sample(FILLER, 6)
+        words.insert(rng.randrange(7), rng.choice(GOOD if label else BAD))
+        rows.append((" ".join(words), label))
+    return rows
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+def test_reads_csv_with_names_and_indices_and_quoted_fields(tmp_path):
+    path = write_csv(tmp_path / "a.csv", ["id,text,label", '1,"good, really",positive', "2,bad,0", '3,"two\nlines",1'])
+    assert read_examples(path, "data.train", settings()) == [
+        Example("good, really", None, 1),
+        Example("bad", None, 0),
+        Example("two\nlines", None, 1),
+    ]
+
+
+def test_reads_jsonl_pairs_with_own_column_names(tmp_path):
+    path = tmp_path / "a.jsonl"
+    rows = [{"q": "is it?", "a": "yes", "y": 1}, {"q": "is it not?", "a": "no", "y": "negative"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")  # a trailing blank line is fine
+    own = settings(text_column="q", text_pair_column="a", label_column="y")
+    assert read_examples(path, "data.valid", own) == [Example("is it?", "yes", 1), Example("is it not?", "no", 0)]
+
+
+def test_a_spreadsheet_csv_with_a_byte_order_mark_keeps_its_first_column(tmp_path):
+    path = tmp_path / "excel.csv"
+    path.write_bytes("text,label\r\ncafé,positive\r\n".encode("utf-8-sig"))
+    assert read_examples(path, "data.train", settings()) == [Example("café", None, 1)]
+
+
+def test_class_names_win_over_indices(tmp_path):
+    path = write_csv(tmp_path / "a.csv", ["text,label", "x,1", "y,0"])
+    own = load_config(None, ["task.name=textcls", "task.labels=1,0"]).task
+    assert [e.label for e in read_examples(path, "data.train", own)] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "keys", "message"),
+    [
+        (
+            "a.csv",
+            "sentence,label\nhi,0\n",
+            {},
+            r"data.train='.*a.csv' row ending on line 2: no column 'text' \(task.text_column\); "
+            r"its columns: sentence, label",
+        ),
+        (
+            "a.jsonl",
+            '{"text": "hi", "label": 0}\n{"text": "hi", "answer": "x", "label": 0}\n',
+            {"text_pair_column": "pair"},
+            r"'.*a.jsonl' line 1: no column 'pair' \(task.text_pair_column\); its columns: text, label",
+        ),
+        (
+            "a.csv",
+            "text,label\nhi,positive\nho,neutral\n",
+            {},
+            r"a.csv' row ending on line 3: label 'neutral' is neither",
+        ),
+        ("a.jsonl", '{"text": "hi", "label": 2}\n', {}, r"line 1: label 2 is neither one of task.labels \(negative, "),
+        ("a.jsonl", '{"text": "hi", "label": true}\n', {}, r"label True is neither"),
+        ("a.csv", "text,label\nhi\n", {}, r"row ending on line 2: no value in column 'label'"),
+        ("a.jsonl", '{"text": 3, "label": 0}\n', {}, r"line 1: the text columns must hold strings"),
+        ("a.jsonl", '{"text": "hi", "label": 0}\n{"text"\n', {}, r"line 2 is not JSON"),
+        ("a.jsonl", '["hi", 0]\n', {}, r"line 1 is not a JSON object"),
+        ("a.csv", "", {}, r"a.csv' has no rows"),
+        ("a.csv", "text,label\n", {}, r"a.csv' has no rows"),
+        ("a.jsonl", "\n", {}, r"a.jsonl' has no rows"),
+        ("a.txt", "hi\n", {}, r"textcls reads .csv or .jsonl \(JSON lines\) files, not '.txt'"),
+    ],
+)
+def test_each_bad_file_is_one_clear_line(tmp_path, name, content, keys, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DistqaError, match=message) as err:
+        read_examples(path, "data.train", settings(**keys))
+    assert "\n" not in str(err.value)
+
+
+def test_bad_settings_are_one_line():
+    for labels, message in [("spam", "at least 2 classes"), ("a,b,a", "names a class twice"), ("a,,b", "empty class")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, ["task.name=textcls", f"task.labels={labels}"])
+    with pytest.raises(ConfigError, match="task.max_seq_len=2 must be >= 4"):
+        load_config(None, ["task.name=textcls", "task.max_seq_len=2"])
+
+
+def task_errors(tmp_path: Path, minilm_dir: Path, *items: str) -> str:
+    from distqa.textcls.task import TextClsTask
+
+    train = write_csv(tmp_path / "t.csv", ["text,label", "hi,0"])
+    base = ["task.name=textcls", f"data.train={train}", f"model.name={minilm_dir}", f"task.labels={LABELS}"]
+    with pytest.raises(DistqaError) as err:
+        TextClsTask(load_config(None, [*base, *items]))
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_task_refuses_dummy_data_missing_labels_and_a_random_model_without_tokenizer(tmp_path, minilm_dir):
+    assert "data.train=dummy: textcls has no synthetic data" in task_errors(tmp_path, minilm_dir, "data.train=dummy")
+    assert "data.valid=dummy" in task_errors(tmp_path, minilm_dir, "data.valid=dummy")
+    assert "needs task.labels" in task_errors(tmp_path, minilm_dir, "task.labels=null")
+    assert "model.name='tiny' has no tokenizer: set model.tokenizer" in task_errors(
+        tmp_path, minilm_dir, "model.name=tiny"
+    )
+    assert "cannot load tokenizer" in task_errors(tmp_path, minilm_dir, f"model.tokenizer={tmp_path}")
+
+
+def test_cli_prints_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "distqa", "train", "task.name=textcls", f"task.labels={LABELS}"]
+    proc = subprocess.run(
+        [*cmd, f"output_dir={tmp_path / 'out'}"], env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert (
+        proc.stderr.strip()
+        == "distqa: error: data.train=dummy: textcls has no synthetic data; give a .csv or .jsonl file"
+    )
+
+
+# --- metrics and batching --------------------------------------------------------------------------
+
+
+def test_accuracy_and_macro_f1():
+    # class 0: P=2/3 R=1 F1=0.8; class 1: P=1 R=1/2 F1=2/3; class 2 neither predicted nor present: left out
+    metrics = accuracy_and_macro_f1([0, 0, 0, 1], [0, 0, 1, 1], num_labels=3)
+    assert metrics["eval_accuracy"] == pytest.approx(0.75)
+    assert metrics["eval_macro_f1"] == pytest.approx((0.8 + 2 / 3) / 2)
+    # a class only predicted (never present) counts, with F1 0
+    assert accuracy_and_macro_f1([2, 0], [0, 0], num_labels=3)["eval_macro_f1"] == pytest.approx((2 / 3 + 0) / 2)
+
+
+def test_collate_pads_to_the_longest_in_the_batch_and_cuts_at_max_seq_len(tmp_path, minilm_dir):
+    from distqa.textcls.task import TextClsTask
+
+    train = write_csv(tmp_path / "t.csv", ["text,label", "hi,0"])
+    base = ["task.name=textcls", f"data.train={train}", "model.name=tiny", f"model.tokenizer={minilm_dir}"]
+    task = TextClsTask(load_config(None, [*base, f"task.labels={LABELS}", "task.max_seq_len=16"]))
+    batch = task.collate([Example("a b c", None, 1), Example("a", None, 0)])
+    assert batch["input_ids"].shape == (2, 5)  # [CLS] a b c [SEP]
+    assert batch["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+    assert batch["labels"].tolist() == [1, 0]
+    pair = task.collate([Example("a " * 40, "b", 1)])
+    assert pair["input_ids"].shape == (1, 16) and pair["token_type_ids"][0, -2:].tolist() == [1, 1]
+
+
+# --- training ---------------------------------------------------------------------------------------
+
+
+def write_keyword_csv(path: Path, n: int, seed: int) -> Path:
+    names = LABELS.split(",")
+    return write_csv(path, ["text,label", *(f"{text},{names[label]}" for text, label in keyword_rows(n, seed))])
+
+
+def exported_predictions(
+    folder: Path, trained_with: Path, texts: list[str], pairs: list[str] | None = None
+) -> torch.Tensor:
+    """Class predictions of the export, loaded as anyone would (no distqa), with no missing keys and
+    the tokenizer it was trained with (`trained_with`)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    # Without tokenizer files transformers builds an empty-vocabulary tokenizer, silently: compare ids.
+    original = AutoTokenizer.from_pretrained(trained_with)
+    assert tokenizer(texts, pairs)["input_ids"] == original(texts, pairs)["input_ids"]
+    with torch.no_grad():
+        logits = model.eval()(**tokenizer(texts, pairs, padding=True, return_tensors="pt")).logits
+    assert torch.isfinite(logits).all()
+    return logits.argmax(-1)
+
+
+def test_trains_evaluates_and_exports_in_process(tmp_path, minilm_dir):
+    """The whole seam on a tiny random BERT, one process: both metrics logged, the export loads."""
+    from distqa.trainer import train
+
+    out = tmp_path / "run"
+    args = ["task.name=textcls", f"task.labels={LABELS}", "model.name=tiny", f"model.tokenizer={minilm_dir}"]
+    args += [f"data.train={write_keyword_csv(tmp_path / 't.csv', 32, 0)}"]
+    args += [f"data.valid={write_keyword_csv(tmp_path / 'v.csv', 10, 1)}", "data.num_workers=0"]
+    train(load_config(None, [*args, "train.batch_size=8", "train.max_steps=2", f"output_dir={out}"]))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in records if "eval_accuracy" in r][-1]
+    assert 0.0 <= final["eval_accuracy"] <= 1.0 and 0.0 <= final["eval_macro_f1"] <= 1.0
+    rows = keyword_rows(10, 1)
+    predicted = exported_predictions(out / "model", minilm_dir, [text for text, _ in rows])
+    accuracy = (predicted == torch.tensor([label for _, label in rows])).float().mean().item()
+    assert accuracy == pytest.approx(final["eval_accuracy"])
+
+
+TRAIN_ARGS = [
+    "task.name=textcls",
+    f"task.labels={LABELS}",
+    "data.num_workers=0",
+    "train.batch_size=16",
+    "train.epochs=3",
+    "train.lr=1e-4",
+    "train.warmup_ratio=0.1",
+    "train.log_every=2",
+]
+
+
+@pytest.mark.slow
+def test_minilm_learns_a_keyword_from_csv_under_torchrun(tmp_path, minilm_dir):
+    out = tmp_path / "csv"
+    train = write_keyword_csv(tmp_path / "train.csv", 200, 0)
+    valid = write_keyword_csv(tmp_path / "valid.csv", 60, 1)
+    run_train(
+        [*TRAIN_ARGS, f"model.name={minilm_dir}", f"data.train={train}", f"data.valid={valid}", f"output_dir={out}"],
+        nproc=2,
+    )
+    final = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_accuracy" in r][-1]
+    assert final["eval_accuracy"] >= 0.85 and final["eval_macro_f1"] >= 0.85, final  # chance is 0.5
+    rows = keyword_rows(60, 1)
+    predicted = exported_predictions(out / "model", minilm_dir, [text for text, _ in rows])
+    accuracy = (predicted == torch.tensor([label for _, label in rows])).float().mean().item()
+    # Padding differs from the evaluation's batches: allow one example to fall the other way.
+    assert abs(accuracy - final["eval_accuracy"]) <= 1 / 60 + 1e-9
+
+
+def write_pair_jsonl(path: Path, n: int, seed: int) -> tuple[Path, list[tuple[str, str, int]]]:
+    """The label lives in the second text only (the first is filler): the pair column must be read."""
+    rng = random.Random(seed + 100)
+    rows = [(" ".join(rng.sample(FILLER, 5)), text, label) for text, label in keyword_rows(n, seed)]
+    path.write_text("".join(json.dumps({"premise": a, "review": b, "y": y}) + "\n" for a, b, y in rows))
+    return path, rows
+
+
+@pytest.mark.slow
+def test_minilm_learns_from_the_pair_column_of_jsonl_under_torchrun(tmp_path, minilm_dir):
+    out = tmp_path / "pairs"
+    train, _ = write_pair_jsonl(tmp_path / "train.jsonl", 200, 0)
+    valid, rows = write_pair_jsonl(tmp_path / "valid.jsonl", 60, 1)
+    columns = ["task.text_column=premise", "task.text_pair_column=review", "task.label_column=y"]
+    run_train(
+        [*TRAIN_ARGS, *columns, f"model.name={minilm_dir}", f"data.train={train}", f"data.valid={valid}"]
+        + [f"output_dir={out}"],
+        nproc=2,
+    )
+    final = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_accuracy" in r][-1]
+    assert final["eval_accuracy"] >= 0.85 and final["eval_macro_f1"] >= 0.85, final
+    predicted = exported_predictions(out / "model", minilm_dir, [a for a, _, _ in rows], [b for _, b, _ in rows])
+    accuracy = (predicted == torch.tensor([y for _, _, y in rows])).float().mean().item()
+    assert abs(accuracy - final["eval_accuracy"]) <= 1 / 60 + 1e-9
