@@ -140,3 +140,24 @@ def test_model_that_cannot_be_loaded_offline_names_it_and_what_to_do(tmp_path):
     message = str(info.value)
     assert "'no-such-org/no-such-model'" in message and "HF_HUB_OFFLINE=1" in message
     assert "local folder" in message and "\n" not in message
+
+
+def test_loader_workers_leave_the_process_group_but_still_die_on_their_parents_sigterm():
+    """torchrun's group-wide SIGTERM must not reach the loader's workers (the training process
+    would fail on its next batch), yet the loader's own SIGTERM at shutdown must still end them:
+    a worker that ignored it kept an unfinished epoch's training process waiting at exit."""
+    import os
+
+    from torch.utils.data import DataLoader
+
+    from distqa.guards import loader_worker_init
+
+    loader = DataLoader(list(range(64)), batch_size=2, num_workers=1, worker_init_fn=loader_worker_init)
+    batches = iter(loader)
+    next(batches)  # the worker has run its init by now
+    (worker,) = batches._workers
+    assert os.getpgid(worker.pid) == worker.pid != os.getpgid(0)
+    worker.terminate()  # what DataLoader (and multiprocessing at exit) fall back to
+    worker.join(timeout=10)
+    assert worker.exitcode is not None, "the worker outlived its parent's SIGTERM"
+    del batches

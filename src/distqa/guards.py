@@ -26,15 +26,18 @@ from distqa.runlock import RunLock
 
 
 def loader_worker_init(worker_id: int) -> None:
-    """`worker_init_fn` of every training DataLoader: its worker processes ignore SIGTERM.
+    """`worker_init_fn` of every training DataLoader: its worker processes leave the training
+    process's process group.
 
     torchrun stops a worker by sending SIGTERM to the worker's whole process group, and the
-    DataLoader's worker processes are in it. Left to PyTorch's handler they die at once, and the
-    training process fails on its next batch ("DataLoader worker ... is killed by signal") instead
-    of finishing its step and checkpointing. The signal is meant for the training process; its
-    loader workers end when that process shuts the loader down or exits (they watch their parent).
+    DataLoader's worker processes are in it. They would die at once, and the training process would
+    fail on its next batch ("DataLoader worker ... is killed by signal") instead of finishing its
+    step and checkpointing. The signal is meant for the training process. In a group of their own
+    they do not get it, yet keep PyTorch's own handling: the loader ends them when it shuts down
+    (with SIGTERM as a last resort, which they must not ignore, or the training process waits for
+    them forever at exit), and they exit when their parent is gone.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.setpgid(0, 0)
 
 
 def watch_parent(grace_s: float = 10.0) -> None:
