@@ -35,6 +35,7 @@ from distqa.errors import DistqaError
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 5.0
 LEASE_S = 60.0
+BREAK_STALE_S = 30.0  # breaking a lock takes milliseconds: a breaker file this old was left by a crash
 
 
 def _proc_start(pid: int) -> str | None:
@@ -183,23 +184,35 @@ class RunLock:
         )
 
     def _remove_stale(self, raw: str, holder: dict[str, Any] | None, why: str) -> None:
-        """Move the stale lock aside (only one of several racing runs can), then delete it."""
-        aside = self.path.with_name(f"{LOCK_NAME}.stale-{self.token}")
+        """Delete the stale lock, if it is still the one judged stale.
+
+        Only one run at a time may break a lock: it holds `run.lock.break` (created with O_EXCL),
+        checks the lock still holds what was judged stale, and deletes it. Without that, a second
+        breaker that judged the same stale lock could delete the fresh lock the first one had just
+        made, and two runs would hold the folder. (Nobody but a breaker deletes a lock that is not
+        its own, so the check and the delete cannot be separated by another run's lock.)
+        """
+        breaker = self.path.with_name(f"{LOCK_NAME}.break")
         try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return  # another run broke it first
-        if _read(aside) != raw:
-            # Between our look and the rename, another run replaced the stale lock with its own:
-            # put it back if we can (link fails if yet another lock appeared; that run's heartbeat
-            # then finds it lost and stops).
+            fd = os.open(breaker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
             try:
-                os.link(aside, self.path)
-            except OSError:
+                if self._fs_now() - breaker.stat().st_mtime > BREAK_STALE_S:
+                    breaker.unlink(missing_ok=True)  # left by a run that died while breaking
+            except FileNotFoundError:
                 pass
-            aside.unlink(missing_ok=True)
-            return
-        aside.unlink(missing_ok=True)
+            time.sleep(0.05)
+            return  # another run is breaking it: judge the lock afresh
+        os.close(fd)
+        try:
+            try:
+                if _read(self.path) != raw:
+                    return  # broken and replaced by another run meanwhile: judge the new lock afresh
+                self.path.unlink()
+            except FileNotFoundError:
+                return
+        finally:
+            breaker.unlink(missing_ok=True)
         print(f"distqa: taking over {self.output_dir} from a run that is gone ({describe(holder)}: {why})", flush=True)
 
     # ------------------------------------------------------------------ holding it

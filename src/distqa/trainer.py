@@ -29,6 +29,7 @@ from distqa.dist import (
     DistInfo,
     autocast_dtype,
     barrier,
+    broadcast_object,
     cleanup,
     data_parallel,
     default_num_workers,
@@ -333,8 +334,10 @@ class Trainer:
             progress.close()
             metrics.close()
 
-        if self.lock is not None and self.lock.lost:
-            raise DistqaError(self.lock.lost + ": the model is not exported")
+        # Rank 0 holds the lock; every rank must learn if it was lost (they all stop, none waits).
+        lost = broadcast_object(self.lock.lost if self.lock is not None else None)
+        if lost:
+            raise DistqaError(f"{lost}: the model is not exported")
         if self.save_outputs:
             if info.is_main and metrics.path.is_file():
                 plot_metrics(metrics.path, self.out / "metrics.png")
