@@ -132,7 +132,9 @@ def test_only_the_newest_checkpoints_are_kept_and_tmp_folders_ignored(tmp_path):
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-4", "step-5"]
 
 
-def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 26 MB tmpfs (root only): one tiny-model checkpoint fits, two do not."""
     disk = tmp_path / "small-disk"
     disk.mkdir()
     if (
@@ -144,14 +146,19 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
     ):
         pytest.skip("needs root and tmpfs mounts to make a small disk")
     try:
-        # The tiny model's checkpoint is ~17.6 MB with SGD: the first fits, the second does not.
-        with pytest.raises(DistqaError, match=r"cannot write checkpoint .*step-2.*step-1 is intact"):
-            in_process(disk, "run", "train.max_steps=3", "train.checkpoint_every=1", "train.optimizer=sgd")
-        assert [p.name for p in list_checkpoints(disk / "run" / "checkpoints")] == ["step-1"]
-        assert verify_checkpoint(disk / "run" / "checkpoints" / "step-1") is None
-        assert not list((disk / "run" / "checkpoints").glob(".tmp-*"))
+        yield disk
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_full_disk_keeps_the_previous_checkpoint(small_disk):
+    disk = small_disk
+    # The tiny model's checkpoint is ~17.6 MB with SGD: the first fits, the second does not.
+    with pytest.raises(DistqaError, match=r"cannot write checkpoint .*step-2.*step-1 is intact"):
+        in_process(disk, "run", "train.max_steps=3", "train.checkpoint_every=1", "train.optimizer=sgd")
+    assert [p.name for p in list_checkpoints(disk / "run" / "checkpoints")] == ["step-1"]
+    assert verify_checkpoint(disk / "run" / "checkpoints" / "step-1") is None
+    assert not list((disk / "run" / "checkpoints").glob(".tmp-*"))
 
 
 @pytest.mark.slow
@@ -212,28 +219,16 @@ def test_worker_sh_ends_with_distqa_own_line(tmp_path):
     assert verify_checkpoint(out / "checkpoints" / f"step-{step}") is None
 
 
-def test_full_disk_during_the_final_export_leaves_no_half_model(tmp_path):
-    disk = tmp_path / "small-disk"
-    disk.mkdir()
-    if (
-        os.geteuid() != 0
-        or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(disk)], capture_output=True
-        ).returncode
-        != 0
+def test_full_disk_during_the_final_export_leaves_no_half_model(small_disk):
+    disk = small_disk
+    # The step-1 checkpoint (~17.7 MB with SGD) fits; the 17.6 MB export beside it does not.
+    args = ["train.max_steps=1", "train.optimizer=sgd"]
+    with pytest.raises(
+        DistqaError, match=r"cannot write .*/model \(.*No space left on device.*\): the final checkpoint"
     ):
-        pytest.skip("needs root and tmpfs mounts to make a small disk")
-    try:
-        # The step-1 checkpoint (~17.7 MB with SGD) fits; the 17.6 MB export beside it does not.
-        args = ["train.max_steps=1", "train.optimizer=sgd"]
-        with pytest.raises(
-            DistqaError, match=r"cannot write .*/model \(.*No space left on device.*\): the final checkpoint"
-        ):
-            in_process(disk, "run", *args)
-        assert not (disk / "run" / "model").exists() and not list((disk / "run").glob(".tmp-*"))
-        # With room again, the same command only writes model/ (the final checkpoint is there).
-        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
         in_process(disk, "run", *args)
-        assert load_weights(disk / "run").keys()
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
+    assert not (disk / "run" / "model").exists() and not list((disk / "run").glob(".tmp-*"))
+    # With room again, the same command only writes model/ (the final checkpoint is there).
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+    in_process(disk, "run", *args)
+    assert load_weights(disk / "run").keys()
