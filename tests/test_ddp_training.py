@@ -12,20 +12,10 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import SMALL, load_weights, max_abs_diff, run_train
+from conftest import SGD, SMALL, load_weights, max_abs_diff, run_train
 from distqa.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
-
-# SGD with a large constant rate: one step moves weights by far more than the 1e-5 tolerance.
-SGD = SMALL + [
-    "model.dropout=0.0",
-    "train.optimizer=sgd",
-    "train.lr=0.5",
-    "train.lr_schedule=constant",
-    "train.warmup_ratio=0",
-    "train.max_grad_norm=0",
-]
 
 
 def test_two_by_four_equals_one_by_eight(tmp_path):

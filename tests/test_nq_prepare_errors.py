@@ -134,7 +134,7 @@ def test_a_run_killed_mid_build_leaves_a_folder_that_is_rebuilt_not_used(tmp_pat
 def test_a_crash_while_swapping_in_is_never_taken_as_complete(tmp_path, monkeypatch, minilm_dir, when):
     out = tmp_path / "features"
     old = prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=FeatureSettings(max_seq_len=256))
-    real_fsync, real_unlink, real_iterdir = prepare._fsync, Path.unlink, Path.iterdir
+    real_fsync, real_unlink, real_iterdir = prepare.fsync_path, Path.unlink, Path.iterdir
     removed = []
 
     def crash_before_the_stamp(path: Path) -> None:
@@ -155,7 +155,7 @@ def test_a_crash_while_swapping_in_is_never_taken_as_complete(tmp_path, monkeypa
         return iter(sorted(real_iterdir(path), key=lambda p: p.name == FINGERPRINT_FILE))
 
     if when == "before the new stamp":
-        monkeypatch.setattr(prepare, "_fsync", crash_before_the_stamp)
+        monkeypatch.setattr(prepare, "fsync_path", crash_before_the_stamp)
     else:
         monkeypatch.setattr(Path, "unlink", crash_half_way_through_removal)
         monkeypatch.setattr(Path, "iterdir", stamp_listed_last)  # the order most at risk

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SMALL, free_port, load_weights, max_abs_diff, subprocess_env
+from conftest import ROOT, free_port, load_weights, max_abs_diff, subprocess_env
+from conftest import SGD as CONFTEST_SGD
 from distqa.checkpoint import verify_checkpoint
 from test_multinode import two_hosts  # noqa: F401  (a fixture)
 
@@ -268,13 +269,7 @@ def test_a_second_node_zero_or_a_wrong_address_is_one_line(two_hosts, tmp_path):
 # SGD with a large constant rate (as tests/test_ddp_training.py): a step moves weights by far more
 # than the tolerance; 1 and 2 threads differ by about 4e-7 after 20 steps (measured on 2 CPUs).
 SGD = [
-    *SMALL,
-    "model.dropout=0.0",
-    "train.optimizer=sgd",
-    "train.lr=0.5",
-    "train.lr_schedule=constant",
-    "train.warmup_ratio=0",
-    "train.max_grad_norm=0",
+    *CONFTEST_SGD,
     "train.batch_size=4",
     "train.checkpoint_every=100",
 ]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import random
 import re
@@ -35,6 +34,7 @@ from torch import nn
 
 from distqa.dist import DistInfo, broadcast_object, gather_to_main
 from distqa.errors import DistqaError
+from distqa.outdir import fsync_path
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -61,15 +61,6 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's (or a folder's entries') data to the disk, so a crash cannot leave it empty."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -88,7 +79,7 @@ def _write(tmp: Path, model: nn.Module, training_state: dict, rng_states: list, 
     manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     for path in [*files, tmp / MANIFEST_FILE, tmp]:
-        _fsync(path)
+        fsync_path(path)
 
 
 def save_checkpoint(
@@ -127,7 +118,7 @@ def save_checkpoint(
             if final.exists():  # saving the same step again (e.g. a finished run restarted)
                 shutil.rmtree(final)
             tmp.rename(final)
-            _fsync(root)
+            fsync_path(root)
             for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)

@@ -51,13 +51,19 @@ def write_text(path: Path, text: str, info: DistInfo) -> None:
         raise DistqaError(str(problem))
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's data (or a folder's entries) to the disk, so a crash cannot leave it empty
+    or a rename pointing at nothing."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
     for path in [*sorted(p for p in root.rglob("*") if p.is_file()), root]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
 
 
 def export_atomically(save: Callable[[Path], None], directory: Path, info: DistInfo, note: str) -> None:

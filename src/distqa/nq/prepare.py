@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 from distqa.errors import DistqaError
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import NQReader, byte_ranges
+from distqa.outdir import fsync_path
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
 FEATURES_VERSION = 2
@@ -237,24 +238,15 @@ def _open_staging(target: Path) -> Path:
     return staging
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's data (or a folder's entries) to the disk before the stamp can name it complete."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(target: Path, staged: Path, record: str) -> None:
     """Replace the contents of `target` with those of `staged`; the stamp goes first and comes last."""
     for path in staged.rglob("*"):
         if path.is_file():
-            _fsync(path)
+            fsync_path(path)
     # From here until the new stamp lands, readers (`load_features`, a reuse check) see an
     # incomplete folder and refuse or rebuild it, instead of mixing old and new files.
     (target / FINGERPRINT_FILE).unlink(missing_ok=True)
-    _fsync(target)
+    fsync_path(target)
     for entry in target.iterdir():
         if entry.name == STAGING_DIR:
             continue
@@ -266,9 +258,9 @@ def _commit(target: Path, staged: Path, record: str) -> None:
         os.replace(entry, target / entry.name)
     pending = target / STAGING_DIR / FINGERPRINT_FILE
     pending.write_text(record)
-    _fsync(pending)
+    fsync_path(pending)
     os.replace(pending, target / FINGERPRINT_FILE)
-    _fsync(target)
+    fsync_path(target)
 
 
 def load_features(path: str | os.PathLike) -> datasets.Dataset:
