@@ -33,8 +33,8 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from distqa.dist import DistInfo, broadcast_object, gather_to_main
+from distqa.durable import fsync_path
 from distqa.errors import DistqaError
-from distqa.outdir import fsync_path
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"

@@ -6,7 +6,6 @@ collective for a rank 0 that has already failed.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from distqa.dist import DistInfo, broadcast_object
+from distqa.durable import fsync_path
 from distqa.errors import DistqaError
 from distqa.runlock import RunLock
 
@@ -49,16 +49,6 @@ def write_text(path: Path, text: str, info: DistInfo) -> None:
     problem = broadcast_object(problem)  # type: ignore[assignment]
     if problem:
         raise DistqaError(str(problem))
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's data (or a folder's entries) to the disk, so a crash cannot leave it empty
-    or a rename pointing at nothing."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(root: Path) -> None:

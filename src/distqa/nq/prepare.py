@@ -25,10 +25,10 @@ from typing import Any
 import datasets
 from transformers import AutoTokenizer
 
+from distqa.durable import fsync_path
 from distqa.errors import DistqaError
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import NQReader, byte_ranges
-from distqa.outdir import fsync_path
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
 FEATURES_VERSION = 2
