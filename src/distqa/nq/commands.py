@@ -1,4 +1,4 @@
-"""Natural Questions' own commands: `distqa prepare`, `predict`, `score` and `download`.
+"""Natural Questions' own commands: `distqa prepare`, `predict`, `score`, `download` and `split`.
 
 Added to the command line by `NQTask.add_commands` (and for the CLI without importing torch: the
 handlers import what they need when they run).
@@ -63,6 +63,23 @@ def add_commands(commands: Any, add_settings: Callable[[argparse.ArgumentParser]
     download.add_argument("--output", default="data", metavar="DIR", help="folder to write to (default: data)")
     download.set_defaults(run=_download)
 
+    split = commands.add_parser(
+        "split",
+        help="set aside validation examples of an NQ train JSONL file",
+        description="Copy the lines of an NQ JSONL file (Kaggle's simplified-nq-train.jsonl, or .jsonl.gz) "
+        "unchanged into DIR/train.jsonl and DIR/valid.jsonl, and record the split in DIR/split.json. valid "
+        "holds the N examples with the smallest SHA-256 of '<seed>:<example_id>': the same examples whatever "
+        "the line order or the machine. Two streaming passes; nothing is left in DIR if it fails.",
+    )
+    split.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL with an example_id on every line")
+    split.add_argument("--valid", required=True, type=int, metavar="N", help="number of validation examples")
+    split.add_argument("--output", required=True, metavar="DIR", help="folder for train.jsonl, valid.jsonl, split.json")
+    split.add_argument(
+        "--seed", type=int, default=0, help="mixed into the hash: another seed, another valid set (default: 0)"
+    )
+    split.add_argument("--overwrite", action="store_true", help="replace DIR/train.jsonl and DIR/valid.jsonl if there")
+    split.set_defaults(run=_split)
+
 
 def _prepare(args: argparse.Namespace) -> None:
     from distqa.config import load_config
@@ -119,3 +136,14 @@ def _download(args: argparse.Namespace) -> int:
     from distqa.nq.download import download
 
     return download(Path(args.output))
+
+
+def _split(args: argparse.Namespace) -> None:
+    from distqa.nq.split import split_file
+
+    result = split_file(args.input, args.output, args.valid, seed=args.seed, overwrite=args.overwrite)
+    megabytes = result.bytes_read / 1e6
+    print(
+        f"wrote {result.output}: {result.train:,} train and {result.valid:,} valid examples "
+        f"({megabytes:,.1f} MB read in {result.seconds:.1f} s, {megabytes / max(result.seconds, 1e-9):,.0f} MB/s)"
+    )

@@ -1,0 +1,240 @@
+"""`distqa split`: a validation set carved out of an NQ train file, by example id, all or nothing."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from conftest import TESTS
+from distqa.cli import main
+from distqa.nq import split
+from distqa.nq.reader import BadLine
+
+FIXTURES = TESTS / "fixtures" / "nq"
+REAL = [
+    *(FIXTURES / "simplified-nq-sample.jsonl").read_bytes().splitlines(keepends=True),
+    *(FIXTURES / "train_sample.jsonl").read_bytes().splitlines(keepends=True),
+]
+
+
+def generated(n: int) -> list[bytes]:
+    """Small NQ-shaped lines: integer ids (train), string ids (test), the id first or last, spacing."""
+    lines = []
+    for i in range(n):
+        example_id: int | str = -(10**18) + 7919 * i if i % 3 else f"-{i}5312"
+        doc = {"document_text": f"<P> doc {i} </P>", "question_text": "q?", "long_answer_candidates": []}
+        obj = {"example_id": example_id, **doc} if i % 4 == 0 else {**doc, "example_id": example_id}
+        lines.append((json.dumps(obj, indent=None if i % 5 else 0).replace("\n", " ") + "\n").encode())
+    return lines
+
+
+LINES = REAL + generated(40)
+
+
+def run(tmp_path: Path, lines: list[bytes], *args: str, name: str = "in.jsonl") -> tuple[int, Path]:
+    source = tmp_path / name
+    source.write_bytes(b"".join(lines))
+    out = tmp_path / "out"
+    return main(["split", "--input", str(source), "--output", str(out), *args]), out
+
+
+def ids_of(lines: list[bytes]) -> set[str]:
+    return {str(json.loads(line)["example_id"]) for line in lines}
+
+
+def test_split_is_a_disjoint_partition_with_exactly_n_valid(tmp_path, capsys):
+    code, out = run(tmp_path, LINES, "--valid", "7")
+    assert code == 0
+    train = (out / "train.jsonl").read_bytes().splitlines(keepends=True)
+    valid = (out / "valid.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(valid) == 7
+    assert Counter(train) + Counter(valid) == Counter(LINES)  # the same bytes, each line once
+    assert not ids_of(train) & ids_of(valid)
+    # The documented rule, computed here from json.loads: the 7 smallest SHA-256 of "0:<id>".
+    ranked = sorted(ids_of(LINES), key=lambda i: hashlib.sha256(f"0:{i}".encode()).digest())
+    assert ids_of(valid) == set(ranked[:7])
+    record = json.loads((out / "split.json").read_text())
+    assert record["input"] == str((tmp_path / "in.jsonl").resolve())
+    assert record["input_bytes"] == len(b"".join(LINES))
+    assert (record["valid"], record["train_examples"], record["valid_examples"]) == (7, len(LINES) - 7, 7)
+    assert "SHA-256" in record["rule"]
+    assert sorted(p.name for p in out.iterdir()) == ["split.json", "train.jsonl", "valid.jsonl"]  # no staging
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"wrote {out}: {len(LINES) - 7} train and 7 valid examples (") and last.endswith(" MB/s)")
+
+
+def test_the_selection_depends_on_ids_and_seed_not_on_line_order(tmp_path):
+    shuffled = LINES[:]
+    random.Random(1).shuffle(shuffled)
+    chosen = []
+    for i, (lines, seed) in enumerate([(LINES, "0"), (shuffled, "0"), (LINES, "1")]):
+        (tmp_path / str(i)).mkdir()
+        code, out = run(tmp_path / str(i), lines, "--valid", "9", "--seed", seed)
+        assert code == 0
+        chosen.append(ids_of((out / "valid.jsonl").read_bytes().splitlines()))
+    assert chosen[0] == chosen[1]
+    assert chosen[0] != chosen[2]
+
+
+def test_gzip_input_blank_lines_and_a_missing_last_newline(tmp_path):
+    lines = [*LINES[:20], b"\n", b"  \r\n", LINES[20].rstrip(b"\n")]
+    source = tmp_path / "in.jsonl.gz"
+    source.write_bytes(gzip.compress(b"".join(lines)))
+    assert main(["split", "--input", str(source), "--valid", "5", "--output", str(tmp_path / "out")]) == 0
+    written = b"".join((tmp_path / "out" / name).read_bytes() for name in ("train.jsonl", "valid.jsonl"))
+    assert written.endswith(b"\n")  # the unterminated line gained one, or the next line would join it
+    assert Counter(written.splitlines()) == Counter(line.rstrip(b"\r\n") for line in lines if line.strip())
+
+
+def test_existing_outputs_need_overwrite_and_a_failed_split_keeps_them(tmp_path, capsys, monkeypatch):
+    assert run(tmp_path, LINES, "--valid", "3")[0] == 0
+    out = tmp_path / "out"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert run(tmp_path, LINES, "--valid", "4")[0] == 2
+    assert capsys.readouterr().err.strip() == (
+        f"distqa: error: {out} already holds train.jsonl and valid.jsonl: pass --overwrite to replace them"
+    )
+
+    def disk_full(path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(split, "fsync_path", disk_full)
+    assert run(tmp_path, LINES, "--valid", "4", "--overwrite")[0] == 2
+    assert capsys.readouterr().err.strip().endswith(f"cannot write the split into {out} (No space left on device)")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing lost, no staging left
+
+    monkeypatch.undo()
+    assert run(tmp_path, LINES, "--valid", "4", "--overwrite")[0] == 0
+    assert len((out / "valid.jsonl").read_bytes().splitlines()) == 4
+
+
+def test_a_failure_while_writing_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(split, "fsync_path", lambda path: (_ for _ in ()).throw(OSError(28, "No space left")))
+    assert run(tmp_path, LINES, "--valid", "3")[0] == 2
+    assert not (tmp_path / "out").exists()
+
+
+BAD = {
+    "all": (LINES[:5], ["--valid", "5"], "--valid 5 leaves no training examples: {src} holds 5; choose fewer"),
+    "more": (LINES[:5], ["--valid", "6"], "--valid 6 leaves no training examples: {src} holds 5; choose fewer"),
+    "zero": (LINES, ["--valid", "0"], "--valid 0: the number of validation examples must be at least 1"),
+    "negative": (LINES, ["--valid", "-3"], "--valid -3: the number of validation examples must be at least 1"),
+    "truncated": ([*LINES[:2], LINES[2][:5000] + b"\n", *LINES[3:]], ["--valid", "2"], "{src}, line 3: not valid JSON"),
+    "no id": ([*LINES[:3], b'{"question_text": "q"}\n'], ["--valid", "1"], "{src}, line 4: no example_id"),
+    "not an object": ([LINES[0], b"[1, 2]\n"], ["--valid", "1"], "{src}, line 2: not a JSON object"),
+    "bool id": ([LINES[0], b'{"example_id": true}\n'], ["--valid", "1"], "{src}, line 2: example_id is bool"),
+    "duplicate": (
+        [*LINES[:6], LINES[1]],
+        ["--valid", "2"],
+        "{src}, line 7: its example_id appears a second time",
+    ),
+    # \x0c is whitespace to Python's strip() but not to JSON: the line is not valid JSON.
+    "junk after": ([LINES[0], b'{"example_id": 5}\x0c\n'], ["--valid", "1"], "{src}, line 2: not valid JSON"),
+    "empty": ([b"\n"], ["--valid", "1"], "{src} holds no examples"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, case):
+    lines, args, expected = BAD[case]
+    code, out = run(tmp_path, lines, *args)
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("distqa: error: " + expected.format(src=tmp_path / "in.jsonl")), err
+    assert not out.exists()
+
+
+def test_bad_paths_are_one_line(tmp_path, capsys):
+    source = tmp_path / "train.jsonl"
+    source.write_bytes(b"".join(LINES))
+    cases = [
+        (tmp_path / "nope.jsonl", tmp_path / "o", f"--input {tmp_path / 'nope.jsonl'} does not exist or is not a file"),
+        (source, source, f"--output {source} is a file, not a folder"),
+        # Splitting DIR/train.jsonl into DIR would delete the input it reads.
+        (source, tmp_path, f"--input {source} is one of the files the split writes to {tmp_path}"),
+    ]
+    for src, out, expected in cases:
+        assert main(["split", "--input", str(src), "--valid", "2", "--output", str(out), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"distqa: error: {expected}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl"]
+    assert source.read_bytes() == b"".join(LINES)
+
+
+def test_help_imports_no_torch():
+    code = (
+        "import sys; from distqa.cli import main\n"
+        "try: main(['split', '--help'])\n"
+        "except SystemExit as e: assert e.code == 0\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--valid N" in proc.stdout and "--overwrite" in proc.stdout
+
+
+# ---- the example_id scanner ----
+
+
+def test_real_lines_take_the_fast_path(monkeypatch):
+    """NQ train puts example_id last: no line of the fixtures may need the full json.loads."""
+    monkeypatch.setattr(split, "_parse_fully", lambda line: pytest.fail("parsed the whole line"))
+    assert [split.example_id_of(line) for line in REAL] == [str(json.loads(line)["example_id"]) for line in REAL]
+
+
+KEYS = st.sampled_from(
+    ["example_id", "a", 'x"example_id', 'x"example_id"', "example_id\\", '"example_id": 1}', "\\"]
+) | st.text(max_size=4)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | KEYS
+)
+VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=3), max_leaves=6
+)
+SPACE = st.sampled_from(["", " ", "\t", "\r\n", "  "])
+
+
+@st.composite
+def json_object_lines(draw) -> str:
+    """A JSON object with duplicate keys allowed, the key written plainly or with a \\u escape,
+    and JSON whitespace anywhere between tokens."""
+    ascii_only = draw(st.booleans())  # without it, lone surrogates could not be written as UTF-8
+    keys = st.sampled_from(['"example_id"', '"example\\u005fid"']) | KEYS.map(lambda k: json.dumps(k))
+    pairs = draw(st.lists(st.tuples(keys, VALUES), max_size=4))
+    if draw(st.booleans()):
+        position = draw(st.integers(0, len(pairs)))
+        pairs.insert(position, ('"example_id"', draw(st.integers() | st.text(max_size=8) | VALUES)))
+    s = lambda: draw(SPACE)  # noqa: E731
+    dump = lambda v: json.dumps(v, ensure_ascii=ascii_only, allow_nan=False)  # noqa: E731
+    body = ",".join(f"{s()}{k}{s()}:{s()}{dump(v)}{s()}" for k, v in pairs)
+    line = f"{s()}{{{body}}}{s()}" + draw(st.sampled_from(["", "\n", "\r\n"]))
+    assume(ascii_only or not any(0xD800 <= ord(c) <= 0xDFFF for c in line))  # UTF-8 cannot hold them
+    return line
+
+
+@settings(max_examples=150, deadline=None)
+@given(json_object_lines())
+def test_example_id_of_agrees_with_json_loads(line):
+    obj = json.loads(line)
+    value = obj.get("example_id", None)
+    if "example_id" in obj and isinstance(value, (str, int)) and not isinstance(value, bool):
+        assert split.example_id_of(line.encode()) == str(value)
+    else:
+        with pytest.raises(BadLine):
+            split.example_id_of(line.encode())
