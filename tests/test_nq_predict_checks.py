@@ -3,6 +3,7 @@ applies: a model exported without a tokenizer (the quick start's), or a tokenize
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -23,8 +24,8 @@ def tiny_run(tmp_path_factory):
     return out
 
 
-def predict(tmp_path, checkpoint, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "distqa", "predict", "--input", str(SAMPLE), "--checkpoint", str(checkpoint)]
+def predict(tmp_path, checkpoint, *overrides: str, source=SAMPLE) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "distqa", "predict", "--input", str(source), "--checkpoint", str(checkpoint)]
     cmd += ["--output", str(tmp_path / "sub.csv"), "task.max_seq_len=128", f"task.cache_dir={tmp_path / 'cache'}"]
     return subprocess.run(
         [*cmd, *overrides], env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -62,3 +63,15 @@ def test_the_right_tokenizer_predicts_and_says_no_thresholds_were_saved(tmp_path
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no distqa_thresholds.json" in proc.stdout and "best long and short answer" in proc.stdout
     assert (tmp_path / "sub.csv").read_text().startswith("example_id,PredictionString")
+
+
+def test_a_test_file_without_annotations_predicts(tmp_path, tiny_run, minilm_dir):
+    """The Kaggle test file, the one a submission is for, has no annotations and string ids."""
+    test_line = json.dumps(json.loads((TESTS / "fixtures" / "nq" / "ds-test-head1.json").read_text()))
+    source = tmp_path / "simplified-nq-test.jsonl"
+    source.write_text(test_line + "\n")
+    proc = predict(tmp_path, tiny_run, f"model.tokenizer={minilm_dir}", source=source)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    example_id = json.loads(test_line)["example_id"]
+    rows = (tmp_path / "sub.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in rows] == ["example_id", f"{example_id}_long", f"{example_id}_short"]

@@ -11,9 +11,10 @@ from distqa.config import Config, ModelConfig
 from distqa.dist import autocast_dtype
 from distqa.errors import DistqaError
 from distqa.nq.data import resolve_features
-from distqa.nq.evaluate import GoldIndex, final_answers, window_bests
+from distqa.nq.evaluate import final_answers, window_bests
 from distqa.nq.model import BertJointQA
 from distqa.nq.postprocess import group_by_example
+from distqa.nq.reader import NQReader
 from distqa.nq.submission import write_submission
 from distqa.nq.task import THRESHOLDS_FILE, load_tokenizer
 
@@ -79,7 +80,11 @@ def predict(cfg: Config, input_path: str, checkpoint: str, output: str) -> dict[
         max_len=cfg.task.max_seq_len,
         autocast_dtype=autocast_dtype(cfg.train.precision) if device.type == "cuda" else None,
     )
-    examples = GoldIndex(input_path, skip_bad_lines=cfg.task.skip_bad_lines).examples
+    # Not GoldIndex: the test file, the one a submission is for, has no annotations to read gold from.
+    examples = {}
+    for example in NQReader(input_path, skip_bad_lines=cfg.task.skip_bad_lines):
+        example.tokens = []  # postprocessing needs the long-answer candidates, not the text
+        examples[example.example_id] = example
     answers = final_answers(group_by_example(bests), examples, thresholds)
     write_submission(output, answers)
     return {
