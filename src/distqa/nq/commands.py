@@ -66,6 +66,7 @@ def add_commands(commands: Any, add_settings: Callable[[argparse.ArgumentParser]
 
 def _prepare(args: argparse.Namespace) -> None:
     from distqa.config import load_config
+    from distqa.console import quiet_libraries
     from distqa.errors import ConfigError
     from distqa.nq.data import feature_settings, tokenizer_name
     from distqa.nq.prepare import prepare_features
@@ -73,6 +74,7 @@ def _prepare(args: argparse.Namespace) -> None:
     if args.num_proc < 1:
         raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
     cfg = load_config(args.config, args.overrides)
+    quiet_libraries(is_main=True)  # datasets' bars on a terminal only; the summary below in any case
     result = prepare_features(
         args.input,
         args.output,
