@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,30 @@ def test_shipped_configs_load_and_set_only_known_keys(path: Path) -> None:
 
 def test_there_are_shipped_configs() -> None:
     assert {p.name for p in SHIPPED_CONFIGS} >= {"bert-base.yaml", "quickstart.yaml"}
+
+
+def test_help_texts_say_what_distqa_is_and_give_each_command_its_own_example():
+    """The help of distqa and of its commands, printed as users get it, without importing torch."""
+    code = (
+        "import sys; from distqa.cli import main\n"
+        "for argv in (['--help'], ['train', '--help'], ['prepare', '--help'], ['predict', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        print('\\x00')\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    top, train, prepare, predict = (" ".join(text.split()) for text in proc.stdout.split("\x00")[:4])
+    assert top.startswith("usage: distqa [-h] COMMAND ... distqa fine-tunes a Hugging Face encoder")
+    assert "Natural Questions" in top and "task.name=textcls" in top and "Thin on purpose" not in top
+    assert "e.g. train.lr=1e-4 train.max_steps=500" in train
+    assert "e.g. model.tokenizer=bert-base-uncased task.max_seq_len=384" in prepare and "train.lr" not in prepare
+    assert "e.g. task.max_seq_len=384 train.batch_size=64" in predict and "train.lr" not in predict
+
+
+def test_the_example_in_the_top_level_help_parses():
+    """Each command of the example is one distqa accepts (torchrun's from `-m distqa` on)."""
+    from distqa.cli import EXAMPLES, build_parser
+
+    lines = [shlex.split(line) for line in EXAMPLES.replace("\\\n", " ").splitlines() if line.startswith("  ")]
+    parsed = [build_parser().parse_args(words[words.index("distqa") + 1 :]).command for words in lines]
+    assert parsed == ["download", "train", "predict"]

@@ -109,8 +109,8 @@ def test_existing_files_are_kept_and_not_downloaded(tmp_path, capsys):
 def test_no_credentials(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KAGGLE_CONFIG_DIR", str(tmp_path / "config"))
     message = one_line_error(tmp_path / "data", StubApi(fail={"authenticate": SystemExit(1)}))
-    assert message.startswith("no Kaggle credentials found: set KAGGLE_USERNAME and KAGGLE_KEY")
-    assert str(tmp_path / "config" / "kaggle.json") in message
+    assert message.startswith("no Kaggle credentials found: create an API token at https://www.kaggle.com/settings/api")
+    assert f"save the file as {tmp_path / 'config' / 'kaggle.json'} (KAGGLE_CONFIG_DIR's folder)" in message
     assert "Authentication required" not in capsys.readouterr().out  # kaggle's page of help is replaced
 
 
@@ -192,12 +192,46 @@ def test_missing_kaggle_module_is_named(tmp_path, monkeypatch):
 def test_real_kaggle_without_credentials(tmp_path, kaggle_home, capsys):
     message = real_download_error(tmp_path / "data")
     assert message == (
-        "no Kaggle credentials found: set KAGGLE_USERNAME and KAGGLE_KEY, or save the kaggle.json from "
-        f"kaggle.com > Settings > API > Create New Token as {kaggle_home / 'kaggle.json'} "
-        "(KAGGLE_CONFIG_DIR picks the folder), then run again"
+        "no Kaggle credentials found: create an API token at https://www.kaggle.com/settings/api, then set "
+        "KAGGLE_API_TOKEN to it or save it as ~/.kaggle/access_token; or, with a kaggle.json key, set "
+        f"KAGGLE_USERNAME and KAGGLE_KEY or save the file as {kaggle_home / 'kaggle.json'} (KAGGLE_CONFIG_DIR's "
+        "folder); then run again"
     )
     assert capsys.readouterr().out == ""  # kaggle's page of help, printed on import and on failure, is hidden
     assert not (tmp_path / "data").exists()  # a failed sign-in leaves no empty folder behind
+
+
+# What the message says without KAGGLE_CONFIG_DIR (the README repeats it).
+DEFAULT_PLACES = (
+    "no Kaggle credentials found: create an API token at https://www.kaggle.com/settings/api, then set "
+    "KAGGLE_API_TOKEN to it or save it as ~/.kaggle/access_token; or, with a kaggle.json key, set KAGGLE_USERNAME "
+    "and KAGGLE_KEY or save the file as ~/.kaggle/kaggle.json (or ~/.config/kaggle/kaggle.json while ~/.kaggle "
+    "does not exist; KAGGLE_CONFIG_DIR names another folder); then run again"
+)
+
+
+@pytest.mark.parametrize("saved_in", [None, ".kaggle", ".config/kaggle", "access_token"])
+def test_real_kaggle_reads_the_places_the_message_names(tmp_path, kaggle_home, monkeypatch, saved_in):
+    """The message names where the pinned kaggle package really looks: a key saved in each place is
+    found (the run then fails on the network, which is off), and none at all gives the message."""
+    monkeypatch.delenv("KAGGLE_CONFIG_DIR")
+    home = tmp_path / "home"
+    if saved_in == "access_token":
+        (home / ".kaggle").mkdir(parents=True)
+        (home / ".kaggle" / "access_token").write_text("KGAT_0123456789abcdef")
+    elif saved_in is not None:
+        (home / saved_in).mkdir(parents=True)
+        (home / saved_in / "kaggle.json").write_text('{"username": "someone", "key": "0123456789abcdef"}')
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    message = real_download_error(tmp_path / "data")
+    if saved_in is None:
+        assert message == DEFAULT_PLACES
+    else:  # (kaggle checks a token online while signing in; a key only when it lists the files)
+        assert message.startswith("cannot reach Kaggle while "), message
 
 
 def test_real_kaggle_offline(tmp_path, kaggle_home, monkeypatch):

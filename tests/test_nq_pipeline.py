@@ -26,7 +26,7 @@ SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
 def test_train_validate_predict_score(tmp_path, minilm_dir):
     out, cache = tmp_path / "run", tmp_path / "cache"
     common = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", f"task.cache_dir={cache}"]
-    run_train(
+    proc = run_train(
         [
             *SMALL,
             *common,
@@ -46,6 +46,15 @@ def test_train_validate_predict_score(tmp_path, minilm_dir):
     assert [r["step"] for r in evals] == [2, 4]
     thresholds = json.loads((out / "model" / "distqa_thresholds.json").read_text())
     assert set(thresholds) == {"long", "short"}
+    # In a log: no progress bars (datasets' preparation, training), a line per logged step, and the
+    # last lines name the model, metrics.jsonl and metrics.png.
+    assert "\r" not in proc.stdout + proc.stderr and "Generating train split" not in proc.stderr
+    assert [line.split(" (")[0] for line in proc.stdout.splitlines() if line.startswith("step ")] == [
+        f"step {r['step']}/4" for r in records
+    ]
+    assert f"model written to {out / 'model'}" in proc.stdout and f"plotted in {out / 'metrics.png'}" in proc.stdout
+    prepared = sorted(cache.iterdir())  # the training and the validation features
+    assert len(prepared) == 2
 
     submission = tmp_path / "submission.csv"
     cmd = [
@@ -61,7 +70,10 @@ def test_train_validate_predict_score(tmp_path, minilm_dir):
         str(submission),
         *common,
     ]
-    subprocess.run(cmd, check=True, env=subprocess_env(), cwd=ROOT, capture_output=True, timeout=300)
+    proc = subprocess.run(cmd, check=True, env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # The validation features are reused (training's keep_unknown does not matter to them), quietly.
+    assert sorted(cache.iterdir()) == prepared and "prepared" not in proc.stdout
+    assert "\r" not in proc.stdout + proc.stderr and "Generating train split" not in proc.stderr
     with submission.open(newline="") as f:
         rows = list(csv.reader(f))
     ids = sorted(e.example_id for e in NQReader(SAMPLE))  # as strings: "-25..." < "34..."

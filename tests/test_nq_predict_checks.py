@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ROOT, SMALL, TESTS, subprocess_env
 from distqa.config import load_config
+from distqa.nq.data import resolve_features
+from distqa.nq.task import load_tokenizer
 from distqa.trainer import train
 
 SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
@@ -59,10 +61,21 @@ def test_a_tokenizer_of_another_size_is_refused(tmp_path, tiny_run):
 
 
 def test_the_right_tokenizer_predicts_and_says_no_thresholds_were_saved(tmp_path, tiny_run, minilm_dir):
+    # The features validation during training prepares from this file (training's keep_unknown and
+    # seed, which evaluation features do not depend on): predict must reuse them, not prepare again.
+    cache = tmp_path / "cache"
+    valid = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", f"task.cache_dir={cache}"]
+    cfg = load_config(None, [*valid, "task.keep_unknown=0.3", "seed=7"])
+    folder = resolve_features(cfg, str(SAMPLE), load_tokenizer(cfg), training=False)
+    assert [p.name for p in cache.iterdir()] == [folder.name]
+
     proc = predict(tmp_path, tiny_run, f"model.tokenizer={minilm_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no distqa_thresholds.json" in proc.stdout and "best long and short answer" in proc.stdout
     assert (tmp_path / "sub.csv").read_text().startswith("example_id,PredictionString")
+    assert [p.name for p in cache.iterdir()] == [folder.name] and "prepared" not in proc.stdout
+    # Not a terminal: no progress bars of transformers or datasets (a redraw is a carriage return).
+    assert "\r" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_test_file_without_annotations_predicts(tmp_path, tiny_run, minilm_dir):

@@ -250,11 +250,19 @@ def test_minilm_learns_a_keyword_from_csv_under_torchrun(tmp_path, minilm_dir):
     out = tmp_path / "csv"
     train = write_keyword_csv(tmp_path / "train.csv", 200, 0)
     valid = write_keyword_csv(tmp_path / "valid.csv", 60, 1)
-    run_train(
+    proc = run_train(
         [*TRAIN_ARGS, f"model.name={minilm_dir}", f"data.train={train}", f"data.valid={valid}", f"output_dir={out}"],
         nproc=2,
     )
-    final = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_accuracy" in r][-1]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # The output of a launch into a log (not a terminal): a plain line per logged record instead of a
+    # progress bar, and transformers' report of the new classifier head once (rank 0), uncoloured.
+    printed = proc.stdout + proc.stderr
+    steps = [line.split("/")[0] for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps == [f"step {r['step']}" for r in records] and len(records) >= 5
+    assert proc.stderr.count("LOAD REPORT") == 1 and "classifier.weight" in proc.stderr
+    assert "\r" not in printed and "\x1b" not in printed
+    final = [r for r in records if "eval_accuracy" in r][-1]
     assert final["eval_accuracy"] >= 0.85 and final["eval_macro_f1"] >= 0.85, final  # chance is 0.5
     rows = keyword_rows(60, 1)
     predicted = exported_predictions(out / "model", minilm_dir, [text for text, _ in rows])

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from PIL import Image
 
 from conftest import SMALL, load_weights, max_abs_diff
 from distqa.config import load_config
@@ -25,15 +26,26 @@ def losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path, capsys):
     a = run(tmp_path, "a", "train.max_steps=2", "model.dropout=0.1")
+    out, err = capsys.readouterr()
     b = run(tmp_path, "b", "train.max_steps=2", "model.dropout=0.1")
     c = run(tmp_path, "c", "train.max_steps=2", "model.dropout=0.1", "seed=7")
     assert max_abs_diff(load_weights(a), load_weights(b)) == 0.0
     assert max_abs_diff(load_weights(a), load_weights(c)) > 1e-3
-    # The end-of-run plot of loss, learning rate and throughput, beside metrics.jsonl.
+    # The end-of-run plot of loss, learning rate and throughput, beside metrics.jsonl, titled after the run.
     png = (a / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert Image.open(a / "metrics.png").text["Title"].startswith("task nq, model tiny, data dummy\nlr 3e-05")
+    # Not a terminal: no progress bar, but a line per logged step (train.log_every=1), and the last
+    # lines say where the results are.
+    assert "\r" not in out + err
+    assert [line.split(" (")[0] for line in out.splitlines() if line.startswith("step ")] == ["step 1/2", "step 2/2"]
+    assert out.splitlines()[-2:] == [
+        f"model written to {a / 'model'}",
+        f"metrics in {a / 'metrics.jsonl'}, plotted in {a / 'metrics.png'} "
+        f"(TensorBoard: tensorboard --logdir {a / 'tb'})",
+    ]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

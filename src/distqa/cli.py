@@ -44,10 +44,38 @@ def _keys_reference(task: str | None = None) -> str:
     return "\n".join(lines) + note
 
 
-def _add_settings(command: argparse.ArgumentParser) -> None:
-    """The settings every command that reads the config takes: a YAML file, then overrides."""
+def _whole_words(formatter: type[argparse.HelpFormatter]) -> type[argparse.HelpFormatter]:
+    """`formatter`, wrapping argument help at spaces only: an example's bert-base-uncased stays whole."""
+
+    class WholeWords(formatter):  # type: ignore[valid-type, misc]
+        def _split_lines(self, text: str, width: int) -> list[str]:
+            return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    return WholeWords
+
+
+def _add_settings(command: argparse.ArgumentParser, example: str = "train.lr=1e-4 train.max_steps=500") -> None:
+    """The settings every command that reads the config takes: a YAML file, then overrides
+    (`example`: overrides that matter to this command, for its --help)."""
+    command.formatter_class = _whole_words(command.formatter_class)
     command.add_argument("--config", metavar="FILE", help="YAML file of settings (see configs/)")
-    command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.lr=1e-4")
+    command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"dotted overrides, e.g. {example}")
+
+
+DESCRIPTION = """\
+distqa fine-tunes a Hugging Face encoder (BERT and the like) with PyTorch DDP: one process, several
+GPUs of one machine, or several machines, launched by torchrun. Built-in tasks: Natural Questions
+(Kaggle's TensorFlow 2.0 Question Answering; task.name=nq, the default) and text classification
+from CSV or JSONL (task.name=textcls). Settings: defaults < --config FILE < KEY=VALUE overrides."""
+
+EXAMPLES = """\
+example (Natural Questions, 2 processes on this machine):
+  distqa download --output data
+  torchrun --nproc-per-node 2 -m distqa train --config configs/bert-base.yaml \\
+      data.train=data/simplified-nq-train.jsonl output_dir=results/nq
+  distqa predict --input data/simplified-nq-test.jsonl --checkpoint results/nq --output submission.csv
+
+`distqa COMMAND --help` describes a command; `distqa train --help` lists every setting."""
 
 
 def _add_task_commands(commands: Any, task: str | None) -> None:
@@ -66,7 +94,9 @@ def _add_task_commands(commands: Any, task: str | None) -> None:
 
 
 def build_parser(task: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distqa", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="distqa", description=DESCRIPTION, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train",

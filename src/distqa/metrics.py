@@ -140,8 +140,10 @@ class MetricsWriter:
             self._tb = None
 
 
-def plot_metrics(metrics_path: Path, png_path: Path) -> None:
-    """Loss, learning rate and throughput against step, from metrics.jsonl, as one PNG."""
+def plot_metrics(metrics_path: Path, png_path: Path, *, title: str | None = None) -> bool:
+    """Loss, learning rate and throughput against step, from metrics.jsonl, as one PNG titled
+    `title` (default: the folder of metrics.jsonl); also the PNG's Title field. False: nothing to
+    draw, no file written."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
@@ -149,7 +151,7 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
 
     records = [record for _, record in read_metrics(metrics_path)[0]]
     if not records:
-        return  # nothing to draw; a figure of empty axes would only mislead
+        return False  # nothing to draw; a figure of empty axes would only mislead
 
     def number(value: Any) -> float:
         # A field of the wrong type in an otherwise good line is a gap in its curve, not a crash.
@@ -176,7 +178,9 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
     axes[-1].set_xlabel("step")
-    fig.suptitle(str(metrics_path.parent.name))
+    title = title or str(metrics_path.parent)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(png_path, dpi=100, metadata={"Title": title})
     plt.close(fig)
+    return True

@@ -8,7 +8,6 @@ model or task, subclass `Task` in your own module and run `distqa train task.nam
 
 from __future__ import annotations
 
-import argparse
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,12 +43,12 @@ class Task(ABC):
         pass
 
     @classmethod
-    def add_commands(cls, commands: Any, add_settings: Callable[[argparse.ArgumentParser], None]) -> None:
+    def add_commands(cls, commands: Any, add_settings: Callable[..., None]) -> None:
         """Add the task's own `distqa` commands: `parser = commands.add_parser(NAME, help=...)`,
-        its arguments (`add_settings(parser)` adds --config and KEY=VALUE), then
-        `parser.set_defaults(run=function)`, which gets the parsed arguments and returns an exit
-        status (None: 0). A fork's commands appear when its task is named on the command line
-        (`distqa NAME task.name=module:Class ...`). Default: none."""
+        its arguments (`add_settings(parser, example="task.x=1")` adds --config and KEY=VALUE, with
+        that example in its --help), then `parser.set_defaults(run=function)`, which gets the
+        parsed arguments and returns an exit status (None: 0). A fork's commands appear when its
+        task is named on the command line (`distqa NAME task.name=module:Class ...`). Default: none."""
         del commands, add_settings  # no commands of its own
 
     def __init__(self, cfg: RunConfig) -> None:

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 
 from distqa import checkpoint as ckpt
 from distqa.config import Config, to_yaml
+from distqa.console import TrainProgress, outputs_summary, quiet_libraries, run_title
 from distqa.data_identity import agreed_identity
 from distqa.dist import (
     DistInfo,
@@ -290,7 +290,7 @@ class Trainer:
         metrics = MetricsWriter(self.out, info, resume_step=step)
         meter = ThroughputMeter(info.device)
         stop = StopSignal(info, self.lock)  # from here on, SIGTERM means "checkpoint, then exit"
-        progress = tqdm(total=total_steps, initial=step, disable=not info.is_main, desc="train", dynamic_ncols=True)
+        progress = TrainProgress(total_steps, step, enabled=info.is_main)  # a bar, or a line per record
         self.model.train()
         try:
             while step < total_steps:
@@ -300,7 +300,7 @@ class Trainer:
                     lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                     self._train_step(batches, meter)
                     step += 1
-                    progress.update(1)
+                    progress.advance()
                     last = step == total_steps
                     evaluate = last or (cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0)
                     if evaluate or last or step % cfg.train.log_every == 0:
@@ -320,7 +320,7 @@ class Trainer:
                             )
                             meter.restart_clock()  # evaluation time is not training throughput
                         metrics.log(record)
-                        progress.set_postfix(loss=f"{record['loss']:.4f}")
+                        progress.report(record)
                     saved = step % cfg.train.checkpoint_every == 0 or (last and self.save_outputs)
                     if saved:
                         self._save(step, epoch_steps)
@@ -339,8 +339,10 @@ class Trainer:
         if lost:
             raise DistqaError(f"{lost}: the model is not exported")
         if self.save_outputs:
+            plotted = False
             if info.is_main and metrics.path.is_file():
-                plot_metrics(metrics.path, self.out / "metrics.png")
+                title = run_title(cfg, self.global_batch)
+                plotted = plot_metrics(metrics.path, self.out / "metrics.png", title=title)
             export_atomically(
                 lambda folder: self.task.save_model(self.raw_model, folder),
                 self.out / "model",
@@ -348,7 +350,7 @@ class Trainer:
                 note="the final checkpoint holds the same weights: free space and run the same command "
                 "again (it only writes model/)",
             )
-            print0(f"model written to {self.out / 'model'}")
+            print0(outputs_summary(self.out, plotted=plotted))
         barrier()
         return self.out / "model"
 
@@ -357,6 +359,7 @@ def train(cfg: Config) -> Path:
     """Entry point of `distqa train`: one call per process, under torchrun or alone."""
     watch_parent()  # before the rendezvous, which is where an orphan would otherwise wait longest
     info = init_distributed()
+    quiet_libraries(is_main=info.is_main)
     try:
         with local_main_first(info):  # the task may download a tokenizer
             task = load_task(cfg)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-def add_commands(commands: Any, add_settings: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_commands(commands: Any, add_settings: Callable[..., None]) -> None:
     prepare = commands.add_parser(
         "prepare",
         help="turn Natural Questions JSONL into cached model features",
@@ -29,7 +29,7 @@ def add_commands(commands: Any, add_settings: Callable[[argparse.ArgumentParser]
         default="train",
         help="train: keep task.keep_unknown of the windows without an answer; eval: keep every window",
     )
-    add_settings(prepare)
+    add_settings(prepare, example="model.tokenizer=bert-base-uncased task.max_seq_len=384")
     prepare.set_defaults(run=_prepare)
 
     predict = commands.add_parser(
@@ -42,7 +42,7 @@ def add_commands(commands: Any, add_settings: Callable[[argparse.ArgumentParser]
     predict.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL file")
     predict.add_argument("--checkpoint", required=True, metavar="DIR", help="a model/ folder, or its output_dir")
     predict.add_argument("--output", required=True, metavar="FILE", help="submission.csv to write")
-    add_settings(predict)
+    add_settings(predict, example="task.max_seq_len=384 train.batch_size=64")
     predict.set_defaults(run=_predict)
 
     score = commands.add_parser(
@@ -83,6 +83,7 @@ def add_commands(commands: Any, add_settings: Callable[[argparse.ArgumentParser]
 
 def _prepare(args: argparse.Namespace) -> None:
     from distqa.config import load_config
+    from distqa.console import quiet_libraries
     from distqa.errors import ConfigError
     from distqa.nq.data import feature_settings, tokenizer_name
     from distqa.nq.prepare import prepare_features
@@ -90,6 +91,7 @@ def _prepare(args: argparse.Namespace) -> None:
     if args.num_proc < 1:
         raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
     cfg = load_config(args.config, args.overrides)
+    quiet_libraries(is_main=True)  # datasets' bars on a terminal only; the summary below in any case
     result = prepare_features(
         args.input,
         args.output,

@@ -8,10 +8,12 @@ half-used file stays exactly as it was. Kaggle usually sends a file zipped; it i
 extracted under a temporary name and renamed into place, so a crash never leaves a truncated file
 under the real name.
 
-Credentials are the kaggle package's: KAGGLE_USERNAME and KAGGLE_KEY, or kaggle.json in
-KAGGLE_CONFIG_DIR (default ~/.kaggle), or an API token. Every failure the user can fix (no
-credentials, a rejected key, competition rules not accepted, no network, a full disk) is a
-DistqaError with one line saying what to do.
+Credentials are the kaggle package's; 2.2.4 tries, in this order: an API token in KAGGLE_API_TOKEN
+or ~/.kaggle/access_token; KAGGLE_USERNAME and KAGGLE_KEY, or kaggle.json in KAGGLE_CONFIG_DIR
+(default ~/.kaggle, or on Linux ~/.config/kaggle while ~/.kaggle does not exist); the
+~/.kaggle/credentials.json of `kaggle auth login`. Every failure the user can fix (no credentials,
+a rejected key, competition rules not accepted, no network, a full disk) is a DistqaError with one
+line saying what to do.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from distqa.errors import DistqaError
 COMPETITION = "tensorflow2-question-answering"
 RULES_URL = f"https://www.kaggle.com/c/{COMPETITION}/rules"
 DATA_URL = f"https://www.kaggle.com/c/{COMPETITION}/data"
+TOKEN_URL = "https://www.kaggle.com/settings/api"
 STAGING = ".kaggle-download"
 PARTIAL_MARKER = ".kaggle-partial"  # kaggle's sidecar file that records a resumable download
 
@@ -60,11 +63,28 @@ def kaggle_config_dir() -> Path:
     return home
 
 
+def _shown(path: Path) -> str:
+    """`path` as a person writes it: ~/... under the home folder."""
+    try:
+        return f"~/{path.relative_to(Path.home())}"
+    except ValueError:
+        return str(path)
+
+
 def _no_credentials_message() -> str:
+    # Every place kaggle reads, so that the message and the README name the same ones. (Importing
+    # kaggle creates ~/.config/kaggle when ~/.kaggle is missing, which is why both are named.)
+    if os.environ.get("KAGGLE_CONFIG_DIR"):
+        key_file = f"{_shown(Path(os.environ['KAGGLE_CONFIG_DIR']) / 'kaggle.json')} (KAGGLE_CONFIG_DIR's folder)"
+    else:
+        key_file = "~/.kaggle/kaggle.json"
+        if sys.platform.startswith("linux"):
+            xdg = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "kaggle" / "kaggle.json"
+            key_file += f" (or {_shown(xdg)} while ~/.kaggle does not exist; KAGGLE_CONFIG_DIR names another folder)"
     return (
-        "no Kaggle credentials found: set KAGGLE_USERNAME and KAGGLE_KEY, or save the kaggle.json from "
-        f"kaggle.com > Settings > API > Create New Token as {kaggle_config_dir() / 'kaggle.json'} "
-        "(KAGGLE_CONFIG_DIR picks the folder), then run again"
+        f"no Kaggle credentials found: create an API token at {TOKEN_URL}, then set KAGGLE_API_TOKEN to it "
+        "or save it as ~/.kaggle/access_token; or, with a kaggle.json key, set KAGGLE_USERNAME and KAGGLE_KEY "
+        f"or save the file as {key_file}; then run again"
     )
 
 
@@ -132,8 +152,7 @@ def _explained(output_dir: Path, step: list[str]) -> Iterator[None]:
         if status == 401:
             raise DistqaError(
                 f"Kaggle rejected the credentials (HTTP 401) while {step[0]}: check KAGGLE_USERNAME/KAGGLE_KEY "
-                f"or {kaggle_config_dir() / 'kaggle.json'}; kaggle.com > Settings > API > Create New Token "
-                "gives a new key"
+                f"or {kaggle_config_dir() / 'kaggle.json'}, or the API token; {TOKEN_URL} gives a new one"
             ) from None
         if status == 403:
             raise DistqaError(

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from distqa.config import Config, ModelConfig
+from distqa.console import quiet_libraries
 from distqa.dist import autocast_dtype
 from distqa.errors import DistqaError
 from distqa.nq.data import resolve_features
@@ -45,6 +46,7 @@ def check_tokenizer(tokenizer: object, vocab_size: int, name: str) -> None:
 
 
 def predict(cfg: Config, input_path: str, checkpoint: str, output: str) -> dict[str, int]:
+    quiet_libraries(is_main=True)  # no progress bars of the model load and preparation in a log
     folder = model_folder(checkpoint)
     # The export carries its tokenizer (when training had one); an explicit model.tokenizer wins.
     if cfg.model.tokenizer is None and not any((folder / f).is_file() for f in TOKENIZER_FILES):

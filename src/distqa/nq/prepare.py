@@ -51,7 +51,12 @@ FEATURES = datasets.Features(
 
 def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
     """What the features depend on. The tokenizer enters by content, not name: a local folder
-    edited in place must not reuse features made with its old vocabulary."""
+    edited in place must not reuse features made with its old vocabulary. Evaluation features keep
+    every window, so the subsampling settings (keep_unknown, seed) are left out of theirs: `predict`
+    then reuses the folder that validation during training prepared from the same file."""
+    used = dataclasses.asdict(settings)
+    if not settings.training:
+        del used["keep_unknown"], used["seed"]
     stat = input_path.stat()
     vocab = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
     return {
@@ -60,7 +65,7 @@ def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> 
         "input_size": stat.st_size,
         "input_mtime_ns": stat.st_mtime_ns,
         "tokenizer": vocab,
-        "settings": dataclasses.asdict(settings),
+        "settings": used,
     }
 
 

