@@ -146,7 +146,8 @@ def plot(result: dict[str, Any], png: Path) -> None:
             nprocs, *_bars(rows, "baseline_samples_per_s"), marker="s", capsize=4, label="hand-written DDP loop"
         )
     ax_tp.plot(nprocs, ideal, linestyle="--", color="grey", label="linear scaling")
-    ax_tp.set(xlabel="processes", ylabel="samples/s (all processes)", title="throughput", xticks=nprocs)
+    ax_tp.set(xlabel="processes", ylabel="samples/s (all processes)", xticks=nprocs)
+    ax_tp.set_title("throughput (median; bars: min to max of the repeats)", fontsize="medium")
     ax_tp.legend()
     ax_eff.errorbar(nprocs, *_bars(rows, "scaling_efficiency", scale=100.0), marker="o", capsize=4)
     ax_eff.axhline(100, linestyle="--", color="grey")
