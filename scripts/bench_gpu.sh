@@ -19,9 +19,9 @@ common=(model.name=bert-base-random task.max_seq_len=512 train.precision=bf16 tr
 distqa bench --nproc "$nproc" --output "$out/eager" "${common[@]}" "$@"
 distqa bench --nproc "$nproc" --output "$out/compile" --warmup 10 "${common[@]}" train.compile=true "$@"
 
-largest=0
+largest=0  # one run per batch size (--repeats 1): only whether it fits matters here
 for batch in 16 32 64 128 256 512; do
-  if distqa bench --nproc 1 --output "$out/batch-$batch" --warmup 2 --steps 3 \
+  if distqa bench --nproc 1 --output "$out/batch-$batch" --warmup 2 --steps 3 --repeats 1 \
       "${common[@]}" train.batch_size="$batch" "$@"; then
     largest=$batch
   else

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,3 +181,18 @@ class CommandTask(ToyClassificationTask):
         parser = commands.add_parser("toy-count", help="count the synthetic examples")
         add_settings(parser)
         parser.set_defaults(run=_count)
+
+
+class SleepyTask(ToyClassificationTask):
+    """Known phase times for `distqa bench`: collating a batch takes COLLATE_MS more and the loss
+    LOSS_MS more, so the step breakdown must show at least those in "data" and "forward_backward"."""
+
+    COLLATE_MS, LOSS_MS = 30, 20
+
+    def collate(self, items):
+        time.sleep(self.COLLATE_MS / 1000)
+        return super().collate(items)
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        time.sleep(self.LOSS_MS / 1000)
+        return super().loss(model, batch)

@@ -116,9 +116,11 @@ def build_parser(task: str | None = None) -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="measure training throughput and scaling for several process counts",
-        description="Run the training loop under torchrun once per process count, time the steps after "
-        "a warm-up, and write DIR/bench.json and DIR/bench.png: samples/s and tokens/s, scaling "
-        "efficiency, the step-time breakdown, and MFU on GPUs. Keys as for train.",
+        description="Run the training loop under torchrun for each process count, --repeats times in "
+        "alternating rounds, time the steps after a warm-up, and write DIR/bench.json and DIR/bench.png: "
+        "samples/s and tokens/s (the median of the repeats and their spread), scaling efficiency, the "
+        "step-time breakdown, and MFU on GPUs; implausible figures are warned about on stderr. Keys as "
+        "for train.",
     )
     bench.add_argument("--nproc", required=True, metavar="N[,N...]", help="process counts, e.g. 1,2")
     bench.add_argument("--output", required=True, metavar="DIR", help="folder for bench.json, bench.png, runs/")
@@ -129,7 +131,13 @@ def build_parser(task: str | None = None) -> argparse.ArgumentParser:
     bench.add_argument(
         "--baseline", action="store_true", help="also time a minimal hand-written DDP loop on the same model and data"
     )
-    bench.add_argument("--repeats", type=int, default=1, metavar="R", help="runs per process count (default: 1)")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        metavar="R",
+        help="rounds of runs, each launching every process count once; rows give the median and spread (default: 3)",
+    )
     bench.add_argument(
         "--timeout", type=float, default=1800, metavar="S", help="stop a launch that runs longer (default: 1800)"
     )

@@ -2,8 +2,9 @@
 
 Each launch runs the real training loop (`distqa.bench.worker`) for warm-up plus measured steps
 and writes its figures to DIR/runs/; this process then writes DIR/bench.json and DIR/bench.png.
-With `--baseline`, every world size also runs the hand-written DDP loop, alternating with the
-trainer (and which goes first) `--repeats` times, so both see the same machine load.
+`--repeats` rounds (default 3) each launch every world size once, so that all rows see the same
+machine load; with `--baseline` each also runs the hand-written DDP loop beside the trainer. Each
+row reports the median and the spread of its repeats, and implausible figures are warned about.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from distqa.bench.report import add_scaling, plot, summarize
+from distqa.bench.report import add_scaling, implausible, plot, summarize
 from distqa.config import load_config
 from distqa.errors import ConfigError, DistqaError
+
+LOOPS = ("trainer", "baseline")
 
 
 def parse_nproc(text: str) -> list[int]:
@@ -84,6 +88,17 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def worker_env(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The launch's environment: on CPUs, each process gets its share of the cores unless the user
+    set OMP_NUM_THREADS (torchrun would give 1 thread to each of several processes but all cores to
+    a single one, which flatters 1 against N)."""
+    env = dict(environ)
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in environ:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
+    return env
+
+
 def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[str, Any]:
     name = f"np{nproc}-{loop}-{repeat}"
     result, log = out / "runs" / f"{name}.json", out / "runs" / f"{name}.log"
@@ -104,13 +119,8 @@ def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[st
         *([f"--config={args.config}"] if args.config else []),
         *args.overrides,
     ]
-    env = dict(os.environ)
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        # Give each CPU process its share of the cores (torchrun would give 1 thread to each of
-        # several processes but all cores to a single one, which flatters 1 against N).
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
-    print(f"distqa bench: {loop}, {nproc} process(es), run {repeat + 1}: log in {log}", flush=True)
+    env = worker_env(nproc, os.environ)
+    print(f"distqa bench: {loop}, {nproc} process(es), run {repeat + 1} of {args.repeats}: log in {log}", flush=True)
     with log.open("w") as sink:
         # A session of its own, so that a timeout or Ctrl-C stops torchrun *and* its workers
         # (killing torchrun alone would leave the workers waiting in a collective).
@@ -147,17 +157,19 @@ def run_bench(args: Any) -> dict[str, Any]:
     except OSError as err:
         raise DistqaError(f"--output {out} cannot be created: {err.strerror or err}") from err
 
-    rows = []
-    for nproc in nprocs:
-        trainer_runs, baseline_runs = [], []
-        for repeat in range(args.repeats):
-            # Alternate which loop goes first: on a shared machine the second of two back-to-back
-            # runs is not always as fast as the first, and that must not favour either loop.
-            loops = ("trainer", "baseline") if repeat % 2 == 0 else ("baseline", "trainer")
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {(n, loop): [] for n in nprocs for loop in LOOPS}
+    for repeat in range(args.repeats):
+        # Round by round, every process count once per round, so that a change of the machine's
+        # load lands on all of them rather than on one row (a 1-process run slowed by other load
+        # once gave 2 processes a 270 % scaling efficiency). Odd rounds reverse the order of process
+        # counts and of the two loops: on a shared machine the second of two back-to-back runs is
+        # not always as fast as the first, and that must favour no row and neither loop.
+        order = nprocs if repeat % 2 == 0 else nprocs[::-1]
+        loops = LOOPS if repeat % 2 == 0 else LOOPS[::-1]
+        for nproc in order:
             for loop in loops if args.baseline else ("trainer",):
-                run = _launch(nproc, loop, repeat, args, out)
-                (trainer_runs if loop == "trainer" else baseline_runs).append(run)
-        rows.append((nproc, trainer_runs, baseline_runs))
+                runs[nproc, loop].append(_launch(nproc, loop, repeat, args, out))
+    rows = [(n, runs[n, "trainer"], runs[n, "baseline"]) for n in nprocs]
     first = rows[0][1][0]
     result: dict[str, Any] = {
         "command": "distqa bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
@@ -181,20 +193,32 @@ def run_bench(args: Any) -> dict[str, Any]:
         "runs": [summarize(n, t, b, args.peak_tflops) for n, t, b in rows],
     }
     add_scaling(result["runs"])
+    result["warnings"] = implausible(result["runs"])
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "bench.png")
     return result
 
 
 def print_table(result: dict[str, Any]) -> None:
+    """The rows on stdout, then each implausible figure's warning on stderr."""
     print(f"{result['device']}, {result['model']}, {result['precision']}, seq {result['seq_len']}")
     if result["flops_note"]:
         print(f"no FLOPs or MFU: {result['flops_note']}")
-    print(f"{'nproc':>5} {'samples/s':>10} {'tokens/s':>10} {'scaling':>8} {'data%':>6} {'MFU':>6} {'vs loop':>8}")
+    print(
+        f"{'nproc':>5} {'samples/s':>10} {'min..max':>15} {'spread':>7} {'tokens/s':>10} {'scaling':>8} "
+        f"{'data%':>6} {'MFU':>6} {'vs loop':>8}"
+    )
     for r in result["runs"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         ratio = f"{r['trainer_over_baseline']:.3f}" if "trainer_over_baseline" in r else "-"
+        s = r["samples_per_s_spread"]
+        span = f"{s['min']:.1f}..{s['max']:.1f}"
+        relative = f"{100 * s['relative']:.1f}%" if s["relative"] is not None else "-"  # one repeat: unknown
         print(
-            f"{r['nproc']:>5} {r['samples_per_s']:>10.1f} {r['tokens_per_s']:>10.0f} "
+            f"{r['nproc']:>5} {r['samples_per_s']:>10.1f} {span:>15} {relative:>7} {r['tokens_per_s']:>10.0f} "
             f"{100 * r['scaling_efficiency']:>7.1f}% {r['step_breakdown_pct']['data']:>5.1f}% {mfu:>6} {ratio:>8}"
         )
+    repeats = len(result["runs"][0]["repeats"])
+    print(f"samples/s: median of {repeats} run(s) per process count; spread = (max - min) / median")
+    for line in result["warnings"]:
+        print(line, file=sys.stderr)

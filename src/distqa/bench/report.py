@@ -9,17 +9,29 @@ from typing import Any
 from distqa.flops import ModelShape, peak_tflops
 from distqa.steptimer import PHASES
 
+# Repeats of one figure that differ by more than this (max - min over the median) say the machine's
+# load changed between them: the median is then no steady-state figure either.
+SPREAD_LIMIT = 0.10
+
 
 def _rate(run: dict[str, Any], key: str) -> float:
     return run[key] / run["seconds"]
 
 
+def spread(values: list[float]) -> dict[str, float | None]:
+    """min, median, max and the relative spread (max - min) / median; one value has no spread (None)."""
+    median = statistics.median(values)
+    relative = (max(values) - min(values)) / median if len(values) > 1 and median else None
+    return {"min": min(values), "median": median, "max": max(values), "relative": relative}
+
+
 def summarize(
     nproc: int, trainer_runs: list[dict[str, Any]], baseline_runs: list[dict[str, Any]], peak: float | None
 ) -> dict[str, Any]:
-    """One world size's row. Several repeats: the median throughput, the mean breakdown."""
+    """One world size's row. Several repeats: the median throughput and its spread, the mean breakdown."""
     first = trainer_runs[0]
-    samples_per_s = statistics.median(_rate(r, "samples") for r in trainer_runs)
+    rates = [_rate(r, "samples") for r in trainer_runs]
+    samples_per_s = statistics.median(rates)
     tokens_per_s = statistics.median(_rate(r, "tokens") for r in trainer_runs)
     phase_ms = {k: statistics.fmean(r["phase_ms"][k] for r in trainer_runs) for k in PHASES}
     step_ms = sum(phase_ms.values())
@@ -48,12 +60,15 @@ def summarize(
         "mfu": achieved / peak if peak and achieved is not None else None,
         "peak_memory_gib": first.get("peak_memory_gib"),
         "threads_per_process": first["threads_per_process"],
-        "repeats": [_rate(r, "samples") for r in trainer_runs],
+        "repeats": rates,
+        "samples_per_s_spread": spread(rates),
     }
     if baseline_runs:
-        base = statistics.median(_rate(r, "samples") for r in baseline_runs)
+        base_rates = [_rate(r, "samples") for r in baseline_runs]
+        base = statistics.median(base_rates)
         row["baseline_samples_per_s"] = base
-        row["baseline_repeats"] = [_rate(r, "samples") for r in baseline_runs]
+        row["baseline_repeats"] = base_rates
+        row["baseline_samples_per_s_spread"] = spread(base_rates)
         row["trainer_over_baseline"] = samples_per_s / base
         row["baseline_step_breakdown_ms"] = {
             k: statistics.fmean(r["phase_ms"][k] for r in baseline_runs) for k in PHASES
@@ -62,11 +77,54 @@ def summarize(
 
 
 def add_scaling(rows: list[dict[str, Any]]) -> None:
-    """Scaling efficiency: throughput per process against that of the smallest world size."""
+    """Scaling efficiency: throughput per process against that of the smallest world size.
+
+    Its spread pairs the repeats by round: the launcher runs round i of every world size back to
+    back, so round i's figures saw about the same machine load and their ratio is the fairest one.
+    """
     reference = min(rows, key=lambda r: r["nproc"])
     per_process = reference["samples_per_s_per_process"]
     for row in rows:
         row["scaling_efficiency"] = row["samples_per_s_per_process"] / per_process
+        pairs = zip(row["repeats"], reference["repeats"], strict=False)
+        rounds = [(mine / row["nproc"]) / (ref / reference["nproc"]) for mine, ref in pairs]
+        row["scaling_efficiency_spread"] = {"min": min(rounds), "max": max(rounds)}
+
+
+def implausible(rows: list[dict[str, Any]]) -> list[str]:
+    """One warning line per figure that cannot be trusted as it stands."""
+    lines = []
+    for row in rows:
+        where = f"nproc {row['nproc']}"
+        # Per-process throughput cannot grow with more processes sharing the work: above 100 %
+        # the reference run was slowed by something else (other load, a cold cache).
+        if round(100 * row["scaling_efficiency"], 1) > 100.0:
+            lines.append(
+                f"{where}: scaling efficiency {100 * row['scaling_efficiency']:.1f} % is above 100 %: more "
+                "than linear, which DDP with a fixed batch per process should not reach; the smallest process "
+                "count's runs were probably slowed by other load"
+            )
+        figures = (
+            ("samples_per_s_spread", "samples/s"),
+            ("baseline_samples_per_s_spread", "hand-written loop samples/s"),
+        )
+        for key, label in figures:
+            figure = row.get(key)
+            if figure and figure["relative"] is not None and figure["relative"] > SPREAD_LIMIT:
+                lines.append(
+                    f"{where}: {label} spread {100 * figure['relative']:.1f} % over its repeats "
+                    f"({figure['min']:.1f} to {figure['max']:.1f}) is over {100 * SPREAD_LIMIT:.0f} %: "
+                    "the machine's load changed between runs; rerun on a quiet machine or with more --repeats"
+                )
+    return [f"distqa bench: warning: {line}" for line in lines]
+
+
+def _bars(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], list[list[float]]]:
+    """A figure's medians and matplotlib's asymmetric error bars, from its `KEY_spread`."""
+    medians = [scale * r[key] for r in rows]
+    low = [max(0.0, m - scale * r[f"{key}_spread"]["min"]) for m, r in zip(medians, rows)]
+    high = [max(0.0, scale * r[f"{key}_spread"]["max"] - m) for m, r in zip(medians, rows)]
+    return medians, [low, high]
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
@@ -81,13 +139,17 @@ def plot(result: dict[str, Any], png: Path) -> None:
     fig, (ax_tp, ax_eff, ax_bd) = plt.subplots(1, 3, figsize=(15, 4.5))
     ref = rows[0]
     ideal = [ref["samples_per_s_per_process"] * n for n in nprocs]
-    ax_tp.plot(nprocs, [r["samples_per_s"] for r in rows], marker="o", label="distqa trainer")
+    # Medians, the bars spanning the repeats' min to max.
+    ax_tp.errorbar(nprocs, *_bars(rows, "samples_per_s"), marker="o", capsize=4, label="distqa trainer")
     if all("baseline_samples_per_s" in r for r in rows):
-        ax_tp.plot(nprocs, [r["baseline_samples_per_s"] for r in rows], marker="s", label="hand-written DDP loop")
+        ax_tp.errorbar(
+            nprocs, *_bars(rows, "baseline_samples_per_s"), marker="s", capsize=4, label="hand-written DDP loop"
+        )
     ax_tp.plot(nprocs, ideal, linestyle="--", color="grey", label="linear scaling")
-    ax_tp.set(xlabel="processes", ylabel="samples/s (all processes)", title="throughput", xticks=nprocs)
+    ax_tp.set(xlabel="processes", ylabel="samples/s (all processes)", xticks=nprocs)
+    ax_tp.set_title("throughput (median; bars: min to max of the repeats)", fontsize="medium")
     ax_tp.legend()
-    ax_eff.plot(nprocs, [100 * r["scaling_efficiency"] for r in rows], marker="o")
+    ax_eff.errorbar(nprocs, *_bars(rows, "scaling_efficiency", scale=100.0), marker="o", capsize=4)
     ax_eff.axhline(100, linestyle="--", color="grey")
     ax_eff.set(xlabel="processes", ylabel="% of linear", title="scaling efficiency", xticks=nprocs)
     ax_eff.set_ylim(bottom=0)
