@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import fakebin_env, sigint_default, wait_for_call
+from conftest import FAKEBIN, fakebin_env, sigint_default, wait_for_call
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_docker_nodes.sh"
@@ -115,6 +116,48 @@ def test_usage_errors(tmp_path):
     assert run_script(tmp_path).returncode == 2
     proc = run_script(tmp_path, "two")
     assert proc.returncode == 2 and "NNODES must be a positive integer" in proc.stderr
+
+
+# ---- scripts/build_image_local.sh without what it needs ---------------------------------------------
+
+BUILD = ROOT / "scripts" / "build_image_local.sh"
+
+
+def build_without(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """build_image_local.sh with the stand-in docker (no image exists) and only the commands it needs
+    before the check that fails: no debootstrap, wherever the real one is installed."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python3").symlink_to(sys.executable)  # the stand-in docker's interpreter
+    for tool in ("bash", "env", "dirname", "grep", "awk", "sort", "rm"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    env = {**fakebin_env(tmp_path, **env), "PATH": f"{FAKEBIN}{os.pathsep}{bare}"}
+    return subprocess.run([str(BUILD), "distqa:x"], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_build_image_local_without_an_engine_is_one_line(tmp_path):
+    proc = build_without(tmp_path, FAKE_DOCKER_INFO="1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "build_image_local.sh: error: no Docker engine answers ('docker info' failed): start dockerd, "
+        "or use an account allowed to reach it"
+    )
+    assert [c[0] for c in calls(tmp_path)] == ["info"]  # nothing built
+
+
+def test_build_image_local_without_debootstrap_for_the_base_is_one_line(tmp_path):
+    proc = build_without(tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "build_image_local.sh: error: making the stand-in base distqa-stand-in-base:torch-2.13.0 needs "
+        "debootstrap (apt-get install debootstrap)"
+    )
+    assert "build" not in [c[0] for c in calls(tmp_path)]
+
+
+def test_build_image_local_usage():
+    proc = subprocess.run([str(BUILD)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "usage: build_image_local.sh TAG"
 
 
 # ---- the Dockerfile and the linters --------------------------------------------------------------
