@@ -182,7 +182,8 @@ ALTERNATIVES = {
 NEEDS_TOKENIZER = {"data.train", "data.valid"}
 
 
-# What the README promises is refused: the checkpoint's state would mean something else.
+# What docs/reliability.md ("Resuming: the rules") promises is refused: the checkpoint's state would mean
+# something else.
 PROMISED_REFUSED = {
     "seed",
     "task.name",

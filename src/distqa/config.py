@@ -147,7 +147,7 @@ class TaskSettings:
     """`task.name`, plus the selected task's own settings: a `Task` subclass declares them as a
     dataclass in its `Config` attribute, and `load_config` merges them in under `task.`."""
 
-    name: str = _f("nq", "'nq', 'textcls' or 'package.module:TaskClass' (see README, 'Fork it')")
+    name: str = _f("nq", "'nq', 'textcls' or 'package.module:TaskClass' (see docs/fork.md)")
 
 
 @dataclass
