@@ -41,6 +41,7 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path, capsys):
     # lines say where the results are.
     assert "\r" not in out + err
     assert [line.split(" (")[0] for line in out.splitlines() if line.startswith("step ")] == ["step 1/2", "step 2/2"]
+    assert "eval at step" not in out  # no data.valid: nothing evaluated, nothing said about it
     assert out.splitlines()[-2:] == [
         f"model written to {a / 'model'}",
         f"metrics in {a / 'metrics.jsonl'}, plotted in {a / 'metrics.png'} "

@@ -59,7 +59,7 @@ def run_evaluation(
             metrics = task.evaluate(model, info, **extra)
     finally:
         model.train(was_training)
-    if metrics or info.is_main:
+    if metrics:  # rank 0's; none at all means the task has nothing to evaluate (no data.valid)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
-        print0(f"eval at step {step}: {shown or 'no metrics'} ({time.perf_counter() - start:.1f} s)")
+        print0(f"eval at step {step}: {shown} ({time.perf_counter() - start:.1f} s)")
     return metrics

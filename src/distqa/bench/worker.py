@@ -24,6 +24,7 @@ import torch
 
 from distqa.bench.baseline import run_baseline
 from distqa.config import Config, load_config
+from distqa.console import quiet_libraries
 from distqa.dist import DistInfo, barrier, cleanup, gather_to_main, init_distributed, local_main_first
 from distqa.errors import DistqaError
 from distqa.flops import device_name
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = _bench_config(args)
     watch_parent()  # a bench launch killed with its torchrun leaves no worker behind either
     info = init_distributed()
+    quiet_libraries(is_main=info.is_main)  # logs as the trainer's: no library progress bars off a terminal
     try:
         with local_main_first(info):
             task = load_task(cfg)

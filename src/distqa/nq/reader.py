@@ -47,8 +47,8 @@ def _span(obj: Any, what: str, n_tokens: int) -> tuple[int, int]:
     return start, end
 
 
-def parse_example(line: str) -> NQExample:
-    """One JSONL line to an NQExample, checking every field the pipeline relies on."""
+def load_object(line: str) -> dict[str, Any]:
+    """One JSONL line to a JSON object, or a BadLine that says what is wrong with it."""
     try:
         raw = json.loads(line)
     except json.JSONDecodeError as err:
@@ -57,6 +57,12 @@ def parse_example(line: str) -> NQExample:
         raise BadLine(f"not usable JSON ({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
     if not isinstance(raw, dict):
         raise BadLine("not a JSON object")
+    return raw
+
+
+def parse_example(line: str) -> NQExample:
+    """One JSONL line to an NQExample, checking every field the pipeline relies on."""
+    raw = load_object(line)
     missing = [k for k in ("example_id", "question_text") if k not in raw]
     if "document_text" in raw:
         text = raw["document_text"]

@@ -37,7 +37,7 @@ from typing import IO
 
 from distqa.durable import fsync_path
 from distqa.errors import DistqaError
-from distqa.nq.reader import BadLine
+from distqa.nq.reader import BadLine, load_object
 
 OUTPUTS = ("train.jsonl", "valid.jsonl", "split.json")
 _KEY = b'"example_id"'
@@ -55,15 +55,10 @@ def _checked_id(value: object) -> str:
 
 def _parse_fully(line: bytes) -> str:
     try:
-        obj = json.loads(line.decode("utf-8"))
+        text = line.decode("utf-8")
     except UnicodeDecodeError as err:
         raise BadLine(f"not UTF-8 ({err.reason} at byte {err.start})") from None
-    except json.JSONDecodeError as err:
-        raise BadLine(f"not valid JSON ({err.msg} at column {err.colno})") from None
-    except (RecursionError, ValueError) as err:  # nesting too deep, an integer of thousands of digits
-        raise BadLine(f"not usable JSON ({type(err).__name__})") from None
-    if not isinstance(obj, dict):
-        raise BadLine("not a JSON object")
+    obj = load_object(text)
     if "example_id" not in obj:
         raise BadLine("no example_id")
     return _checked_id(obj["example_id"])
