@@ -163,6 +163,21 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
         time.sleep(0.05)
 
 
+def help_texts(*commands: list[str]) -> list[str]:
+    """`distqa ... --help` for each command, as users see it, in one fresh interpreter that must
+    not import torch or transformers for it (help comes before the heavy imports)."""
+    code = (
+        "import sys; from distqa.cli import main\n"
+        f"for argv in {[[*c, '--help'] for c in commands]!r}:\n"
+        "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, argv\n"
+        "    print('\\x00')\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split("\x00")[: len(commands)]
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (tests run beside other launches that use 29500)."""
     with socket.socket() as s:
