@@ -43,6 +43,34 @@ SGD = SMALL + [
 ]
 
 
+# The run of the fault and resume proofs, as users run it: DataLoader workers on, dropout on, AdamW
+# and gradient accumulation. 40 steps of global batch 8 (2 ranks x 2 x 2) over 256 examples cross an
+# epoch boundary at step 32, so resumes inside the second epoch and exactly at its start are proofs
+# too. A checkpoint every 4 steps, all kept.
+FAULT_RUN = [
+    *SMALL,
+    "data.num_workers=2",
+    "model.dropout=0.1",
+    "train.lr=1e-3",
+    "train.lr_schedule=constant",
+    "train.warmup_ratio=0",
+    "train.batch_size=2",
+    "train.grad_accum=2",
+    "train.max_steps=40",
+    "train.checkpoint_every=4",
+    "train.keep_checkpoints=0",
+]
+
+
+@pytest.fixture(scope="session")
+def fault_straight(tmp_path_factory) -> Path:
+    """FAULT_RUN uninterrupted on 2 processes: the weights every fault and resume test must reach.
+    One launch for the whole session (several test files compare with it)."""
+    out = tmp_path_factory.mktemp("fault-straight")
+    run_train([*FAULT_RUN, f"output_dir={out}"], nproc=2)
+    return out
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -112,6 +140,16 @@ def wait_for_call(tmp_path: Path, marker: str, what: str, timeout: float = 20) -
 
 def load_weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(output_dir / "model" / "model.safetensors"))
+
+
+def checkpoint_weights(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The model of checkpoint step-N (the task's module names: compare with other checkpoints,
+    not with model/)."""
+    return load_file(str(output_dir / "checkpoints" / f"step-{step}" / "model.safetensors"))
+
+
+def metrics_rows(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

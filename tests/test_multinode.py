@@ -16,11 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL, load_weights, max_abs_diff, run_train, subprocess_env
+from conftest import SGD, SMALL, checkpoint_weights, load_weights, max_abs_diff, run_train, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "scripts" / "worker.sh"
 TRAIN = [*SMALL, "train.max_steps=4", "train.batch_size=4", "train.checkpoint_every=100"]
+# The DDP equivalence settings (SGD at a large constant rate, no dropout: every step moves the
+# weights far past the tolerance, and a sum instead of a mean of the gradients would show), with a
+# checkpoint one step before the end to show that the comparison can tell one step.
+EQUIVALENCE = [*SGD, "data.num_workers=2", "train.batch_size=2", "train.max_steps=8", "train.checkpoint_every=7"]
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +69,9 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def node(host: dict, rank: int, master: str, args: list[str], **extra: str) -> subprocess.Popen:
+def node(
+    host: dict, rank: int, master: str, args: list[str], prefix: tuple[str, ...] = (), **extra: str
+) -> subprocess.Popen:
     settings = {
         # The venv's torchrun and python, whatever PATH the test runner had.
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
@@ -78,8 +84,9 @@ def node(host: dict, rank: int, master: str, args: list[str], **extra: str) -> s
         "RDZV_TIMEOUT": "60",
     }
     env = subprocess_env(**{**settings, **extra})
+    env.pop("OMP_NUM_THREADS")  # as users run: worker.sh picks the thread count
     return subprocess.Popen(
-        ["ip", "netns", "exec", host["ns"], str(WORKER), *args],
+        ["ip", "netns", "exec", host["ns"], *prefix, str(WORKER), *args],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -88,15 +95,19 @@ def node(host: dict, rank: int, master: str, args: list[str], **extra: str) -> s
     )
 
 
-def test_two_nodes_match_two_processes_on_one_host(two_hosts, tmp_path):
+def test_two_nodes_of_two_match_four_processes_on_one_host(two_hosts, tmp_path):
+    """2 nodes x 2 processes equal 4 processes on one host: global ranks (node rank x 2 + local
+    rank) differ from local ranks, so a mix-up of the two shows. Each node is pinned to one CPU
+    with OMP_NUM_THREADS unset, and worker.sh gives each process one thread, as 4 processes on 2
+    CPUs get."""
     hosts, _ = two_hosts
     out = tmp_path / "two-nodes"
-    args = [*TRAIN, f"output_dir={out}"]
+    args = [*EQUIVALENCE, f"output_dir={out}"]
     start = time.monotonic()
     # Node 1 first: it must wait for node 0 rather than fail.
-    procs = [node(hosts[1], 1, hosts[0]["addr"], args)]
+    procs = [node(hosts[1], 1, hosts[0]["addr"], args, ("taskset", "-c", "1"), NPROC_PER_NODE="2")]
     time.sleep(1)
-    procs.insert(0, node(hosts[0], 0, hosts[0]["addr"], args))
+    procs.insert(0, node(hosts[0], 0, hosts[0]["addr"], args, ("taskset", "-c", "0"), NPROC_PER_NODE="2"))
     logs = []
     for proc in procs:
         try:
@@ -108,13 +119,14 @@ def test_two_nodes_match_two_processes_on_one_host(two_hosts, tmp_path):
     elapsed = time.monotonic() - start
     for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
         assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
+        assert "OMP_NUM_THREADS=1 (1 CPU(s) / 2 process(es))" in log, log[-3000:]
     print(f"2-node run: {elapsed:.1f}s")
 
     ref = tmp_path / "one-host"
-    run_train([*TRAIN, f"output_dir={ref}"], nproc=2)
-    assert max_abs_diff(load_weights(out), load_weights(ref)) <= 1e-5
-    # Both trained from the same start: the run changed the weights (the comparison is not vacuous).
-    assert (out / "checkpoints" / "step-4").is_dir()
+    run_train([*EQUIVALENCE, f"output_dir={ref}"], nproc=4)
+    assert max_abs_diff(load_weights(out), load_weights(ref)) <= 1e-6
+    # The comparison can tell one step.
+    assert max_abs_diff(checkpoint_weights(ref, 8), checkpoint_weights(ref, 7)) > 1e-3
 
 
 def test_worker_without_a_master_fails_in_time_naming_the_address(two_hosts, tmp_path):

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import ROOT, SMALL, TESTS, run_train, subprocess_env
+from distqa.cli import main
 from distqa.nq.features import NO, SHORT, YES
 from distqa.nq.postprocess import WindowBest, best_spans, best_threshold, f1, kind_f1, predict_example
 from distqa.nq.reader import NQExample, NQReader
@@ -23,7 +24,7 @@ SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
 
 
 @pytest.mark.slow
-def test_train_validate_predict_score(tmp_path, minilm_dir):
+def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     out, cache = tmp_path / "run", tmp_path / "cache"
     common = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", f"task.cache_dir={cache}"]
     proc = run_train(
@@ -56,24 +57,14 @@ def test_train_validate_predict_score(tmp_path, minilm_dir):
     prepared = sorted(cache.iterdir())  # the training and the validation features
     assert len(prepared) == 2
 
+    # predict through the command line's entry point, in this process (its output as another
+    # program reads it is tests/test_nq_predict_checks.py's).
     submission = tmp_path / "submission.csv"
-    cmd = [
-        sys.executable,
-        "-m",
-        "distqa",
-        "predict",
-        "--input",
-        str(SAMPLE),
-        "--checkpoint",
-        str(out),
-        "--output",
-        str(submission),
-        *common,
-    ]
-    proc = subprocess.run(cmd, check=True, env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    capsys.readouterr()
+    argv = ["predict", "--input", str(SAMPLE), "--checkpoint", str(out), "--output", str(submission), *common]
+    assert main(argv) == 0
     # The validation features are reused (training's keep_unknown does not matter to them), quietly.
-    assert sorted(cache.iterdir()) == prepared and "prepared" not in proc.stdout
-    assert "\r" not in proc.stdout + proc.stderr and "Generating train split" not in proc.stderr
+    assert sorted(cache.iterdir()) == prepared and "prepared" not in capsys.readouterr().out
     with submission.open(newline="") as f:
         rows = list(csv.reader(f))
     ids = sorted(e.example_id for e in NQReader(SAMPLE))  # as strings: "-25..." < "34..."

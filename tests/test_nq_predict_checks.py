@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT, SMALL, TESTS, subprocess_env
+from distqa.cli import main
 from distqa.config import load_config
 from distqa.nq.data import resolve_features
 from distqa.nq.task import load_tokenizer
@@ -34,16 +35,27 @@ def predict(tmp_path, checkpoint, *overrides: str, source=SAMPLE) -> subprocess.
     )
 
 
-def test_a_model_without_tokenizer_files_is_refused_and_no_file_written(tmp_path, tiny_run):
+def predict_here(tmp_path, capsys, checkpoint, *overrides: str, source=SAMPLE) -> tuple[int, str, str]:
+    """`distqa predict` through the command line's entry point, in this process: the exit status,
+    stdout and stderr. (The subprocess `predict` is for what only a real process shows: its output
+    streams as another program reads them.)"""
+    argv = ["predict", "--input", str(source), "--checkpoint", str(checkpoint), "--output", str(tmp_path / "sub.csv")]
+    capsys.readouterr()
+    status = main([*argv, "task.max_seq_len=128", f"task.cache_dir={tmp_path / 'cache'}", *overrides])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_a_model_without_tokenizer_files_is_refused_and_no_file_written(tmp_path, tiny_run, capsys):
     """nq-predict-no-tokenizer"""
-    proc = predict(tmp_path, tiny_run)
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
+    status, _, err = predict_here(tmp_path, capsys, tiny_run)
+    assert status != 0
+    last = err.strip().splitlines()[-1]
     assert "has no tokenizer files" in last and "model.tokenizer" in last, last
     assert not (tmp_path / "sub.csv").exists()
 
 
-def test_a_tokenizer_of_another_size_is_refused(tmp_path, tiny_run):
+def test_a_tokenizer_of_another_size_is_refused(tmp_path, tiny_run, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,9 +65,9 @@ def test_a_tokenizer_of_another_size_is_refused(tmp_path, tiny_run):
     PreTrainedTokenizerFast(
         tokenizer_object=small, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
     ).save_pretrained(str(folder))
-    proc = predict(tmp_path, tiny_run, f"model.tokenizer={folder}")
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
+    status, _, err = predict_here(tmp_path, capsys, tiny_run, f"model.tokenizer={folder}")
+    assert status != 0
+    last = err.strip().splitlines()[-1]
     assert "has 5 entries but the model's vocabulary has 30522" in last, last
     assert not (tmp_path / "sub.csv").exists()
 
@@ -78,13 +90,13 @@ def test_the_right_tokenizer_predicts_and_says_no_thresholds_were_saved(tmp_path
     assert "\r" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr[-2000:]
 
 
-def test_a_test_file_without_annotations_predicts(tmp_path, tiny_run, minilm_dir):
+def test_a_test_file_without_annotations_predicts(tmp_path, tiny_run, minilm_dir, capsys):
     """The Kaggle test file, the one a submission is for, has no annotations and string ids."""
     test_line = json.dumps(json.loads((TESTS / "fixtures" / "nq" / "ds-test-head1.json").read_text()))
     source = tmp_path / "simplified-nq-test.jsonl"
     source.write_text(test_line + "\n")
-    proc = predict(tmp_path, tiny_run, f"model.tokenizer={minilm_dir}", source=source)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    status, _, err = predict_here(tmp_path, capsys, tiny_run, f"model.tokenizer={minilm_dir}", source=source)
+    assert status == 0, err[-2000:]
     example_id = json.loads(test_line)["example_id"]
     rows = (tmp_path / "sub.csv").read_text().splitlines()
     assert [row.split(",")[0] for row in rows] == ["example_id", f"{example_id}_long", f"{example_id}_short"]

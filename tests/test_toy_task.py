@@ -14,24 +14,30 @@ from conftest import run_train, subprocess_env
 from toy_task import BlobsDataset, ToyClassifier, ToySettings
 
 
-@pytest.mark.slow
 def test_toy_classifier_trains_through_the_generic_trainer(tmp_path):
+    """In this process (one rank, the global batch of 2 x 16): this is about the seam; the toy
+    tasks below go through torchrun with 2 processes."""
+    from distqa.config import load_config
+    from distqa.trainer import train
+
     out = tmp_path / "toy"
-    run_train(
-        [
-            f"output_dir={out}",
-            "task=toy_task:ToyClassificationTask",
-            "task.size=1024",
-            "data.num_workers=0",
-            "train.optimizer=sgd",
-            "train.lr=0.1",
-            "train.momentum=0.9",
-            "train.batch_size=16",
-            "train.max_steps=40",
-            "train.log_every=5",
-            "train.checkpoint_every=20",
-        ],
-        nproc=2,
+    train(
+        load_config(
+            None,
+            [
+                f"output_dir={out}",
+                "task=toy_task:ToyClassificationTask",
+                "task.size=1024",
+                "data.num_workers=0",
+                "train.optimizer=sgd",
+                "train.lr=0.1",
+                "train.momentum=0.9",
+                "train.batch_size=32",
+                "train.max_steps=40",
+                "train.log_every=5",
+                "train.checkpoint_every=20",
+            ],
+        )
     )
     model = ToyClassifier()
     model.load_state_dict(load_file(str(out / "model" / "model.safetensors")))
