@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SGD, SMALL, load_weights, max_abs_diff, subprocess_env
+from conftest import ROOT, SGD, load_weights, max_abs_diff, subprocess_env
 from distqa.config import load_config
 from distqa.errors import DistqaError
 from distqa.trainer import train
@@ -88,7 +88,13 @@ def test_a_non_finite_loss_stops_the_run_with_an_error_naming_it(tmp_path):
 # ---------------------------------------------------------------------------- schedule on resume
 def test_a_changed_max_steps_on_resume_rescales_the_schedule(tmp_path):
     """docs/reliability.md: "a changed train.max_steps rescales the LR schedule to the new length"."""
-    linear = [*SMALL, "train.batch_size=2", "train.lr=1e-3", "train.lr_schedule=linear", "train.warmup_ratio=0"]
+    linear = [
+        "task=toy_task:ToyClassificationTask",
+        *TOY,
+        "train.lr=1e-3",
+        "train.lr_schedule=linear",
+        "train.warmup_ratio=0",
+    ]
     out = run(tmp_path / "run", *linear, "train.max_steps=4", "train.checkpoint_every=2")
     run(out, *linear, "train.max_steps=8")
     # Steps 1-4 decay over 4 steps (their last rate, 0, would be step 5's); from step 5 on the
@@ -113,7 +119,8 @@ def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
 # ---------------------------------------------------------------------------- epochs, determinism
 def test_deterministic_run_of_two_epochs(tmp_path):
     """train.max_steps unset: 2 epochs of 16 examples in global batches of 4 are 8 steps."""
-    args = [*SMALL, "task.dummy_size=16", "train.batch_size=4", "train.epochs=2", "train.deterministic=true"]
+    args = ["task=toy_task:ToyClassificationTask", *TOY, "task.size=16", "train.batch_size=4", "train.epochs=2"]
+    args.append("train.deterministic=true")
     out = run(tmp_path / "epochs", *args, "train.checkpoint_every=4")
     assert [r["step"] for r in metrics(out)] == list(range(1, 9))
     assert metrics(out)[-1]["epoch"] == 2.0
