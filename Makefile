@@ -8,7 +8,7 @@ RESULTS ?= results/quickstart
 # Extra KEY=VALUE settings for `make train`, e.g. make train ARGS="train.max_steps=50"
 ARGS    ?=
 
-.PHONY: help install install-dev train demo-nq test test-fast test-docker lint clean
+.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download lint clean
 
 help:
 	@echo "make train      create .venv, install, train the tiny model on the DummyDataset into $(RESULTS)"
@@ -16,6 +16,7 @@ help:
 	@echo "make test       install the test tools and run the test suite"
 	@echo "make test-fast  unit tests only (no torchrun launches)"
 	@echo "make test-docker  build the image with the local Docker engine and run containers (minutes)"
+	@echo "make test-download  the tests that pip-install neuro-flow on first use (about 40 s, needs pip's index)"
 	@echo "make lint       ruff"
 	@echo "make clean      remove .venv and everything under results/"
 
@@ -48,12 +49,17 @@ test: install-dev
 	$(BIN)/python -m pytest
 
 test-fast: install-dev
-	$(BIN)/python -m pytest -m "not slow and not docker"
+	$(BIN)/python -m pytest -m "not slow and not docker and not download"
 
 # Not part of `make test` (pyproject's addopts leave them out): they need a Docker engine, and the
 # first build makes the stand-in base image (root and debootstrap; minutes). Skipped without an engine.
 test-docker: install-dev
 	$(BIN)/python -m pytest -m docker
+
+# Not part of `make test` either: they pip-install neuro-flow into .venv/neuro-flow on first use
+# (tests/test_neuro_flow.py), so they need pip's index once. Skipped, with the reason, without it.
+test-download: install-dev
+	$(BIN)/python -m pytest -m download
 
 lint: install-dev
 	$(BIN)/ruff check src tests scripts

@@ -5,8 +5,9 @@ apolo-extras it needs python-dateutil<3 (aiobotocore/botocore), while the pinned
 resolve to python-dateutil 4. So it lives in a folder of its own, used only by a subprocess:
 $NEURO_FLOW_TARGET, default .venv/neuro-flow, installed there on first use with
 `pip install --target` (about 40 s; DISTQA_NO_NEURO_FLOW_INSTALL=1 skips that and these tests).
+Those tests are marked `download`: `make test-download` runs them, `make test` leaves them out.
 
-The reference check (volumes.X / images.X / params.X / mixins) needs only PyYAML and always runs:
+The reference check (volumes.X / images.X / params.X / mixins) needs only PyYAML and runs in `make test`:
 neuro-flow's parser checks the syntax and the schema but not that a referenced name exists.
 """
 
@@ -197,6 +198,7 @@ def evaluate(env: dict[str, str], workspace: Path, params: dict[str, str]) -> su
     )
 
 
+@pytest.mark.download
 def test_neuro_flow_parses_and_evaluates_every_job(neuro_flow_env):
     params = {
         "name": "ddp7-n1",
@@ -237,6 +239,7 @@ def test_neuro_flow_parses_and_evaluates_every_job(neuro_flow_env):
     assert jobs["jupyter"]["http_port"] == 8888 and jobs["jupyter"]["http_auth"] is True
 
 
+@pytest.mark.download
 def test_distributed_training_defaults_and_unknown_params(neuro_flow_env):
     out = json.loads(evaluate(neuro_flow_env, ROOT, {}).stdout)
     dist = out["jobs"]["distributed_training"]
@@ -247,6 +250,7 @@ def test_distributed_training_defaults_and_unknown_params(neuro_flow_env):
     assert proc.returncode != 0 and "Unsupported arg(s): node_rnak" in proc.stderr
 
 
+@pytest.mark.download
 def test_neuro_flow_rejects_a_broken_file(neuro_flow_env, tmp_path):
     """The same evaluation fails on a schema error, so the tests above can fail."""
     (tmp_path / ".neuro").mkdir()

@@ -196,3 +196,39 @@ class SleepyTask(ToyClassificationTask):
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         time.sleep(self.LOSS_MS / 1000)
         return super().loss(model, batch)
+
+
+class StepCounterTask(ToyClassificationTask):
+    """Counts `loss` calls: with train.grad_accum=1 and no evaluation, call N is optimizer step N."""
+
+    BAD_STEP = 3
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.calls = 0
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        self.calls += 1
+        return super().loss(model, batch)
+
+
+class OverflowTask(StepCounterTask):
+    """On step BAD_STEP the loss keeps its value but gets a gradient of 1e35 per weight: times
+    fp16's GradScaler scale (2**16) that is past float32's range, inf, as a real fp16 overflow is,
+    while the logged loss stays finite (so the run's non-finite-loss check does not stop it first)."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        loss = super().loss(model, batch)
+        if self.calls == self.BAD_STEP:
+            inner = model.module if hasattr(model, "module") else model
+            spike = inner.net[0].weight.float().sum() * 1e35  # finite: the weights sum to far below 3e3
+            loss = loss + (spike - spike.detach())  # value 0, gradient 1e35 per weight
+        return loss
+
+
+class NonFiniteLossTask(StepCounterTask):
+    """The loss is inf from step BAD_STEP on, as a diverged run's becomes."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        loss = super().loss(model, batch)
+        return loss * float("inf") if self.calls >= self.BAD_STEP else loss
