@@ -45,8 +45,12 @@ train: install
 demo-nq: install-dev
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/demo_nq.sh results/demo-nq
 
+# pytest-xdist: 2 workers, a test file each at a time (module fixtures stay shared within a file).
+# Most tests launch torchrun; a launch leaves a core idle for seconds (torchrun's own start, process
+# exit), which the other worker's tests use.
+PYTEST_WORKERS ?= 2
 test: install-dev
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: install-dev
 	$(BIN)/python -m pytest -m "not slow and not docker and not download"

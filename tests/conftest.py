@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -17,6 +18,12 @@ from safetensors.torch import load_file
 
 # Nothing in the tests may reach the Hugging Face hub: every model and tokenizer is local.
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+# Under pytest-xdist (make test), each worker's in-process training gets its share of the cores
+# instead of torch's default of all of them: two workers with two threads each on two cores made
+# an in-process MiniLM run 6 times slower.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -44,11 +51,12 @@ SGD = SMALL + [
 
 
 # The run of the fault and resume proofs, as users run it: DataLoader workers on, dropout on, AdamW
-# and gradient accumulation. 40 steps of global batch 8 (2 ranks x 2 x 2) over 256 examples cross an
-# epoch boundary at step 32, so resumes inside the second epoch and exactly at its start are proofs
+# and gradient accumulation. 20 steps of global batch 8 (2 ranks x 2 x 2) over 128 examples cross an
+# epoch boundary at step 16, so resumes inside the second epoch and exactly at its start are proofs
 # too. A checkpoint every 4 steps, all kept.
 FAULT_RUN = [
     *SMALL,
+    "task.dummy_size=128",
     "data.num_workers=2",
     "model.dropout=0.1",
     "train.lr=1e-3",
@@ -56,7 +64,7 @@ FAULT_RUN = [
     "train.warmup_ratio=0",
     "train.batch_size=2",
     "train.grad_accum=2",
-    "train.max_steps=40",
+    "train.max_steps=20",
     "train.checkpoint_every=4",
     "train.keep_checkpoints=0",
 ]
@@ -65,9 +73,16 @@ FAULT_RUN = [
 @pytest.fixture(scope="session")
 def fault_straight(tmp_path_factory) -> Path:
     """FAULT_RUN uninterrupted on 2 processes: the weights every fault and resume test must reach.
-    One launch for the whole session (several test files compare with it)."""
-    out = tmp_path_factory.mktemp("fault-straight")
-    run_train([*FAULT_RUN, f"output_dir={out}"], nproc=2)
+    One launch for the whole session, shared by pytest-xdist's workers too (the first makes it
+    under a lock, the others wait for it and read it)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's folder, above each worker's own
+    out = root / "fault-straight"
+    with (root / "fault-straight.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model" / "model.safetensors").exists():
+            run_train([*FAULT_RUN, f"output_dir={out}"], nproc=2)
     return out
 
 

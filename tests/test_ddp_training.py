@@ -62,32 +62,32 @@ def tensorboard_losses(output_dir) -> list[tuple[int, float]]:
 
 
 def test_stop_and_resume_equals_straight_run_across_the_epoch_boundary(tmp_path, fault_straight):
-    """FAULT_RUN's 40 steps have 32 per epoch. Stop at 36, resume inside the second epoch; then
-    resume again from step 32, the first step of the second epoch, after the run had reached 40."""
+    """FAULT_RUN's 20 steps have 16 per epoch. Stop at 18, resume inside the second epoch; then
+    resume again from step 16, the first step of the second epoch, after the run had reached 20."""
     resumed = tmp_path / "resumed"
-    run_train([*FAULT_RUN, f"output_dir={resumed}", "train.max_steps=36"], nproc=2)
+    run_train([*FAULT_RUN, f"output_dir={resumed}", "train.max_steps=18"], nproc=2)
     proc = run_train([*FAULT_RUN, f"output_dir={resumed}"], nproc=2)
-    assert "step-36 at step 36" in proc.stdout, proc.stdout[-2000:]
+    assert "step-18 at step 18" in proc.stdout, proc.stdout[-2000:]
 
     straight, ckpts = load_weights(fault_straight), resumed / "checkpoints"
     b = load_weights(resumed)
     assert all((straight[k] == b[k]).all() for k in straight), f"max diff {max_abs_diff(straight, b)}"
     # The checkpoint really captured a mid-run state (the test would pass trivially otherwise).
-    assert max_abs_diff(checkpoint_weights(resumed, 36), checkpoint_weights(resumed, 40)) > 1e-4
+    assert max_abs_diff(checkpoint_weights(resumed, 18), checkpoint_weights(resumed, 20)) > 1e-4
     # Metrics continue where they stopped: each step once, the same losses as the straight run.
     ms = metrics_rows(fault_straight)
     assert [(r["step"], r["loss"]) for r in metrics_rows(resumed)] == [(r["step"], r["loss"]) for r in ms]
     # A rank's RNG file exists for each of the 2 ranks: both dropout streams were saved.
-    assert {p.name for p in (ckpts / "step-40").glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
+    assert {p.name for p in (ckpts / "step-20").glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
 
-    # From an earlier checkpoint than the last step (the epoch's start): steps 33..40 of
+    # From an earlier checkpoint than the last step (the epoch's start): steps 17..20 of
     # metrics.jsonl and TensorBoard are replaced, not repeated, and the end is the same.
-    proc = run_train([*FAULT_RUN, f"output_dir={resumed}", f"train.resume={ckpts / 'step-32'}"], nproc=2)
-    assert "step-32 at step 32" in proc.stdout, proc.stdout[-2000:]
+    proc = run_train([*FAULT_RUN, f"output_dir={resumed}", f"train.resume={ckpts / 'step-16'}"], nproc=2)
+    assert "step-16 at step 16" in proc.stdout, proc.stdout[-2000:]
     assert max_abs_diff(load_weights(resumed), straight) == 0.0
     rows = metrics_rows(resumed)
     assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in ms]
     shown = tensorboard_losses(resumed)
     assert [step for step, _ in shown] == [r["step"] for r in ms]
     assert [loss for _, loss in shown] == pytest.approx([r["loss"] for r in ms], abs=1e-6)  # float32 in events
-    assert [p.name for p in list_checkpoints(ckpts)][-3:] == ["step-32", "step-36", "step-40"]
+    assert [p.name for p in list_checkpoints(ckpts)][-3:] == ["step-16", "step-18", "step-20"]

@@ -35,8 +35,8 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
             f"data.valid={SAMPLE}",
             "task.keep_unknown=0.3",
             "train.batch_size=4",
-            "train.max_steps=4",
-            "train.eval_every=2",
+            "train.max_steps=20",  # at 4 steps every F1 is 0 and the agreement below would be 0 == 0
+            "train.eval_every=10",
             "train.lr=1e-3",
             f"output_dir={out}",
         ],
@@ -44,14 +44,14 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_micro_f1" in r]
-    assert [r["step"] for r in evals] == [2, 4]
+    assert [r["step"] for r in evals] == [10, 20]
     thresholds = json.loads((out / "model" / "distqa_thresholds.json").read_text())
     assert set(thresholds) == {"long", "short"}
     # In a log: no progress bars (datasets' preparation, training), a line per logged step, and the
     # last lines name the model, metrics.jsonl and metrics.png.
     assert "\r" not in proc.stdout + proc.stderr and "Generating train split" not in proc.stderr
     assert [line.split(" (")[0] for line in proc.stdout.splitlines() if line.startswith("step ")] == [
-        f"step {r['step']}/4" for r in records
+        f"step {r['step']}/20" for r in records
     ]
     assert f"model written to {out / 'model'}" in proc.stdout and f"plotted in {out / 'metrics.png'}" in proc.stdout
     prepared = sorted(cache.iterdir())  # the training and the validation features
@@ -79,6 +79,8 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     assert scored["micro_f1"] == pytest.approx(evals[-1]["eval_micro_f1"])
     assert scored["long_f1"] == pytest.approx(evals[-1]["eval_long_f1"])
     assert scored["short_f1"] == pytest.approx(evals[-1]["eval_short_f1"])
+    # Not 0 == 0: at 20 steps the model answers some questions right (0.235 measured; 0.0 at 4 steps).
+    assert scored["micro_f1"] > 0.1 and scored["long_f1"] > 0 and scored["short_f1"] > 0
 
 
 def example(candidates):

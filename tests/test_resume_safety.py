@@ -216,7 +216,7 @@ def alternative(key: str, tmp_path: Path, minilm_dir: Path) -> list[str]:
         "CACHE": str(tmp_path / "cache"),
     }.get(ALTERNATIVES[key], ALTERNATIVES[key])
     # The same global batch split differently is an applied change (another global batch is
-    # refused, tested in test_ddp_training.py).
+    # refused: test_another_global_batch_is_refused_in_one_line).
     keep = {"train.batch_size": ["train.grad_accum=2"], "train.grad_accum": ["train.batch_size=1"]}
     return [f"{key}={value}", *keep.get(key, [])]
 
@@ -224,6 +224,13 @@ def alternative(key: str, tmp_path: Path, minilm_dir: Path) -> list[str]:
 KIND = {key: resume_kind(load_config(), key) for key in ALTERNATIVES}  # the default task's keys included
 REFUSED = [k for k, v in ALTERNATIVES.items() if v is not None and KIND[k] == "refused"]
 APPLIED = sorted(k for k in ALTERNATIVES if KIND[k] == "applied" and k not in NEEDS_TOKENIZER)
+
+
+def test_another_global_batch_is_refused_in_one_line(four_steps, tmp_path):
+    out = copy_run(four_steps, tmp_path)
+    with pytest.raises(DistqaError, match="global batch") as caught:
+        run(out, "train.max_steps=6", "train.batch_size=4")  # 4 x 1 rank instead of 2 x 1
+    assert "\n" not in str(caught.value) and "train.batch_size" in str(caught.value), caught.value
 
 
 @pytest.mark.parametrize("key", REFUSED)
