@@ -51,12 +51,12 @@ SGD = SMALL + [
 
 
 # The run of the fault and resume proofs, as users run it: DataLoader workers on, dropout on, AdamW
-# and gradient accumulation. 20 steps of global batch 8 (2 ranks x 2 x 2) over 128 examples cross an
-# epoch boundary at step 16, so resumes inside the second epoch and exactly at its start are proofs
-# too. A checkpoint every 4 steps, all kept.
+# and gradient accumulation. 20 steps of global batch 8 (2 ranks x 2 x 2) over 64 examples cross
+# epoch boundaries at steps 8 and 16, so resumes inside a later epoch and exactly at an epoch's start
+# are proofs too. A checkpoint every 4 steps, all kept.
 FAULT_RUN = [
     *SMALL,
-    "task.dummy_size=128",
+    "task.dummy_size=64",
     "data.num_workers=2",
     "model.dropout=0.1",
     "train.lr=1e-3",

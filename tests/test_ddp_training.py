@@ -2,9 +2,9 @@
 
 (a) 2 processes x batch 4 and 1 process x batch 8 reach the same weights, and the comparison is
     sharp enough to tell 2 steps from 3;
-(b) a stop, then a resume, ends with the weights of the straight run bit for bit (dropout on,
-    AdamW, gradient accumulation, DataLoader workers on), resuming inside the second epoch and
-    exactly at its start; a resume from an earlier checkpoint rewrites the later steps' metrics.
+(b) a stop, then a resume from an earlier checkpoint at an epoch's start, ends with the weights of
+    the straight run bit for bit (dropout on, AdamW, gradient accumulation, DataLoader workers on),
+    and the later steps' metrics are rewritten, not repeated.
 """
 
 from __future__ import annotations
@@ -61,33 +61,26 @@ def tensorboard_losses(output_dir) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars("train/loss")]
 
 
-def test_stop_and_resume_equals_straight_run_across_the_epoch_boundary(tmp_path, fault_straight):
-    """FAULT_RUN's 20 steps have 16 per epoch. Stop at 18, resume inside the second epoch; then
-    resume again from step 16, the first step of the second epoch, after the run had reached 20."""
+def test_stop_and_resume_from_an_earlier_checkpoint_at_an_epoch_start_equals_straight_run(tmp_path, fault_straight):
+    """FAULT_RUN's 20 steps have 8 per epoch. Stop at 18, then resume from step-16, the first step of
+    the third epoch: steps 17 and 18 are trained again, and their metrics are replaced, not repeated.
+    (The SIGTERM tests resume inside the second epoch, the SIGKILL test from its first step.)"""
     resumed = tmp_path / "resumed"
     run_train([*FAULT_RUN, f"output_dir={resumed}", "train.max_steps=18"], nproc=2)
-    proc = run_train([*FAULT_RUN, f"output_dir={resumed}"], nproc=2)
-    assert "step-18 at step 18" in proc.stdout, proc.stdout[-2000:]
-
-    straight, ckpts = load_weights(fault_straight), resumed / "checkpoints"
-    b = load_weights(resumed)
-    assert all((straight[k] == b[k]).all() for k in straight), f"max diff {max_abs_diff(straight, b)}"
-    # The checkpoint really captured a mid-run state (the test would pass trivially otherwise).
-    assert max_abs_diff(checkpoint_weights(resumed, 18), checkpoint_weights(resumed, 20)) > 1e-4
-    # Metrics continue where they stopped: each step once, the same losses as the straight run.
-    ms = metrics_rows(fault_straight)
-    assert [(r["step"], r["loss"]) for r in metrics_rows(resumed)] == [(r["step"], r["loss"]) for r in ms]
-    # A rank's RNG file exists for each of the 2 ranks: both dropout streams were saved.
-    assert {p.name for p in (ckpts / "step-20").glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
-
-    # From an earlier checkpoint than the last step (the epoch's start): steps 17..20 of
-    # metrics.jsonl and TensorBoard are replaced, not repeated, and the end is the same.
+    ckpts = resumed / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)][-2:] == ["step-16", "step-18"]
     proc = run_train([*FAULT_RUN, f"output_dir={resumed}", f"train.resume={ckpts / 'step-16'}"], nproc=2)
     assert "step-16 at step 16" in proc.stdout, proc.stdout[-2000:]
-    assert max_abs_diff(load_weights(resumed), straight) == 0.0
-    rows = metrics_rows(resumed)
-    assert [(r["step"], r["loss"]) for r in rows] == [(r["step"], r["loss"]) for r in ms]
+
+    straight, b = load_weights(fault_straight), load_weights(resumed)
+    assert all((straight[k] == b[k]).all() for k in straight), f"max diff {max_abs_diff(straight, b)}"
+    # The checkpoint really captured a mid-run state (the test would pass trivially otherwise).
+    assert max_abs_diff(checkpoint_weights(resumed, 16), checkpoint_weights(resumed, 20)) > 1e-4
+    # metrics.jsonl and TensorBoard: each step once, with the straight run's losses.
+    ms = metrics_rows(fault_straight)
+    assert [(r["step"], r["loss"]) for r in metrics_rows(resumed)] == [(r["step"], r["loss"]) for r in ms]
     shown = tensorboard_losses(resumed)
     assert [step for step, _ in shown] == [r["step"] for r in ms]
     assert [loss for _, loss in shown] == pytest.approx([r["loss"] for r in ms], abs=1e-6)  # float32 in events
-    assert [p.name for p in list_checkpoints(ckpts)][-3:] == ["step-16", "step-18", "step-20"]
+    # A rank's RNG file exists for each of the 2 ranks: both dropout streams were saved.
+    assert {p.name for p in (ckpts / "step-20").glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}

@@ -54,7 +54,7 @@ def test_sigkill_of_a_worker_restarts_and_ends_with_the_same_weights(tmp_path, f
 def test_sigterm_to_torchrun_writes_a_checkpoint_and_resumes_exactly(tmp_path, fault_straight):
     out = tmp_path / "preempted"
     proc = launch([*FAULT_RUN, f"output_dir={out}"])
-    wait_for_step(proc, out, 6)
+    wait_for_step(proc, out, 10)  # inside the second epoch of 8 steps
     proc.send_signal(signal.SIGTERM)  # to torchrun, as a platform stopping the job does; it tells the workers
     _, stderr = proc.communicate(timeout=120)
     # The ranks exit 143; torchrun itself ends with its SignalException's status 1, which
@@ -62,7 +62,7 @@ def test_sigterm_to_torchrun_writes_a_checkpoint_and_resumes_exactly(tmp_path, f
     assert proc.returncode == 1, stderr[-3000:]
     line = next(x for x in stderr.splitlines() if x.startswith("distqa: preempted:"))
     step = int(line.split("at step ")[1].split()[0])
-    assert 6 <= step < 20 and "Traceback" not in line
+    assert 10 <= step < 20 and "Traceback" not in line
     assert verify_checkpoint(out / "checkpoints" / f"step-{step}") is None
     run_train([*FAULT_RUN, f"output_dir={out}"], nproc=2)
     assert max_abs_diff(load_weights(out), load_weights(fault_straight)) == 0.0

@@ -68,7 +68,7 @@ def test_sigterm_to_worker_sh_checkpoints_exits_143_and_resumes_exactly(tmp_path
     args = [*FAULT_RUN, f"output_dir={out}"]
     env = worker_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
     proc = start_worker(args, env, new_session=True)
-    wait_for(out / "checkpoints" / "step-4", proc)
+    wait_for(out / "checkpoints" / "step-8", proc)  # then inside the second epoch
     if target == "worker.sh":
         proc.send_signal(signal.SIGTERM)
     else:
@@ -78,7 +78,7 @@ def test_sigterm_to_worker_sh_checkpoints_exits_143_and_resumes_exactly(tmp_path
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("distqa: preempted: stopped by SIGTERM at step "), stderr[-3000:]
     step = int(last.split("at step ")[1].split()[0])
-    assert 4 <= step < 20
+    assert 8 <= step < 20
     assert verify_checkpoint(out / "checkpoints" / f"step-{step}") is None
     if target != "worker.sh":
         # The resume from such a checkpoint is the worker.sh case's (and the torchrun case's in
