@@ -26,7 +26,6 @@ from distqa.nq.postprocess import (
     kind_f1,
     predict_example,
 )
-from distqa.nq.prepare import load_features
 from distqa.nq.reader import NQReader
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -57,6 +56,8 @@ def window_bests(
     autocast_dtype: torch.dtype | None = None,
 ) -> list[WindowBest]:
     """Best span of every window of a prepared folder, in one process (`distqa predict`)."""
+    from distqa.nq.prepare import load_features  # not at the top: see distqa.nq.data.resolve_features
+
     data = load_features(folder).select_columns(EVAL_COLUMNS)
     loader = DataLoader(data, batch_size=batch_size, collate_fn=lambda items: pad_collate(items, pad_id, max_len))
     was_training = model.training
