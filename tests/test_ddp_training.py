@@ -33,9 +33,8 @@ def test_two_by_four_equals_one_by_eight(tmp_path):
         train(load_config(None, cfg))
     two, one = checkpoint_weights(tmp_path / "w2", 3), checkpoint_weights(tmp_path / "w1", 3)
     assert max_abs_diff(two, one) <= 1e-5
-    assert (
-        max_abs_diff(one, checkpoint_weights(tmp_path / "w1s2", 2)) > 1e-3
-    )  # a step apart is visible at this tolerance
+    # A step apart is visible at this tolerance.
+    assert max_abs_diff(one, checkpoint_weights(tmp_path / "w1s2", 2)) > 1e-3
 
     # Both runs logged the same global figures: loss all-reduced over ranks, samples counted globally.
     m2, m1 = metrics_rows(tmp_path / "w2"), metrics_rows(tmp_path / "w1")

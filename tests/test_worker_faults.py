@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAULT_RUN, ROOT, free_port, last_step, load_weights, max_abs_diff, subprocess_env
-from distqa.checkpoint import list_checkpoints, verify_checkpoint
+from distqa.checkpoint import list_checkpoints, read_trainer_state, verify_checkpoint
 from test_multinode import two_hosts  # noqa: F401  (a fixture)
 
 WORKER = ROOT / "scripts" / "worker.sh"
@@ -176,8 +176,8 @@ def test_no_process_of_a_killed_run_survives_and_the_same_command_runs_again(kil
     assert alive == [], f"still running 30 s after torchrun was killed: {alive}"
     # The same command, but only 4 steps past the newest checkpoint: what matters is that it starts
     # (port free, run lock released by the dead run) and resumes; 600 steps would take a minute.
-    done = [p.name for p in list_checkpoints(k["out"] / "checkpoints")]
-    newest = int(done[-1].split("-")[1]) if done else 0
+    done = list_checkpoints(k["out"] / "checkpoints")
+    newest = read_trainer_state(done[-1])["step"] if done else 0
     proc = start_worker([*k["args"], f"train.max_steps={newest + 4}"], k["env"])
     stdout, stderr = finish(proc, timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
