@@ -123,20 +123,46 @@ def test_task_state_is_checkpointed_and_non_tensor_batch_values_reach_the_loss(t
     assert json.loads((tmp_path / "b" / "model" / "seen.json").read_text()) == 5
 
 
+@pytest.fixture(scope="module")
+def probe_run(tmp_path_factory):
+    """One 2-process launch of TrainerProbeTask (an unused head, gradient accumulation, evaluation
+    every 2 steps) that several tests below read: the launch is the expensive part."""
+    out = tmp_path_factory.mktemp("probe") / "run"
+    args = ["task=toy_task:TrainerProbeTask", "data.num_workers=0", "train.batch_size=4", "train.grad_accum=2"]
+    args += ["train.max_steps=4", "train.optimizer=sgd", "train.lr=0.1", "train.find_unused_parameters=true"]
+    proc = run_train([*args, "train.eval_every=2", "train.log_every=1", f"output_dir={out}"], nproc=2)
+    return proc, out
+
+
 @pytest.mark.slow
-def test_a_model_with_an_unused_head_needs_find_unused_parameters(tmp_path):
+def test_a_model_with_an_unused_head_needs_find_unused_parameters(tmp_path, probe_run):
     args = ["task=toy_task:UnusedHeadTask", "data.num_workers=0", "train.batch_size=4", "train.grad_accum=2"]
     args += ["train.max_steps=3", "train.optimizer=sgd", "train.lr=0.1"]
     proc = run_train([*args, f"output_dir={tmp_path / 'a'}"], nproc=2, check=False)
     assert proc.returncode != 0 and "set train.find_unused_parameters=true" in proc.stderr
-    run_train([*args, "train.find_unused_parameters=true", f"output_dir={tmp_path / 'b'}"], nproc=2)
+    # With it set, the same kind of model (TrainerProbeTask's, an unused head too) trains.
+    _, out = probe_run
+    assert (out / "model" / "model.safetensors").is_file() and "unused.weight" in load_file(
+        str(out / "model" / "model.safetensors")
+    )
 
 
 @pytest.mark.slow
-def test_the_trainer_runs_evaluation_sharded_in_eval_mode_without_gradients(tmp_path):
-    out = tmp_path / "eval"
-    args = ["task=toy_task:EvalProbeTask", "data.num_workers=0", "train.batch_size=4", "train.max_steps=4"]
-    proc = run_train([*args, "train.eval_every=2", "train.log_every=1", f"output_dir={out}"], nproc=2)
+def test_gradients_are_all_reduced_once_per_step_under_accumulation(probe_run):
+    """train.grad_accum=2: DDP reduces nothing after the first micro-batch of a step (no_sync) and
+    every bucket once after the last, whatever the buckets are."""
+    _, out = probe_run
+    counts = json.loads((out / "model" / "allreduces.json").read_text())
+    before, total = counts[:-1], counts[-1]
+    assert len(before) == 4 * 2  # 4 steps of 2 micro-batches
+    buckets = total // 4
+    assert buckets >= 1 and total == 4 * buckets
+    assert before == [step * buckets for step in range(4) for _ in range(2)], counts
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_evaluation_sharded_in_eval_mode_without_gradients(probe_run):
+    proc, out = probe_run
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_step_seen" in r]
     assert [r["eval_step_seen"] for r in evals] == [2.0, 4.0] == [float(r["step"]) for r in evals]
     for record in evals:  # every item once, in order, across 2 ranks with shares of 5 and 6

@@ -165,6 +165,38 @@ class EvalProbeTask(ToyClassificationTask):
         }
 
 
+class TrainerProbeTask(EvalProbeTask):
+    """EvalProbeTask with an unused head (so it needs train.find_unused_parameters) that also counts
+    DDP's gradient all-reduces: its own comm hook, registered before the first backward, counts the
+    buckets it reduces. save_model writes, per micro-batch, how many had been reduced before it."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.allreduces = 0
+        self.before_micro_batch: list[int] = []
+
+    def build_model(self) -> nn.Module:
+        model = ToyClassifier()
+        model.unused = nn.Linear(FEATURES, 2)
+        return model
+
+    def _count(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.allreduces += 1
+        return allreduce_hook(state, bucket)
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        if isinstance(model, nn.parallel.DistributedDataParallel) and not self.before_micro_batch:
+            model.register_comm_hook(None, self._count)
+        self.before_micro_batch.append(self.allreduces)
+        return super().loss(model, batch)
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        super().save_model(model, directory)
+        (directory / "allreduces.json").write_text(json.dumps(self.before_micro_batch + [self.allreduces]))
+
+
 def _count(args) -> int:
     from distqa.config import load_config
 
