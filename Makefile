@@ -50,7 +50,7 @@ demo-nq: install-dev
 # exit), which the other worker's tests use.
 PYTEST_WORKERS ?= 2
 test: install-dev
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: install-dev
 	$(BIN)/python -m pytest -m "not slow and not docker and not download"

@@ -25,6 +25,20 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+
+def pytest_collection_modifyitems(config, items):
+    """The files with the most launches (tests marked slow) first. make test runs pytest-xdist with
+    --dist loadfile --no-loadscope-reorder: files go in this order to whichever worker is free, so
+    the short files fill the gaps at the end instead of one long file running alone while the other
+    worker idles. (xdist's own order, most tests first, put files of many quick tests first.) The
+    order is the same in every worker, as xdist requires."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow[item.path] = slow.get(item.path, 0) + 1
+    items.sort(key=lambda item: -slow.get(item.path, 0))  # stable: each file's own order is kept
+
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 

@@ -24,9 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "scripts" / "worker.sh"
 TRAIN = [*SMALL, "train.max_steps=4", "train.batch_size=4", "train.checkpoint_every=100"]
 # The DDP equivalence settings (SGD at a large constant rate, no dropout: every step moves the
-# weights far past the tolerance, and a sum instead of a mean of the gradients would show), with a
-# checkpoint one step before the end to show that the comparison can tell one step.
-EQUIVALENCE = [*SGD, "data.num_workers=2", "train.batch_size=2", "train.max_steps=8", "train.checkpoint_every=7"]
+# weights far past the tolerance, and a sum instead of a mean of the gradients would show).
+EQUIVALENCE = [*SGD, "data.num_workers=2", "train.batch_size=2", "train.max_steps=8"]
 
 pytestmark = pytest.mark.slow
 
@@ -97,14 +96,29 @@ def node(
     )
 
 
-def test_two_nodes_of_two_match_one_process_with_their_global_batch(two_hosts, tmp_path):
-    """2 nodes x 2 processes x batch 2 equal 1 process x batch 8: global ranks (node rank x 2 +
+def test_a_one_process_run_continues_on_two_nodes_of_two_with_the_same_weights(two_hosts, tmp_path):
+    """A run started as 1 process x batch 8 continues from its step-2 checkpoint on 2 nodes x 2
+    processes x batch 2 and ends with the weights of the 1-process run: global ranks (node rank x 2 +
     local rank) differ from local ranks, so a mix-up of the two shows, as would a sum of the
-    gradients instead of their mean. Each node is pinned to one CPU with OMP_NUM_THREADS unset:
-    worker.sh must give each of its processes one thread."""
+    gradients instead of their mean; the 3 new ranks have no saved RNG state and say so. Each node
+    is pinned to one CPU with OMP_NUM_THREADS unset: worker.sh must give each process one thread."""
     hosts, _ = two_hosts
+    # The 1-process run in this process: one process is the same code path under torchrun or not.
+    ref = tmp_path / "one-process"
+    train(
+        load_config(
+            None,
+            [
+                *EQUIVALENCE,
+                "train.batch_size=8",
+                "train.checkpoint_every=1",
+                "train.keep_checkpoints=0",
+                f"output_dir={ref}",
+            ],
+        )
+    )
     out = tmp_path / "two-nodes"
-    args = [*EQUIVALENCE, f"output_dir={out}"]
+    args = [*EQUIVALENCE, f"output_dir={out}", f"train.resume={ref / 'checkpoints' / 'step-2'}"]
     start = time.monotonic()
     # Node 1 first: it must wait for node 0 rather than fail.
     procs = [node(hosts[1], 1, hosts[0]["addr"], args, ("taskset", "-c", "1"), NPROC_PER_NODE="2")]
@@ -123,10 +137,10 @@ def test_two_nodes_of_two_match_one_process_with_their_global_batch(two_hosts, t
         assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
         assert "OMP_NUM_THREADS=1 (1 CPU(s) / 2 process(es))" in log, log[-3000:]
     print(f"2-node run: {elapsed:.1f}s")
+    assert "resumed from" in logs[0] and "at step 2" in logs[0]
+    for rank in (1, 2, 3):  # rank 1 on node 0, ranks 2 and 3 on node 1
+        assert f"rank {rank} has no RNG state" in logs[rank // 2], logs[rank // 2][-3000:]
 
-    # The reference in this process: one process is the same code path under torchrun or not.
-    ref = tmp_path / "one-process"
-    train(load_config(None, [*EQUIVALENCE, "train.batch_size=8", f"output_dir={ref}"]))
     assert max_abs_diff(load_weights(out), load_weights(ref)) <= 1e-5
     # The comparison can tell one step.
     assert max_abs_diff(checkpoint_weights(ref, 8), checkpoint_weights(ref, 7)) > 1e-3
