@@ -275,6 +275,8 @@ while read -r var; do unset "$var"; done < <(compgen -e | grep '^PET_' || true)
 # reach it twice, directly and forwarded, and a second SIGTERM aborts torchrun's wait for the
 # workers' checkpoint. (torchrun starts each worker in a session of its own already.)
 export DISTQA_ERROR_FILE="${TMPDIR:-/tmp}/distqa-error.$$"
+# A restart round waits this long for every node's workers (distqa.rounds), then names the missing node.
+export DISTQA_RDZV_TIMEOUT=$rdzv_timeout
 rm -f "$DISTQA_ERROR_FILE"
 # Without job control `setsid` execs torchrun in place (this script's children are not group
 # leaders), so $! is torchrun itself.

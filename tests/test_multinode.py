@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SGD, SMALL, checkpoint_weights, load_weights, max_abs_diff, subprocess_env
+from conftest import SGD, SMALL, checkpoint_weights, last_step, load_weights, max_abs_diff, subprocess_env
 from distqa.config import load_config
 from distqa.trainer import train
 
@@ -65,6 +66,9 @@ def two_hosts():
     try:
         yield hosts, f"{net}.5"
     finally:
+        # A failed test may leave a node's processes (torchrun runs in a session of its own).
+        for host in hosts[: len(made)]:
+            kill_host(host)
         # Deleting a namespace also deletes its end of the veth pair, and with it the pair.
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -144,6 +148,98 @@ def test_a_one_process_run_continues_on_two_nodes_of_two_with_the_same_weights(t
     assert max_abs_diff(load_weights(out), load_weights(ref)) <= 1e-5
     # The comparison can tell one step.
     assert max_abs_diff(checkpoint_weights(ref, 8), checkpoint_weights(ref, 7)) > 1e-3
+
+
+def kill_host(host: dict) -> None:
+    """SIGKILL every process of the host's namespace: the node is lost (its machine gone)."""
+    pids = subprocess.run(["ip", "netns", "pids", host["ns"]], capture_output=True, text=True)
+    for pid in pids.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_step(procs: list[subprocess.Popen], out: Path, step: int) -> None:
+    deadline = time.monotonic() + 180
+    while last_step(out) < step:
+        for proc in procs:
+            assert proc.poll() is None, f"a node ended before step {step}:\n{proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no step {step} in 180 s"
+        time.sleep(0.02)
+
+
+# The run of the node-loss tests: 24 steps, a checkpoint every 4, torchrun may restart 3 times.
+LOSS_RUN = [*EQUIVALENCE, "train.batch_size=4", "train.max_steps=24", "train.checkpoint_every=4"]
+
+
+def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same_weights(two_hosts, tmp_path):
+    """launch-elastic-netns (2): every process of node 1 killed after step 8 and its command started
+    again. The new node's torchrun counts no restart (0) while node 0's counts 1: the round they
+    meet in must come from the store, or the new node's first workers join a dead round and crash
+    (gloo's Connection refused traceback) and cost a restart. Node 0 says the loss in one line."""
+    hosts, _ = two_hosts
+    out = tmp_path / "run"
+    args = [*LOSS_RUN, f"output_dir={out}"]
+    master = hosts[0]["addr"]
+    # One CPU per node: one thread per process, as the in-process reference below.
+    procs = [
+        node(hosts[rank], rank, master, args, ("taskset", "-c", str(rank)), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
+        for rank in (0, 1)
+    ]
+    try:
+        wait_for_step(procs, out, 8)
+        kill_host(hosts[1])
+        procs[1].communicate()
+        procs[1] = node(hosts[1], 1, master, args, ("taskset", "-c", "1"), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
+        logs = [proc.communicate(timeout=240)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
+        assert "Traceback" not in log, log[-4000:]
+    lines = logs[0].splitlines()
+    lost = [line for line in lines if "lost a peer" in line]
+    assert len(lost) == 1 and lost[0].startswith("distqa [rank 0]: error: lost a peer"), logs[0][-4000:]
+    assert "in restart round 0" in lost[0]
+    assert "distqa: restart round 1: node(s) 1 started anew and node(s) 0 restarted their workers" in lines
+    resumed = [line for line in lines if line.startswith("resumed from")]
+    assert len(resumed) == 1, resumed  # the replacement cost no further round
+
+    ref = tmp_path / "one-process"
+    train(load_config(None, [*LOSS_RUN, "train.batch_size=8", f"output_dir={ref}"]))
+    assert max_abs_diff(load_weights(out), load_weights(ref)) <= 1e-5
+    assert max_abs_diff(checkpoint_weights(ref, 24), checkpoint_weights(ref, 20)) > 1e-3
+
+
+def test_a_node_gone_for_good_stops_the_others_in_time_naming_it(two_hosts, tmp_path):
+    """launch-elastic-netns (3): with a fixed node count, node 0 gives up RDZV_TIMEOUT after the
+    loss, and torchrun's remaining restarts fail at once with the same line, the last one."""
+    hosts, _ = two_hosts
+    out = tmp_path / "run"
+    master = hosts[0]["addr"]
+    procs = [
+        node(hosts[rank], rank, master, [*LOSS_RUN, f"output_dir={out}"], MAX_RESTARTS="3", RDZV_TIMEOUT="10")
+        for rank in (0, 1)
+    ]
+    try:
+        wait_for_step(procs, out, 2)
+        kill_host(hosts[1])
+        lost_at = time.monotonic()
+        log = procs[0].communicate(timeout=180)[0]
+    finally:
+        for proc in procs:
+            proc.kill()
+    elapsed = time.monotonic() - lost_at
+    print(f"node 0 stopped {elapsed:.1f} s after node 1 was lost")
+    assert procs[0].returncode not in (0, None)
+    assert elapsed < 10 + 40, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith(
+        "distqa [rank 0]: error: node 1 (rank 1) did not join restart round 1 within 10 s (RDZV_TIMEOUT)"
+    ), log[-3000:]
+    assert log.count("did not join restart round") == 4  # the round that waited, 3 at once, the last line
 
 
 def test_worker_without_a_master_fails_in_time_naming_the_address(two_hosts, tmp_path):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from distqa.config import describe_keys
-from distqa.errors import DistqaError, Preempted
+from distqa.errors import DistqaError, PeerLost, Preempted
 
 
 def _task_in(argv: Sequence[str]) -> str | None:
@@ -218,5 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Under torchrun every rank would print the same line; name the rank when there are several.
         rank = os.environ.get("RANK")
         where = f" [rank {rank}]" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        _report(f"distqa{where}: error: {err}")
+        # A lost peer ends every rank of the node alike: one line per node says it.
+        show = not isinstance(err, PeerLost) or os.environ.get("LOCAL_RANK", "0") == "0"
+        _report(f"distqa{where}: error: {err}", show=show)
         return err.exit_code

@@ -91,22 +91,43 @@ def init_distributed() -> DistInfo:
 
 
 def _restart_scoped_store() -> dist.Store | None:
-    """The agent's store, namespaced by torchrun's restart round, when torchrun restarts workers.
+    """The agent's store, namespaced by the restart round that every node agrees on.
 
     After a worker dies, torchrun (`--max-restarts`) starts a new round in the same agent store,
     and the default process-group keys from the dead round are still there: gloo then tries to
-    connect to the dead workers' addresses and fails or hangs. A prefix per round gives every
-    round fresh keys (seen on these machines; pytorch/pytorch#167288 and #135712).
+    connect to the dead workers' addresses and fails or hangs (PITFALLS #1; pytorch/pytorch#167288
+    and #135712). A prefix per round gives every round fresh keys; `distqa.rounds` numbers the
+    rounds in the store, so that a node replacing a lost one joins the others' round at once.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
+    from distqa import rounds
+
+    error_file = os.environ.get("DISTQA_ERROR_FILE")
+    if error_file and _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and _env_int("LOCAL_RANK", 0) == 0:
+        # The launcher repeats the file's first line when the run fails: make it this round's failure,
+        # not the lost peer that ended the last one. (Every worker of the last round is gone by now.)
+        with contextlib.suppress(OSError):
+            os.truncate(error_file, 0)
+
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
         timeout=timedelta(seconds=_env_int("DISTQA_STORE_TIMEOUT_S", 900)),
     )
-    return dist.PrefixStore(f"distqa/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", client)
+    joined = rounds.joined = rounds.join_round(
+        client,
+        rank=_env_int("RANK", 0),
+        world_size=_env_int("WORLD_SIZE", 1),
+        node=_env_int("GROUP_RANK", 0),
+        local_restarts=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        # worker.sh passes its RDZV_TIMEOUT on; torchrun's own default is 900 s
+        timeout_s=_env_int("DISTQA_RDZV_TIMEOUT", 900),
+    )
+    if joined.number > 0 and _env_int("RANK", 0) == 0:
+        print(f"distqa: {joined.describe()}", flush=True)
+    return dist.PrefixStore(f"distqa/round-{joined.number}/", client)
 
 
 def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:

@@ -23,5 +23,12 @@ class Preempted(DistqaError):
     exit_code = 143
 
 
+class PeerLost(DistqaError):
+    """Another process of the run is gone (killed, or its node lost): the expected end of a restart
+    round, which torchrun restarts while `--max-restarts` allows (distqa.rounds)."""
+
+    exit_code = 1
+
+
 class ConfigError(DistqaError):
     """An unknown configuration key, a value of the wrong type, or a value out of range."""

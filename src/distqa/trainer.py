@@ -44,6 +44,7 @@ from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import apply_settings, build_optimizer, build_scheduler
 from distqa.outdir import claim, export_atomically, write_text
 from distqa.resume import check_resumable, choose_checkpoint
+from distqa.rounds import as_peer_loss
 from distqa.sampler import GlobalBatchSampler, steps_per_epoch
 from distqa.steptimer import StepTimer
 from distqa.task import Batch, Task, load_task
@@ -80,6 +81,7 @@ class Trainer:
         self.ckpt_root = self.out / "checkpoints"
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * info.world_size
         self.autocast_dtype = autocast_dtype(cfg.train.precision)
+        self.step = 0  # the last finished step, for the message when a peer is lost
 
     # ----------------------------------------------------------------------------- set-up
     def _loader(self, dataset: Dataset, epoch: int, start_step: int) -> DataLoader:
@@ -221,6 +223,11 @@ class Trainer:
         self.lock = claim(self.out, self.info)
         try:
             return self._fit()
+        except RuntimeError as err:  # torch.distributed's errors are RuntimeErrors
+            lost = as_peer_loss(err, self.step) if self.info.is_distributed else None
+            if lost is None:
+                raise
+            raise lost from err
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -299,7 +306,7 @@ class Trainer:
                 for _ in range(in_epoch, min(epoch_steps, in_epoch + total_steps - step)):
                     lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                     self._train_step(batches, meter)
-                    step += 1
+                    step = self.step = step + 1
                     progress.advance()
                     last = step == total_steps
                     evaluate = last or (cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0)

@@ -1,0 +1,105 @@
+"""The restart-round protocol (distqa.rounds) against a real TCPStore, with one thread per rank.
+
+A process that dies is played by doing what it did to the store (its record and count), then
+nothing more: a real dead process cannot go on to the next round either.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from distqa.rounds import Round, RoundTimeout, as_peer_loss, join_round
+
+WORLD = 4  # 2 nodes x 2 processes: ranks 0 and 1 on node 0, ranks 2 and 3 on node 1
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield server
+    del server
+
+
+def client(server: dist.TCPStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def join_all(server, ranks, restarts, timeout_s=20.0) -> dict[int, Round]:
+    """Ranks joining at once, each from its own client (as processes do): rank -> its round."""
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        futures = {
+            rank: pool.submit(join_round, client(server), rank, WORLD, rank // 2, restarts[rank // 2], timeout_s)
+            for rank in ranks
+        }
+        return {rank: future.result(timeout=60) for rank, future in futures.items()}
+
+
+def test_every_rank_joins_round_zero_on_a_fresh_start(store):
+    rounds = join_all(store, range(WORLD), {0: 0, 1: 0})
+    assert {r.number for r in rounds.values()} == {0}
+
+
+def test_a_replacement_node_joins_the_round_of_the_nodes_that_restarted(store):
+    """Node 1 was replaced: its agent is new (restart count 0) while node 0's restarted its workers
+    (count 1). torchrun's counters differ; the round must not. Both start orders are tried."""
+    join_all(store, range(WORLD), {0: 0, 1: 0})
+    with ThreadPoolExecutor(2) as pool:
+        late_node_0 = pool.submit(lambda: (time.sleep(0.5), join_all(store, [0, 1], {0: 1, 1: 0}))[1])
+        node_1 = join_all(store, [2, 3], {0: 1, 1: 0})
+        node_0 = late_node_0.result(timeout=60)
+    rounds = {**node_0, **node_1}
+    assert {r.number for r in rounds.values()} == {1}
+    assert rounds[0].describe() == "restart round 1: node(s) 1 started anew and node(s) 0 restarted their workers"
+
+    # Again, node 0 first this time: round 2 for everyone.
+    with ThreadPoolExecutor(2) as pool:
+        late_node_1 = pool.submit(lambda: (time.sleep(0.5), join_all(store, [2, 3], {0: 2, 1: 0}))[1])
+        rounds = {**join_all(store, [0, 1], {0: 2, 1: 0}), **late_node_1.result(timeout=60)}
+    assert {r.number for r in rounds.values()} == {2}
+
+
+def test_a_round_whose_member_died_before_it_completed_is_left_for_the_next(store):
+    join_all(store, range(WORLD), {0: 0, 1: 0})
+    # Round 1: rank 0 joins first, then dies before the others are in.
+    dead = client(store)
+    dead.add("distqa/rounds/current", 1)
+    dead.set("distqa/rounds/last/0", "1")
+    dead.add("distqa/rounds/1/joined", 1)
+    dead.set("distqa/rounds/1/rank-0", "1")
+    with ThreadPoolExecutor(1) as pool:
+        # Ranks 1 to 3 count themselves in: with the dead rank 0, all 4 have.
+        waiting = pool.submit(join_all, store, [1, 2, 3], {0: 1, 1: 1})
+        time.sleep(1.0)
+        assert not waiting.done(), "a round went ahead with a member that died in it"
+        late = join_all(store, [0], {0: 2, 1: 1})  # rank 0's next process: all move on
+        rounds = {**waiting.result(timeout=60), **late}
+    assert {r.number for r in rounds.values()} == {2}
+
+
+def test_a_node_that_never_comes_back_is_named_in_time_and_later_restarts_fail_at_once(store):
+    join_all(store, range(WORLD), {0: 0, 1: 0})
+    start = time.monotonic()
+    with pytest.raises(RoundTimeout) as err:
+        join_all(store, [0, 1], {0: 1, 1: 0}, timeout_s=1.0)
+    assert time.monotonic() - start < 5
+    assert str(err.value).startswith("node 1 (rank 2, 3) did not join restart round 1 within 1 s")
+    # torchrun's next restart on node 0 gets the same line without waiting again.
+    start = time.monotonic()
+    with pytest.raises(RoundTimeout, match="node 1 \\(rank 2, 3\\) did not join"):
+        join_round(client(store), 0, WORLD, 0, 2, timeout_s=60)
+    assert time.monotonic() - start < 1
+
+
+def test_only_the_loss_of_a_peer_is_said_as_one():
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[10.231.7.2]:41093. This is typically caused by a remote worker crashing."
+    )
+    lost = as_peer_loss(gloo, step=9)
+    assert str(lost).startswith("lost a peer at 10.231.7.2 at step 9 in restart round 0 (Connection closed by peer)")
+    assert as_peer_loss(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), step=9) is None
