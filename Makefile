@@ -8,7 +8,7 @@ RESULTS ?= results/quickstart
 # Extra KEY=VALUE settings for `make train`, e.g. make train ARGS="train.max_steps=50"
 ARGS    ?=
 
-.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download lint clean
+.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download test-nodes lint clean
 
 help:
 	@echo "make train      create .venv, install, train the tiny model on the DummyDataset into $(RESULTS)"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-fast  unit tests only (no torchrun launches)"
 	@echo "make test-docker  build the image with the local Docker engine and run containers (minutes)"
 	@echo "make test-download  the tests that pip-install neuro-flow on first use (about 40 s, needs pip's index)"
+	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 2 minutes)"
 	@echo "make lint       ruff"
 	@echo "make clean      remove .venv and everything under results/"
 
@@ -64,6 +65,11 @@ test-docker: install-dev
 # (tests/test_neuro_flow.py), so they need pip's index once. Skipped, with the reason, without it.
 test-download: install-dev
 	$(BIN)/python -m pytest -m download
+
+# Nodes lost and started again in a two-host run (network namespaces, root): about 2 minutes, most
+# of it rendezvous timeouts. Not part of `make test`.
+test-nodes: install-dev
+	$(BIN)/python -m pytest -m nodes
 
 lint: install-dev
 	$(BIN)/ruff check src tests scripts

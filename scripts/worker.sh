@@ -142,10 +142,22 @@ fi
 # (10# so that a leading zero is not read as octal.)
 in_range() { [[ $1 =~ ^[0-9]{1,9}$ ]] && ((10#$1 >= $2)) && { [[ -z ${3:-} ]] || ((10#$1 <= $3)); }; }
 
-in_range "$nnodes" 1 || die "NNODES=$nnodes (from $nnodes_FROM) is not a positive integer"
+# NNODES=MIN:MAX: an elastic node count (torchrun's c10d rendezvous, hosted by node 0's torchrun).
+min_nodes="" max_nodes=""
+if [[ $nnodes == *:* ]]; then
+  min_nodes=${nnodes%%:*} max_nodes=${nnodes#*:}
+  if ! in_range "$min_nodes" 1 || ! in_range "$max_nodes" "$((10#${min_nodes:-0}))"; then
+    die "NNODES=$nnodes (from $nnodes_FROM) is not a node count N or a range MIN:MAX with 1 <= MIN <= MAX"
+  fi
+  min_nodes=$((10#$min_nodes)) max_nodes=$((10#$max_nodes))
+  nnodes="$min_nodes:$max_nodes"
+else
+  in_range "$nnodes" 1 || die "NNODES=$nnodes (from $nnodes_FROM) is not a positive integer or a range MIN:MAX"
+  nnodes=$((10#$nnodes))
+fi
 in_range "$node_rank" 0 || die "NODE_RANK=$node_rank (from $node_rank_FROM) is not a non-negative integer"
-nnodes=$((10#$nnodes)) node_rank=$((10#$node_rank))
-if ((node_rank >= nnodes)); then
+node_rank=$((10#$node_rank))
+if ((node_rank >= ${max_nodes:-$nnodes})); then
   die "NODE_RANK=$node_rank (from $node_rank_FROM) must be below NNODES=$nnodes (from $nnodes_FROM)"
 fi
 in_range "$master_port" 1 65535 || die "MASTER_PORT=$master_port (from $master_port_FROM) is not a port number"
@@ -193,24 +205,6 @@ elif [[ -n ${OMP_NUM_THREADS:-} ]]; then
 fi
 
 read -ra torchrun <<<"${TORCHRUN:-torchrun}"
-cmd=(
-  "${torchrun[@]}"
-  --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc"
-  --rdzv-backend static --master-addr "$master_addr" --master-port "$master_port"
-  --rdzv-conf "timeout=$rdzv_timeout" --max-restarts "$max_restarts"
-  -m distqa train "$@"
-)
-
-if [[ ${WORKER_DRY_RUN:-0} == 1 ]]; then
-  printf -v line '%q ' "${cmd[@]}"
-  echo "${line% }"
-  if [[ -n $threads_note ]]; then note "$threads_note"; fi
-  exit 0
-fi
-
-note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$master_port (from $master_addr_FROM)${threads_note:+; $threads_note}"
-
-# ---- checks before torchrun starts --------------------------------------------------------------
 # The Python that runs torchrun (TORCHRUN's first word, or torchrun's #! line), so that the checks
 # import the same distqa. Neither imports torch: together they take well under a second.
 python=python3
@@ -222,6 +216,63 @@ elif torchrun_path=$(command -v "${torchrun[0]}") && read -r shebang <"$torchrun
   python=${words[0]}
   if [[ ${python##*/} == env ]]; then python=${words[1]:-python3}; fi
 fi
+
+if [[ -n $max_nodes ]]; then
+  pick last_call RDZV_LAST_CALL || last_call=30
+  in_range "$last_call" 0 || die "RDZV_LAST_CALL=$last_call is not a non-negative number of seconds"
+fi
+
+# The torchrun command line, in `cmd`. Elastic (NNODES=MIN:MAX): torchrun's c10d rendezvous on
+# node 0's address. Node 0 hosts it (is_host), so node 0 must stay; the others may come and go. A
+# round starts once MIN nodes are in and no other has joined for RDZV_LAST_CALL seconds (or MAX
+# are in); the rank order follows arrival, not NODE_RANK. The node that becomes group rank 0 hosts
+# the workers' store at its own address, which torchrun takes from the hostname unless told: this
+# takes the address this node reaches node 0 from (a UDP connect sends nothing), which the others
+# can reach back; LOCAL_ADDR overrides it. Called once node 0 answers (its name may resolve late).
+assemble() {
+  if [[ -z $max_nodes ]]; then
+    cmd=(
+      "${torchrun[@]}"
+      --nnodes "$nnodes" --node-rank "$node_rank" --nproc-per-node "$nproc"
+      --rdzv-backend static --master-addr "$master_addr" --master-port "$master_port"
+      --rdzv-conf "timeout=$rdzv_timeout" --max-restarts "$max_restarts"
+      -m distqa train "$@"
+    )
+    return
+  fi
+  if ! pick local_addr LOCAL_ADDR; then
+    local_addr=$("$python" -c 'import socket, sys
+family, kind, proto, _, where = socket.getaddrinfo(sys.argv[1], int(sys.argv[2]), type=socket.SOCK_DGRAM)[0]
+with socket.socket(family, kind, proto) as s:
+    s.connect(where)
+    print(s.getsockname()[0])' "$master_addr" "$master_port" 2>/dev/null) ||
+      die "cannot find this node's address towards MASTER_ADDR=$master_addr (from $master_addr_FROM): set LOCAL_ADDR"
+  fi
+  # Each round's rank 0 starts a store of its own for the workers, rather than all rounds sharing
+  # the rendezvous store: with the shared one, a node that joins a running run waits forever for
+  # keys that group rank 0 writes only in its first round (torch 2.13; seen here).
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  cmd=(
+    "${torchrun[@]}"
+    --nnodes "$nnodes" --nproc-per-node "$nproc"
+    --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port" --rdzv-id "${RDZV_ID:-distqa}"
+    --rdzv-conf "join_timeout=$rdzv_timeout,last_call_timeout=$last_call,is_host=$((node_rank == 0 ? 1 : 0))"
+    --local-addr "$local_addr" --max-restarts "$max_restarts"
+    -m distqa train "$@"
+  )
+}
+
+if [[ ${WORKER_DRY_RUN:-0} == 1 ]]; then
+  assemble "$@"
+  printf -v line '%q ' "${cmd[@]}"
+  echo "${line% }"
+  if [[ -n $threads_note ]]; then note "$threads_note"; fi
+  exit 0
+fi
+
+note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$master_port (from $master_addr_FROM)${threads_note:+; $threads_note}"
+
+# ---- checks before torchrun starts --------------------------------------------------------------
 
 # A settings mistake is then one line here, rather than one per rank and torchrun's report.
 "$python" -m distqa train --check-config "$@" || exit
@@ -260,6 +311,8 @@ if ((node_rank > 0)); then
     sleep 1
   done
 fi
+
+assemble "$@"
 
 # torchrun reads PET_* as defaults for its own flags: Kubeflow's PET_RDZV_ENDPOINT would switch it
 # to another rendezvous than the one resolved above, so none of them may reach it.

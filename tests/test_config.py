@@ -189,3 +189,23 @@ def test_the_example_in_the_top_level_help_parses():
     lines = [shlex.split(line) for line in EXAMPLES.replace("\\\n", " ").splitlines() if line.startswith("  ")]
     parsed = [build_parser().parse_args(words[words.index("distqa") + 1 :]).command for words in lines]
     assert parsed == ["download", "train", "predict"]
+
+
+def test_the_global_batch_derives_grad_accum_for_each_process_count():
+    cfg = load_config(None, ["train.global_batch=8", "train.batch_size=2"])
+    cfg.train.resolve_global_batch(2)
+    assert cfg.train.grad_accum == 2
+    one = load_config(None, ["train.global_batch=8", "train.batch_size=2"])
+    one.train.resolve_global_batch(1)
+    assert one.train.grad_accum == 4
+    split = r"train.global_batch=8 cannot be split over 3 process\(es\) of train.batch_size=2"
+    with pytest.raises(ConfigError, match=split):
+        load_config(None, ["train.global_batch=8", "train.batch_size=2"]).train.resolve_global_batch(3)
+    both = load_config(None, ["train.global_batch=8", "train.batch_size=2", "train.grad_accum=3"])
+    with pytest.raises(ConfigError, match="train.grad_accum=3 contradicts train.global_batch=8"):
+        both.train.resolve_global_batch(2)
+    with pytest.raises(ConfigError, match="train.global_batch=6 is not a multiple of train.batch_size=4"):
+        load_config(None, ["train.global_batch=6", "train.batch_size=4"])
+    unset = load_config(None, ["train.grad_accum=3"])
+    unset.train.resolve_global_batch(2)
+    assert unset.train.grad_accum == 3

@@ -160,6 +160,16 @@ def kill_host(host: dict) -> None:
             pass
 
 
+def wait_for_checkpoint(procs: list[subprocess.Popen], out: Path, step: int) -> None:
+    """Until checkpoint step-N is whole (a run logs step N before it writes its checkpoint)."""
+    deadline = time.monotonic() + 180
+    while not (out / "checkpoints" / f"step-{step}").is_dir():
+        for proc in procs:
+            assert proc.poll() is None, f"a node ended before step {step}:\n{proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint step-{step} in 180 s"
+        time.sleep(0.02)
+
+
 def wait_for_step(procs: list[subprocess.Popen], out: Path, step: int) -> None:
     deadline = time.monotonic() + 180
     while last_step(out) < step:
@@ -169,10 +179,27 @@ def wait_for_step(procs: list[subprocess.Popen], out: Path, step: int) -> None:
         time.sleep(0.02)
 
 
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Every node's output once all have ended; past `timeout`, all are stopped and the failure
+    shows what each had printed."""
+    deadline = time.monotonic() + timeout
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        tails = "\n".join(f"--- node {i}:\n{proc.communicate()[0][-3000:]}" for i, proc in enumerate(procs))
+        raise AssertionError(f"the nodes did not end within {timeout} s\n{tails}") from None
+    return logs
+
+
 # The run of the node-loss tests: 24 steps, a checkpoint every 4, torchrun may restart 3 times.
 LOSS_RUN = [*EQUIVALENCE, "train.batch_size=4", "train.max_steps=24", "train.checkpoint_every=4"]
 
 
+@pytest.mark.nodes
 def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same_weights(two_hosts, tmp_path):
     """launch-elastic-netns (2): every process of node 1 killed after step 8 and its command started
     again. The new node's torchrun counts no restart (0) while node 0's counts 1: the round they
@@ -188,11 +215,11 @@ def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same
         for rank in (0, 1)
     ]
     try:
-        wait_for_step(procs, out, 8)
+        wait_for_checkpoint(procs, out, 8)
         kill_host(hosts[1])
         procs[1].communicate()
         procs[1] = node(hosts[1], 1, master, args, ("taskset", "-c", "1"), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
-        logs = [proc.communicate(timeout=240)[0] for proc in procs]
+        logs = finish(procs, timeout=240)
     finally:
         for proc in procs:
             proc.kill()
@@ -213,6 +240,7 @@ def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same
     assert max_abs_diff(checkpoint_weights(ref, 24), checkpoint_weights(ref, 20)) > 1e-3
 
 
+@pytest.mark.nodes
 def test_a_node_gone_for_good_stops_the_others_in_time_naming_it(two_hosts, tmp_path):
     """launch-elastic-netns (3): with a fixed node count, node 0 gives up RDZV_TIMEOUT after the
     loss, and torchrun's remaining restarts fail at once with the same line, the last one."""
@@ -240,6 +268,69 @@ def test_a_node_gone_for_good_stops_the_others_in_time_naming_it(two_hosts, tmp_
         "distqa [rank 0]: error: node 1 (rank 1) did not join restart round 1 within 10 s (RDZV_TIMEOUT)"
     ), log[-3000:]
     assert log.count("did not join restart round") == 4  # the round that waited, 3 at once, the last line
+
+
+@pytest.mark.nodes
+def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts, tmp_path):
+    """launch-elastic-netns (4): NNODES=1:2 and train.global_batch=8 at train.batch_size=4. Node 1
+    is lost after step 8: node 0 goes on alone (train.grad_accum 2, the same global batch), and its
+    checkpoints equal a 1-process resume from the one it says it resumed from. Then node 1 comes
+    back: torchrun stops node 0's worker (SIGTERM: a checkpoint), both resume together, and the run
+    ends with the weights of a 1-process resume from that checkpoint."""
+    hosts, _ = two_hosts
+    out = tmp_path / "run"
+    # Longer steps (256 tokens) and more of them: node 0 must still be training when node 1 is back.
+    args = [
+        *LOSS_RUN,
+        "task.max_seq_len=256",
+        "train.max_steps=96",
+        "train.checkpoint_every=8",
+        "train.keep_checkpoints=0",
+        "train.global_batch=8",
+        f"output_dir={out}",
+    ]
+    master = hosts[0]["addr"]
+    elastic = {"NNODES": "1:2", "MAX_RESTARTS": "3", "RDZV_TIMEOUT": "60", "RDZV_LAST_CALL": "5"}
+
+    def start(rank: int) -> subprocess.Popen:
+        return node(hosts[rank], rank, master, args, ("taskset", "-c", str(rank)), **elastic)
+
+    procs = [start(0), start(1)]
+    try:
+        wait_for_checkpoint(procs, out, 8)
+        kill_host(hosts[1])
+        procs[1].communicate()
+        wait_for_step(procs[:1], out, 24)  # node 0 alone for a while
+        procs[1] = start(1)
+        logs = finish(procs, timeout=240)
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
+    lines = logs[0].splitlines()
+    sizes = [
+        line.split(" process(es)")[0] for line in lines if line.startswith("distqa: ") and "process(es) on" in line
+    ]
+    assert sizes == ["distqa: 2", "distqa: 1", "distqa: 2"], logs[0][-4000:]
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("resumed from")]
+    assert len(resumed) == 2 and resumed[0] <= 8 < 24 <= resumed[1], resumed
+    assert "train.grad_accum (1 -> 2)" in logs[0] and "train.grad_accum (2 -> 1)" in logs[0]
+
+    # Each part against one process from the same checkpoint (global batch 8 as 2 micro-batches of 4).
+    # Node 0 alone is one process too: 1e-5. The last part, 2 nodes for 50-odd steps at SGD's rate
+    # of 0.5, drifts from 1 process by float rounding (4e-5 seen); one step moves it by over 1e-3.
+    for start_step, end_step, tolerance in [(resumed[0], resumed[1], 1e-5), (resumed[1], 96, 1e-4)]:
+        ref = tmp_path / f"one-process-from-{start_step}"
+        resume = out / "checkpoints" / f"step-{start_step}"
+        train(
+            load_config(
+                None, [*args[:-1], f"train.max_steps={end_step}", f"train.resume={resume}", f"output_dir={ref}"]
+            )
+        )
+        diff = max_abs_diff(checkpoint_weights(out, end_step), checkpoint_weights(ref, end_step))
+        assert diff <= tolerance, (start_step, end_step, diff)
+    assert max_abs_diff(checkpoint_weights(out, 96), checkpoint_weights(out, 88)) > 1e-3
 
 
 def test_worker_without_a_master_fails_in_time_naming_the_address(two_hosts, tmp_path):

@@ -156,6 +156,7 @@ ALTERNATIVES = {
     "train.epochs": "2",
     "train.batch_size": "1",
     "train.grad_accum": "2",
+    "train.global_batch": "2",  # the run's own global batch (1 process x train.batch_size=2), now derived
     "train.optimizer": "sgd",
     "train.lr": "2e-3",
     "train.momentum": "0.9",

@@ -101,5 +101,5 @@ def test_only_the_loss_of_a_peer_is_said_as_one():
         "[10.231.7.2]:41093. This is typically caused by a remote worker crashing."
     )
     lost = as_peer_loss(gloo, step=9)
-    assert str(lost).startswith("lost a peer at 10.231.7.2 at step 9 in restart round 0 (Connection closed by peer)")
+    assert str(lost).startswith("lost a peer at 10.231.7.2 at step 9 (Connection closed by peer): torchrun starts")
     assert as_peer_loss(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), step=9) is None

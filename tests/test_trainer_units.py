@@ -174,3 +174,22 @@ def test_loader_workers_leave_the_process_group_but_still_die_on_their_parents_s
     worker.join(timeout=10)
     assert worker.exitcode is not None, "the worker outlived its parent's SIGTERM"
     del batches
+
+
+def test_the_replica_checksum_is_exact_whatever_the_thread_count():
+    """Nodes may run other thread counts (their CPUs differ): a float sum of identical weights then
+    differs in its last bits, and the replica check raised a false alarm (seen: spread 7e-15)."""
+    from distqa.guards import _checksum
+
+    weights = torch.randn(1000, 384)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _checksum(weights)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(_checksum(weights), one)
+    finally:
+        torch.set_num_threads(threads)
+    changed = weights.clone()
+    changed.view(-1)[777] = torch.nextafter(changed.view(-1)[777], torch.tensor(10.0))  # one ulp
+    assert not torch.equal(_checksum(changed), one)

@@ -222,6 +222,22 @@ def test_explicit_variables_win_over_schedulers(tmp_path):
     assert (r["--nnodes"], r["--node-rank"], r["--master-addr"]) == ("6", "4", "slurm1")
 
 
+def test_an_elastic_node_count_uses_the_c10d_rendezvous_on_node_zero(tmp_path):
+    """NNODES=MIN:MAX (also Kubeflow's PET_NNODES of an elastic PyTorchJob): torchrun's c10d
+    rendezvous at MASTER_ADDR:MASTER_PORT, hosted by node 0; each node says the address the others
+    reach it at (the one it reaches node 0 from), and each round gets a store of its own."""
+    r = resolved(tmp_path, "train.lr=1", NNODES="1:2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", RDZV_LAST_CALL="5")
+    assert "--node-rank" not in r and "--master-addr" not in r
+    assert (r["--nnodes"], r["--rdzv-backend"], r["--rdzv-endpoint"]) == ("1:2", "c10d", "127.0.0.1:29500")
+    assert r["--rdzv-conf"] == "join_timeout=600,last_call_timeout=5,is_host=1"
+    assert r["--local-addr"] == "127.0.0.1" and r["train_args"] == ["train.lr=1"]
+    r = resolved(tmp_path, PET_NNODES="01:4", NODE_RANK="3", MASTER_ADDR="127.0.0.1", LOCAL_ADDR="10.1.2.3")
+    assert (r["--nnodes"], r["--local-addr"]) == ("1:4", "10.1.2.3")
+    assert r["--rdzv-conf"] == "join_timeout=600,last_call_timeout=30,is_host=0"
+    proc = worker(tmp_path, NNODES="1:2", NODE_RANK="1", MASTER_ADDR="no-such-host.invalid")
+    assert proc.returncode == 2 and "set LOCAL_ADDR" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     "env, message",
     [
@@ -230,6 +246,8 @@ def test_explicit_variables_win_over_schedulers(tmp_path):
         ({"NNODES": "2", "NODE_RANK": "1"}, "no master address is set: set MASTER_ADDR"),
         ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "self"}, "MASTER_ADDR=self"),
         ({"NNODES": "zero"}, "NNODES=zero (from NNODES) is not a positive integer"),
+        ({"NNODES": "3:2"}, "NNODES=3:2 (from NNODES) is not a node count N or a range MIN:MAX"),
+        ({"NNODES": "1:2", "RDZV_LAST_CALL": "soon"}, "RDZV_LAST_CALL=soon"),
         ({"NNODES": "0"}, "NNODES=0"),
         ({"NODE_RANK": "-1"}, "NODE_RANK=-1"),
         ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000"),

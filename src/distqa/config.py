@@ -91,6 +91,12 @@ class TrainConfig:
     epochs: int = _f(1, "passes over the training data (when train.max_steps <= 0)")
     batch_size: int = _f(8, "examples per micro-batch per process")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    global_batch: int = _f(
+        0,
+        "examples per optimizer step over all processes; when > 0, train.grad_accum is derived from it, "
+        "train.batch_size and the process count, so that the data order and the schedule stay the same "
+        "when an elastic run loses or gains nodes",
+    )
     optimizer: str = _f("adamw", "adamw | sgd")
     lr: float = _f(3e-5, "peak learning rate")
     momentum: float = _f(0.0, "SGD momentum (train.optimizer=sgd only)")
@@ -134,12 +140,37 @@ class TrainConfig:
         check_min("train.weight_decay", self.weight_decay, 0.0)
         check_min("train.max_grad_norm", self.max_grad_norm, 0.0)
         check_min("train.eval_every", self.eval_every, 0)
+        check_min("train.global_batch", self.global_batch, 0)
+        if self.global_batch and self.global_batch % self.batch_size:
+            raise ConfigError(
+                f"train.global_batch={self.global_batch} is not a multiple of train.batch_size={self.batch_size}"
+            )
         check_min("train.keep_checkpoints", self.keep_checkpoints, 0)
         check_min("train.term_grace_s", self.term_grace_s, 0.0, strict=True)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ConfigError(f"train.resume={self.resume!r} is not auto, never, or an existing checkpoint folder")
+
+    def resolve_global_batch(self, world_size: int) -> None:
+        """Derive `grad_accum` from `global_batch` for this many processes (in place; no-op when unset)."""
+        if not self.global_batch:
+            return
+        per_step = self.batch_size * world_size
+        if self.global_batch % per_step:
+            raise ConfigError(
+                f"train.global_batch={self.global_batch} cannot be split over {world_size} process(es) of "
+                f"train.batch_size={self.batch_size}: it must be a multiple of {per_step}; pick a batch size "
+                "that divides it for every node count the run may have"
+            )
+        accum = self.global_batch // per_step
+        if self.grad_accum not in (1, accum):
+            raise ConfigError(
+                f"train.grad_accum={self.grad_accum} contradicts train.global_batch={self.global_batch} "
+                f"({world_size} process(es) x train.batch_size={self.batch_size} need {accum}): leave "
+                "train.grad_accum unset when train.global_batch is set"
+            )
+        self.grad_accum = accum
 
 
 @dataclass

@@ -45,6 +45,7 @@ RESUME_SILENT = {
     "train.eval_every",
     "train.resume",
     "train.allow_data_change",
+    "train.global_batch",  # what it changes, the global batch, is compared on its own
 }
 RESUME_APPLIED = {
     "model.dropout",

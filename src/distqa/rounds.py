@@ -175,9 +175,9 @@ def as_peer_loss(err: BaseException, step: int) -> PeerLost | None:
         return None
     address = _PEER_ADDRESS.search(text[found.start() :])
     peer = f" at {address.group(1)}" if address else ""
-    number = joined.number if joined is not None else 0
+    where = f" in restart round {joined.number}" if joined is not None else ""  # None: elastic (c10d) rounds
     return PeerLost(
-        f"lost a peer{peer} at step {step} in restart round {number} ({found.group(0)}): torchrun starts "
+        f"lost a peer{peer} at step {step}{where} ({found.group(0)}): torchrun starts "
         "the next round if restarts are left (MAX_RESTARTS, --max-restarts) and it resumes from the newest "
         "checkpoint"
     )

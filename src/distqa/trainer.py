@@ -75,6 +75,7 @@ class Trainer:
         save_outputs: bool = True,
     ) -> None:
         self.cfg, self.task, self.info = cfg, task, info
+        cfg.train.resolve_global_batch(info.world_size)
         self.timer = timer or StepTimer.off(info.device)
         self.save_outputs = save_outputs
         self.out = Path(cfg.output_dir)
