@@ -5,17 +5,19 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/worker.sh --config configs/bert-base.yaml
 #
 # Variables (an explicit one always wins over what a scheduler set):
-#   NNODES          nodes in the run (default 1)
+#   NNODES          nodes in the run (default 1), or MIN:MAX for an elastic run (c10d rendezvous)
 #   NODE_RANK       this node's index, 0..NNODES-1 (default 0)
 #   MASTER_ADDR     node 0's address; unset or `self` on node 0 means this host
 #   MASTER_PORT     node 0's rendezvous port (default 29500)
 #   NPROC_PER_NODE  processes on this node (default: one per GPU, or 1 without GPUs)
 #   RDZV_TIMEOUT    seconds to wait for node 0 and for the rendezvous (default 600)
-#   MAX_RESTARTS    torchrun --max-restarts (default 0)
+#   MAX_RESTARTS    torchrun --max-restarts (default 0): restart rounds after a lost worker or node
+#   RDZV_LAST_CALL, LOCAL_ADDR, RDZV_ID  elastic runs only: see docs/containers.md
 #   OMP_NUM_THREADS threads per process (default: the CPUs this node may use / NPROC_PER_NODE)
 # Understood from schedulers, in this order after the explicit variables:
 #   Kubeflow PyTorchJob  PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT,
-#                        PET_NPROC_PER_NODE; then WORLD_SIZE/RANK (pods) of older operators
+#                        PET_NPROC_PER_NODE; then WORLD_SIZE/RANK (pods) of older operators;
+#                        elastic jobs: PET_RDZV_ENDPOINT, PET_MAX_RESTARTS, PET_RDZV_ID
 #   Slurm                SLURM_NNODES, SLURM_NODEID, first host of SLURM_JOB_NODELIST
 #   SkyPilot             SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, first of SKYPILOT_NODE_IPS
 #   Neu.ro               NEURO_JOB_INTERNAL_HOSTNAME is "this host"
@@ -48,6 +50,7 @@ pick() {
         KUBEFLOW_RANK) var="RANK (Kubeflow)" ;;
         SLURM_FIRST_HOST) var=SLURM_JOB_NODELIST ;;
         SKYPILOT_FIRST_IP) var=SKYPILOT_NODE_IPS ;;
+        KUBEFLOW_RDZV_HOST | KUBEFLOW_RDZV_PORT) var=PET_RDZV_ENDPOINT ;;
       esac
       printf -v "${target}_FROM" '%s' "$var"
       return 0
@@ -125,11 +128,17 @@ pick nnodes NNODES PET_NNODES KUBEFLOW_WORLD_SIZE SLURM_NNODES SLURM_JOB_NUM_NOD
   { nnodes=1 nnodes_FROM=default; }
 pick node_rank NODE_RANK PET_NODE_RANK KUBEFLOW_RANK SLURM_NODEID SKYPILOT_NODE_RANK ||
   { node_rank=0 node_rank_FROM=default; }
-pick master_port MASTER_PORT PET_MASTER_PORT || { master_port=29500 master_port_FROM=default; }
-pick master_addr MASTER_ADDR PET_MASTER_ADDR SLURM_FIRST_HOST SKYPILOT_FIRST_IP ||
+# An elastic PyTorchJob names node 0 (worker 0's service) only in PET_RDZV_ENDPOINT=HOST:PORT.
+kf_rdzv_host="" kf_rdzv_port=""
+if [[ ${PET_RDZV_ENDPOINT:-} == *:* ]]; then kf_rdzv_host=${PET_RDZV_ENDPOINT%:*} kf_rdzv_port=${PET_RDZV_ENDPOINT##*:}; fi
+# shellcheck disable=SC2034
+KUBEFLOW_RDZV_HOST=$kf_rdzv_host KUBEFLOW_RDZV_PORT=$kf_rdzv_port
+pick master_port MASTER_PORT PET_MASTER_PORT KUBEFLOW_RDZV_PORT || { master_port=29500 master_port_FROM=default; }
+pick master_addr MASTER_ADDR PET_MASTER_ADDR KUBEFLOW_RDZV_HOST SLURM_FIRST_HOST SKYPILOT_FIRST_IP ||
   { master_addr="" master_addr_FROM=""; }
 pick rdzv_timeout RDZV_TIMEOUT || rdzv_timeout=600
-pick max_restarts MAX_RESTARTS || max_restarts=0
+pick max_restarts MAX_RESTARTS PET_MAX_RESTARTS || max_restarts=0
+pick rdzv_id RDZV_ID PET_RDZV_ID || rdzv_id=distqa
 if ! pick nproc NPROC_PER_NODE PET_NPROC_PER_NODE; then
   nproc=$(gpu_count)
   nproc_FROM="GPU count"
@@ -255,7 +264,7 @@ with socket.socket(family, kind, proto) as s:
   cmd=(
     "${torchrun[@]}"
     --nnodes "$nnodes" --nproc-per-node "$nproc"
-    --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port" --rdzv-id "${RDZV_ID:-distqa}"
+    --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port" --rdzv-id "$rdzv_id"
     --rdzv-conf "join_timeout=$rdzv_timeout,last_call_timeout=$last_call,is_host=$((node_rank == 0 ? 1 : 0))"
     --local-addr "$local_addr" --max-restarts "$max_restarts"
     -m distqa train "$@"

@@ -364,28 +364,44 @@ def test_skypilot_example(tmp_path):
 
 
 def test_pytorchjob_example(tmp_path):
-    """The manifest's args reach worker.sh (the image's entrypoint) with what the operator sets."""
+    """The elastic manifest's args reach worker.sh (the image's entrypoint) with what the operator
+    sets (PET_*) and what the manifest takes from the pod (its replica index, its IP)."""
     import yaml
 
     job = yaml.safe_load((ROOT / "deploy" / "pytorchjob.yaml").read_text())
-    specs = job["spec"]["pytorchReplicaSpecs"]
-    pods = [("Master", 0)] + [("Worker", 1 + i) for i in range(specs["Worker"]["replicas"])]
-    for kind, rank in pods:
-        container = specs[kind]["template"]["spec"]["containers"][0]
-        assert container["name"] == "pytorch" and "command" not in container  # keep the entrypoint
-        plain = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    elastic = job["spec"]["elasticPolicy"]
+    assert elastic["rdzvBackend"] == "c10d" and list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"]
+    spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert spec["restartPolicy"] == "OnFailure"
+    container = spec["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch" and "command" not in container  # keep the entrypoint
+    for index in range(spec["replicas"]):
+        pod = {
+            "metadata.labels['training.kubeflow.org/replica-index']": str(index),
+            "status.podIP": f"10.8.0.{index + 1}",
+        }
+        env = {}
+        for item in container["env"]:
+            if "value" in item:
+                env[item["name"]] = item["value"]
+            elif "fieldRef" in item["valueFrom"]:
+                env[item["name"]] = pod[item["valueFrom"]["fieldRef"]["fieldPath"]]
         r = resolved(
             tmp_path,
             *container["args"],
-            **plain,
-            MASTER_ADDR="distqa-bert-base-master-0",
-            MASTER_PORT="23456",
-            WORLD_SIZE=str(len(pods)),
-            RANK=str(rank),
+            **env,
+            # what the operator sets in an elastic job's pods
+            PET_NNODES=f"{elastic['minReplicas']}:{elastic['maxReplicas']}",
+            PET_RDZV_BACKEND="c10d",
+            PET_RDZV_ENDPOINT="distqa-bert-base-worker-0:23456",
+            PET_MAX_RESTARTS=str(elastic["maxRestarts"]),
+            PET_RDZV_ID="distqa-bert-base",
             FAKE_GPUS=str(container["resources"]["limits"]["nvidia.com/gpu"]),
         )
-        assert (r["--nnodes"], r["--node-rank"], r["--nproc-per-node"]) == ("2", str(rank), "8")
-        assert r["--master-addr"] == "distqa-bert-base-master-0" and r["--rdzv-conf"] == "timeout=1800"
+        assert (r["--nnodes"], r["--nproc-per-node"], r["--max-restarts"]) == ("1:2", "8", "20")
+        assert (r["--rdzv-backend"], r["--rdzv-endpoint"]) == ("c10d", "distqa-bert-base-worker-0:23456")
+        assert r["--rdzv-id"] == "distqa-bert-base" and r["--local-addr"] == f"10.8.0.{index + 1}"
+        assert r["--rdzv-conf"] == f"join_timeout=1800,last_call_timeout=30,is_host={int(index == 0)}"
         assert r["train_args"] == container["args"]
 
 
