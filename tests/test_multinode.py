@@ -199,12 +199,31 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 LOSS_RUN = [*EQUIVALENCE, "train.batch_size=4", "train.max_steps=24", "train.checkpoint_every=4"]
 
 
+def kill_workers(host: dict) -> int:
+    """SIGKILL the training processes of the host (torchrun's children), as the OOM killer might."""
+    killed = 0
+    pids = subprocess.run(["ip", "netns", "pids", host["ns"]], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent_cmd = Path(f"/proc/{parent}/cmdline").read_bytes()
+            if b"distqa" in cmd and b"train" in cmd and b"torchrun" in parent_cmd:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return killed
+
+
 @pytest.mark.nodes
-def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same_weights(two_hosts, tmp_path):
-    """launch-elastic-netns (2): every process of node 1 killed after step 8 and its command started
-    again. The new node's torchrun counts no restart (0) while node 0's counts 1: the round they
-    meet in must come from the store, or the new node's first workers join a dead round and crash
-    (gloo's Connection refused traceback) and cost a restart. Node 0 says the loss in one line."""
+@pytest.mark.parametrize("loss", ["worker", "node"])
+def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same_weights(two_hosts, tmp_path, loss):
+    """launch-elastic-netns (1) and (2): node 1's worker killed after step 8 (its torchrun restarts
+    it), or every process of node 1 killed and its command started again. In the second case the
+    new node's torchrun counts no restart (0) while node 0's counts 1: the round they meet in must
+    come from the store, or the new node's first workers join a dead round and crash (gloo's
+    Connection refused traceback) and cost a restart. Node 0 says the loss in one line."""
     hosts, _ = two_hosts
     out = tmp_path / "run"
     args = [*LOSS_RUN, f"output_dir={out}"]
@@ -216,9 +235,12 @@ def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same
     ]
     try:
         wait_for_checkpoint(procs, out, 8)
-        kill_host(hosts[1])
-        procs[1].communicate()
-        procs[1] = node(hosts[1], 1, master, args, ("taskset", "-c", "1"), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
+        if loss == "worker":
+            assert kill_workers(hosts[1]) == 1
+        else:
+            kill_host(hosts[1])
+            procs[1].communicate()
+            procs[1] = node(hosts[1], 1, master, args, ("taskset", "-c", "1"), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
         logs = finish(procs, timeout=240)
     finally:
         for proc in procs:
@@ -230,7 +252,11 @@ def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same
     lost = [line for line in lines if "lost a peer" in line]
     assert len(lost) == 1 and lost[0].startswith("distqa [rank 0]: error: lost a peer"), logs[0][-4000:]
     assert "in restart round 0" in lost[0]
-    assert "distqa: restart round 1: node(s) 1 started anew and node(s) 0 restarted their workers" in lines
+    said = {
+        "worker": "distqa: restart round 1: node(s) 0, 1 restarted their workers",
+        "node": "distqa: restart round 1: node(s) 1 started anew and node(s) 0 restarted their workers",
+    }[loss]
+    assert said in lines, logs[0][-4000:]
     resumed = [line for line in lines if line.startswith("resumed from")]
     assert len(resumed) == 1, resumed  # the replacement cost no further round
 
