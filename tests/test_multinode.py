@@ -179,9 +179,9 @@ def wait_for_step(procs: list[subprocess.Popen], out: Path, step: int) -> None:
         time.sleep(0.02)
 
 
-def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Every node's output once all have ended; past `timeout`, all are stopped and the failure
-    shows what each had printed."""
+def finish(procs: list[subprocess.Popen], timeout: float, succeed: bool = False) -> list[str]:
+    """Every node's output once all have ended (with status 0, when `succeed`); past `timeout`, all
+    are stopped and the failure shows what each had printed."""
     deadline = time.monotonic() + timeout
     logs = []
     try:
@@ -192,6 +192,8 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
             proc.kill()
         tails = "\n".join(f"--- node {i}:\n{proc.communicate()[0][-3000:]}" for i, proc in enumerate(procs))
         raise AssertionError(f"the nodes did not end within {timeout} s\n{tails}") from None
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert not succeed or proc.returncode == 0, f"node {rank} failed ({proc.returncode}):\n{log[-4000:]}"
     return logs
 
 
@@ -233,20 +235,16 @@ def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same
         node(hosts[rank], rank, master, args, ("taskset", "-c", str(rank)), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
         for rank in (0, 1)
     ]
-    try:
-        wait_for_checkpoint(procs, out, 8)
-        if loss == "worker":
-            assert kill_workers(hosts[1]) == 1
-        else:
-            kill_host(hosts[1])
-            procs[1].communicate()
-            procs[1] = node(hosts[1], 1, master, args, ("taskset", "-c", "1"), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
-        logs = finish(procs, timeout=240)
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
+    # (A failure leaves processes behind: the two_hosts fixture kills every process of its hosts.)
+    wait_for_checkpoint(procs, out, 8)
+    if loss == "worker":
+        assert kill_workers(hosts[1]) == 1
+    else:
+        kill_host(hosts[1])
+        procs[1].communicate()
+        procs[1] = node(hosts[1], 1, master, args, ("taskset", "-c", "1"), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
+    logs = finish(procs, timeout=240, succeed=True)
+    for log in logs:
         assert "Traceback" not in log, log[-4000:]
     lines = logs[0].splitlines()
     lost = [line for line in lines if "lost a peer" in line]
@@ -277,14 +275,10 @@ def test_a_node_gone_for_good_stops_the_others_in_time_naming_it(two_hosts, tmp_
         node(hosts[rank], rank, master, [*LOSS_RUN, f"output_dir={out}"], MAX_RESTARTS="3", RDZV_TIMEOUT="10")
         for rank in (0, 1)
     ]
-    try:
-        wait_for_step(procs, out, 2)
-        kill_host(hosts[1])
-        lost_at = time.monotonic()
-        log = procs[0].communicate(timeout=180)[0]
-    finally:
-        for proc in procs:
-            proc.kill()
+    wait_for_step(procs, out, 2)
+    kill_host(hosts[1])
+    lost_at = time.monotonic()
+    log = finish(procs[:1], timeout=180)[0]
     elapsed = time.monotonic() - lost_at
     print(f"node 0 stopped {elapsed:.1f} s after node 1 was lost")
     assert procs[0].returncode not in (0, None)
@@ -322,18 +316,12 @@ def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts,
         return node(hosts[rank], rank, master, args, ("taskset", "-c", str(rank)), **elastic)
 
     procs = [start(0), start(1)]
-    try:
-        wait_for_checkpoint(procs, out, 8)
-        kill_host(hosts[1])
-        procs[1].communicate()
-        wait_for_step(procs[:1], out, 24)  # node 0 alone for a while
-        procs[1] = start(1)
-        logs = finish(procs, timeout=240)
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
+    wait_for_checkpoint(procs, out, 8)
+    kill_host(hosts[1])
+    procs[1].communicate()
+    wait_for_step(procs[:1], out, 24)  # node 0 alone for a while
+    procs[1] = start(1)
+    logs = finish(procs, timeout=240, succeed=True)
     lines = logs[0].splitlines()
     sizes = [
         line.split(" process(es)")[0] for line in lines if line.startswith("distqa: ") and "process(es) on" in line
