@@ -257,9 +257,12 @@ with socket.socket(family, kind, proto) as s:
     print(s.getsockname()[0])' "$master_addr" "$master_port" 2>/dev/null) ||
       die "cannot find this node's address towards MASTER_ADDR=$master_addr (from $master_addr_FROM): set LOCAL_ADDR"
   fi
+  if [[ $local_addr == 127.* || $local_addr == ::1 ]] && ((max_nodes > 1)); then
+    note "warning: other nodes cannot reach this one at $local_addr: set MASTER_ADDR to node 0's address on every node (or LOCAL_ADDR), unless all nodes run on this host"
+  fi
   # Each round's rank 0 starts a store of its own for the workers, rather than all rounds sharing
-  # the rendezvous store: with the shared one, a node that joins a running run waits forever for
-  # keys that group rank 0 writes only in its first round (torch 2.13; seen here).
+  # the rendezvous store: with the shared one, a node that joins a running run waits, until the
+  # join timeout, for keys that group rank 0 writes only in its first round (torch 2.13; seen here).
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
   cmd=(
     "${torchrun[@]}"
