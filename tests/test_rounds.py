@@ -70,7 +70,7 @@ def test_a_round_whose_member_died_before_it_completed_is_left_for_the_next(stor
     dead.add("distqa/rounds/current", 1)
     dead.set("distqa/rounds/last/0", "1")
     dead.add("distqa/rounds/1/joined", 1)
-    dead.set("distqa/rounds/1/rank-0", "1")
+    dead.set("distqa/rounds/1/joined-0", "1")
     with ThreadPoolExecutor(1) as pool:
         # Ranks 1 to 3 count themselves in: with the dead rank 0, all 4 have.
         waiting = pool.submit(join_all, store, [1, 2, 3], {0: 1, 1: 1})
@@ -103,3 +103,16 @@ def test_only_the_loss_of_a_peer_is_said_as_one():
     lost = as_peer_loss(gloo, step=9)
     assert str(lost).startswith("lost a peer at 10.231.7.2 at step 9 (Connection closed by peer): torchrun starts")
     assert as_peer_loss(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), step=9) is None
+
+
+def test_a_member_that_joined_and_died_is_the_one_named(store):
+    """All ranks counted themselves in, but rank 0 died before the second count: the timeout names
+    rank 0, not nobody."""
+    join_all(store, range(WORLD), {0: 0, 1: 0})
+    dead = client(store)
+    dead.add("distqa/rounds/current", 1)
+    dead.set("distqa/rounds/last/0", "1")
+    dead.set("distqa/rounds/1/joined-0", "1")
+    dead.add("distqa/rounds/1/joined", 1)
+    with pytest.raises(RoundTimeout, match=r"^node 0 \(rank 0\) did not join restart round 1 within 1 s"):
+        join_all(store, [1, 2, 3], {0: 1, 1: 1}, timeout_s=1.0)

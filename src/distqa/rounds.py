@@ -104,11 +104,10 @@ def join_round(
         prefix = f"{_KEY}{number}/"
         store.set(f"{_KEY}last/{rank}", str(number))  # before counting in: a death after it ends the round
         store.set(f"{prefix}node-{node}", str(local_restarts))
-        store.set(f"{prefix}rank-{rank}", "1")
         # Two counts: `joined` reaches world_size also when a member died while it waited; `ready`
         # is counted only by members that saw `joined` complete, i.e. were alive when all were in.
-        if _count_in(store, prefix, "joined", number, world_size, deadline, timeout_s, poll_s):
-            if _count_in(store, prefix, "ready", number, world_size, deadline, timeout_s, poll_s):
+        if _count_in(store, prefix, "joined", rank, number, world_size, deadline, timeout_s, poll_s):
+            if _count_in(store, prefix, "ready", rank, number, world_size, deadline, timeout_s, poll_s):
                 nodes = {}
                 for other in range(world_size):
                     home = _get_int(store, f"{_KEY}node-of/{other}", -1)
@@ -122,6 +121,7 @@ def _count_in(
     store: dist.Store,
     prefix: str,
     counter: str,
+    rank: int,
     number: int,
     world_size: int,
     deadline: float,
@@ -130,19 +130,20 @@ def _count_in(
 ) -> bool:
     """Count this rank in `counter`, then wait for all: True when complete, False when the round is
     dead (the current round moved past it: one of its members died and came back)."""
+    store.set(f"{prefix}{counter}-{rank}", "1")  # who is in: named when others are missing
     store.add(prefix + counter, 1)
     while int(store.get(prefix + counter)) < world_size:
         _given_up(store)
         if _current(store) > number:
             return False
         if time.monotonic() > deadline:
-            _give_up(store, prefix, number, world_size, timeout_s)
+            _give_up(store, prefix, counter, number, world_size, timeout_s)
         time.sleep(poll_s)
     return True
 
 
-def _give_up(store: dist.Store, prefix: str, number: int, world_size: int, timeout_s: float) -> None:
-    missing = [rank for rank in range(world_size) if not store.check([f"{prefix}rank-{rank}"])]
+def _give_up(store: dist.Store, prefix: str, counter: str, number: int, world_size: int, timeout_s: float) -> None:
+    missing = [rank for rank in range(world_size) if not store.check([f"{prefix}{counter}-{rank}"])]
     by_node: dict[str, list[int]] = {}
     for rank in missing:
         home = _get_int(store, f"{_KEY}node-of/{rank}", -1)
