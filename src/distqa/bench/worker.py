@@ -43,10 +43,11 @@ def _bench_config(args: argparse.Namespace) -> Config:
     cfg.train.max_steps = args.warmup + args.steps
     cfg.train.resume = "never"
     cfg.train.checkpoint_every = cfg.train.max_steps + 1
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.train.resolve_global_batch(world_size)  # as the trainer does; the baseline loop reads grad_accum too
     if cfg.data.train == "dummy" and hasattr(cfg.task, "dummy_size"):  # a task with a synthetic dataset
         # Keep the whole run inside one epoch: a new epoch starts new DataLoader workers, whose
         # start-up would land in the measured steps of large world sizes only.
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
         needed = cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum * world_size
         cfg.task.dummy_size = max(cfg.task.dummy_size, needed)
     return cfg
