@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -160,23 +161,23 @@ def kill_host(host: dict) -> None:
             pass
 
 
+def wait_until(procs: list[subprocess.Popen], done: Callable[[], bool], what: str) -> None:
+    """Poll `done` until it holds; fail at once if a node ends first, or after 180 s."""
+    deadline = time.monotonic() + 180
+    while not done():
+        for proc in procs:
+            assert proc.poll() is None, f"a node ended before {what}:\n{proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} in 180 s"
+        time.sleep(0.02)
+
+
 def wait_for_checkpoint(procs: list[subprocess.Popen], out: Path, step: int) -> None:
     """Until checkpoint step-N is whole (a run logs step N before it writes its checkpoint)."""
-    deadline = time.monotonic() + 180
-    while not (out / "checkpoints" / f"step-{step}").is_dir():
-        for proc in procs:
-            assert proc.poll() is None, f"a node ended before step {step}:\n{proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, f"no checkpoint step-{step} in 180 s"
-        time.sleep(0.02)
+    wait_until(procs, (out / "checkpoints" / f"step-{step}").is_dir, f"checkpoint step-{step}")
 
 
 def wait_for_step(procs: list[subprocess.Popen], out: Path, step: int) -> None:
-    deadline = time.monotonic() + 180
-    while last_step(out) < step:
-        for proc in procs:
-            assert proc.poll() is None, f"a node ended before step {step}:\n{proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, f"no step {step} in 180 s"
-        time.sleep(0.02)
+    wait_until(procs, lambda: last_step(out) >= step, f"step {step}")
 
 
 def finish(procs: list[subprocess.Popen], timeout: float, succeed: bool = False) -> list[str]:

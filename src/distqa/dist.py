@@ -81,6 +81,14 @@ def init_distributed() -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
 
+    error_file = os.environ.get("DISTQA_ERROR_FILE")
+    if error_file and _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and local_rank == 0:
+        # A restarted round (static or elastic, whatever its size): the launcher repeats the file's
+        # first line when the run fails, so make it this round's failure, not the lost peer that
+        # ended the last one. (Every worker of the last round is gone by now.)
+        with contextlib.suppress(OSError):
+            os.truncate(error_file, 0)
+
     if world_size > 1 and not dist.is_initialized():
         kwargs: dict = {"device_id": device} if backend == "nccl" else {}
         store = _restart_scoped_store()
@@ -102,13 +110,6 @@ def _restart_scoped_store() -> dist.Store | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     from distqa import rounds
-
-    error_file = os.environ.get("DISTQA_ERROR_FILE")
-    if error_file and _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and _env_int("LOCAL_RANK", 0) == 0:
-        # The launcher repeats the file's first line when the run fails: make it this round's failure,
-        # not the lost peer that ended the last one. (Every worker of the last round is gone by now.)
-        with contextlib.suppress(OSError):
-            os.truncate(error_file, 0)
 
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"],
