@@ -8,7 +8,7 @@ RESULTS ?= results/quickstart
 # Extra KEY=VALUE settings for `make train`, e.g. make train ARGS="train.max_steps=50"
 ARGS    ?=
 
-.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download test-nodes lint clean
+.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download test-nodes perf-fsdp lint clean
 
 help:
 	@echo "make train      create .venv, install, train the tiny model on the DummyDataset into $(RESULTS)"
@@ -18,6 +18,7 @@ help:
 	@echo "make test-docker  build the image with the local Docker engine and run containers (minutes)"
 	@echo "make test-download  the tests that pip-install neuro-flow on first use (about 40 s, needs pip's index)"
 	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 2 minutes)"
+	@echo "make perf-fsdp  train.parallel=fsdp against ddp at two processes, sharded resumes, bench memory (minutes)"
 	@echo "make lint       ruff"
 	@echo "make clean      remove .venv and everything under results/"
 
@@ -70,6 +71,10 @@ test-download: install-dev
 # of it rendezvous timeouts. Not part of `make test`.
 test-nodes: install-dev
 	$(BIN)/python -m pytest -m nodes
+
+# FSDP's proofs at two processes (tests/test_fsdp.py): torchrun launches beyond make test's 5 minutes.
+perf-fsdp: install-dev
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m fsdp
 
 lint: install-dev
 	$(BIN)/ruff check src tests scripts

@@ -78,7 +78,7 @@ def test_any_bytes_in_any_checkpoint_file_are_reported_never_raised(four_steps, 
     "manifest, expected",
     [
         (b"[]", "not a JSON object"),
-        (b"{}", "does not list model.safetensors"),
+        (b"{}", "does not list training_state.pt"),
         (b"null", "not a JSON object"),
         (b"\xff\xfe garbage", "not valid JSON"),
         (b"[" * 100_000, "not valid JSON"),  # nested past Python's recursion limit
@@ -157,6 +157,8 @@ ALTERNATIVES = {
     "train.batch_size": "1",
     "train.grad_accum": "2",
     "train.global_batch": "2",  # the run's own global batch (1 process x train.batch_size=2), now derived
+    "train.parallel": "fsdp",
+    "train.activation_checkpointing": "true",
     "train.optimizer": "sgd",
     "train.lr": "2e-3",
     "train.momentum": "0.9",
@@ -191,6 +193,7 @@ PROMISED_REFUSED = {
     "model.name",
     "model.tokenizer",
     "train.optimizer",
+    "train.parallel",
     "task.max_seq_len",
     "task.doc_stride",
     "task.max_query_len",
@@ -218,7 +221,11 @@ def alternative(key: str, tmp_path: Path, minilm_dir: Path) -> list[str]:
     }.get(ALTERNATIVES[key], ALTERNATIVES[key])
     # The same global batch split differently is an applied change (another global batch is
     # refused: test_another_global_batch_is_refused_in_one_line).
-    keep = {"train.batch_size": ["train.grad_accum=2"], "train.grad_accum": ["train.batch_size=1"]}
+    keep = {
+        "train.batch_size": ["train.grad_accum=2"],
+        "train.grad_accum": ["train.batch_size=1"],
+        "train.parallel": ["train.check_replicas=false"],  # whole replicas only: refused with fsdp
+    }
     return [f"{key}={value}", *keep.get(key, [])]
 
 

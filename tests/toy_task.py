@@ -165,6 +165,26 @@ class EvalProbeTask(ToyClassificationTask):
         }
 
 
+class StackedClassifier(nn.Module):
+    """ToyClassifier's shape with its hidden layers as a stack of blocks (an `nn.ModuleList`), the
+    units that train.parallel=fsdp shards one by one and gathers at each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(n, 32), nn.ReLU()) for n in (FEATURES, 32))
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            features = block(features)
+        return self.head(features)
+
+
+class StackedEvalProbeTask(EvalProbeTask):
+    def build_model(self) -> nn.Module:
+        return StackedClassifier()
+
+
 class TrainerProbeTask(EvalProbeTask):
     """EvalProbeTask with an unused head (so it needs train.find_unused_parameters) that also counts
     DDP's gradient all-reduces: its own comm hook, registered before the first backward, counts the

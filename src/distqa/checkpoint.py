@@ -1,14 +1,17 @@
 """Checkpoints that hold everything needed to continue exactly where a run stopped.
 
 Layout of `output_dir/checkpoints/step-N/`:
-  model.safetensors     the unwrapped model's weights
-  training_state.pt     optimizer, LR scheduler and gradient-scaler state (tensors and numbers only)
+  model.safetensors     the unwrapped model's weights (train.parallel=ddp)
+  training_state.pt     optimizer (ddp), LR scheduler and gradient-scaler state (tensors and numbers only)
+  .metadata, __R_0.distcp   train.parallel=fsdp: model and optimizer as every rank's shards, written
+                        with torch.distributed.checkpoint (`distqa.sharded`); loads on any process count
   rng-rank{R}.pt        every RNG of rank R: Python, NumPy, torch CPU and CUDA
   trainer_state.json    step, epoch, position in the epoch, global batch, and the resolved config
 
   manifest.json         size and SHA-256 of every file above, checked before a checkpoint is used
 
-Every rank takes part (the RNG states are gathered to rank 0); rank 0 alone writes. A checkpoint is
+Every rank takes part (the RNG states are gathered to rank 0); rank 0 alone writes, but for the
+shards of a sharded model, which each rank writes and hashes itself. A checkpoint is
 written to a hidden `.tmp-step-N` folder, fsynced and renamed when complete, so a `step-N` folder is
 always whole: a run killed mid-save leaves only a `.tmp-` folder, which resume ignores, and a file
 damaged later is caught by the manifest. Files are read back with `weights_only=True` and
@@ -32,7 +35,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from distqa.dist import DistInfo, broadcast_object, gather_to_main
+from distqa import sharded as sharded_ckpt
+from distqa.dist import DistInfo, all_gather_objects, broadcast_object, gather_to_main
 from distqa.durable import fsync_path
 from distqa.errors import DistqaError
 
@@ -69,14 +73,18 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write(tmp: Path, model: nn.Module, training_state: dict, rng_states: list, trainer_state: dict) -> None:
-    save_model(model, str(tmp / "model.safetensors"))
+def _write(
+    tmp: Path, model: nn.Module | None, training_state: dict, rng_states: list, trainer_state: dict, hashed: dict
+) -> None:
+    """Rank 0's files, then the manifest of every file (`hashed`: the shards, hashed by their writers)."""
+    if model is not None:
+        save_model(model, str(tmp / "model.safetensors"))
     torch.save(training_state, tmp / "training_state.pt")
     for rank, rng in enumerate(rng_states):
         torch.save(rng, tmp / f"rng-rank{rank}.pt")
     (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
     files = sorted(p for p in tmp.iterdir() if p.is_file())
-    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {p.name: hashed.get(p.name) or {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     for path in [*files, tmp / MANIFEST_FILE, tmp]:
         fsync_path(path)
@@ -92,6 +100,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     info: DistInfo,
     keep: int = 0,
+    sharded: bool = False,
 ) -> Path:
     """Write `root/step-N` (N = trainer_state["step"]) and keep the newest `keep` (0: all).
 
@@ -101,20 +110,38 @@ def save_checkpoint(
     as they were, and every rank raises the same one-line error instead of waiting forever.
     """
     step = int(trainer_state["step"])
-    final = root / f"step-{step}"
+    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     rng_states = gather_to_main(capture_rng_state(info.device), info)
     problem: str | None = None
+    token = None
     if info.is_main:
-        tmp = root / f".tmp-step-{step}"
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            token = sharded_ckpt.make_token(tmp) if sharded else None
+        except OSError as err:
+            problem = _cannot_write(final, root, err)
+    problem, token = broadcast_object((problem, token))  # type: ignore[misc]
+    hashed: dict[str, Any] = {}
+    if sharded and not problem:
+        problem = sharded_ckpt.check_shared_folder(tmp, str(token), info)
+        if not problem:
+            try:
+                hashed = sharded_ckpt.write_shards(tmp, model, optimizer, info)
+            except (OSError, RuntimeError) as err:
+                problem = _cannot_write(final, root, err)
+            # Every rank learns whether every rank's shards are written, and all their hashes.
+            parts = all_gather_objects((problem, hashed), info)
+            problem = next((p for p, _ in parts if p), None)
+            hashed = {name: e for _, part in parts for name, e in part.items()}
+    if info.is_main and not problem:
+        try:
             training_state = {
-                "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(),
+                **({} if sharded else {"optimizer": optimizer.state_dict()}),
             }
-            _write(tmp, model, training_state, rng_states, trainer_state)
+            _write(tmp, None if sharded else model, training_state, rng_states, trainer_state, hashed)
             if final.exists():  # saving the same step again (e.g. a finished run restarted)
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -125,14 +152,9 @@ def save_checkpoint(
         except (OSError, RuntimeError, SafetensorError) as err:
             # A full disk surfaces as OSError, as torch.save's RuntimeError or as safetensors' own
             # error, depending on which file was being written.
-            shutil.rmtree(tmp, ignore_errors=True)
-            previous = [p.name for p in list_checkpoints(root)]
-            reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
-            problem = (
-                f"cannot write checkpoint {final} ({reason}); "
-                + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")
-                + ": free space in output_dir (or lower train.keep_checkpoints) and run again to resume"
-            )
+            problem = _cannot_write(final, root, err)
+    if problem and info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
     # Replaces a barrier: nobody reads or prunes before rank 0 is done, and all learn how it went.
     problem = broadcast_object(problem)
     if problem:
@@ -140,8 +162,20 @@ def save_checkpoint(
     return final
 
 
-# Files every checkpoint has; a manifest that does not list them is not one distqa wrote.
-REQUIRED_FILES = ("model.safetensors", "training_state.pt", STATE_FILE, "rng-rank0.pt")
+def _cannot_write(final: Path, root: Path, err: BaseException) -> str:
+    previous = [p.name for p in list_checkpoints(root)]
+    reason = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return (
+        f"cannot write checkpoint {final} ({reason[:300]}); "
+        + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")
+        + ": free space in output_dir (or lower train.keep_checkpoints) and run again to resume"
+    )
+
+
+# Files every checkpoint has; a manifest that does not list them is not one distqa wrote. The
+# model is in model.safetensors (ddp) or in DCP's shards, indexed by .metadata (fsdp).
+REQUIRED_FILES = ("training_state.pt", STATE_FILE, "rng-rank0.pt")
+MODEL_FILES = ("model.safetensors", sharded_ckpt.METADATA_FILE)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -178,6 +212,8 @@ def _verify(directory: Path) -> str | None:
     for name in REQUIRED_FILES:
         if name not in manifest:
             return f"{MANIFEST_FILE} does not list {name}"
+    if not any(name in manifest for name in MODEL_FILES):
+        return f"{MANIFEST_FILE} lists no model ({' or '.join(MODEL_FILES)})"
     for name, expected in manifest.items():
         if not name or name != Path(name).name or name in (".", ".."):
             return f"{MANIFEST_FILE} names a file outside the checkpoint: {_shown(name)}"
@@ -244,21 +280,40 @@ def load_checkpoint(
     scheduler: Any,
     scaler: torch.amp.GradScaler,
     info: DistInfo,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """Restore everything `save_checkpoint` wrote, on this rank. Returns the trainer state.
 
     The settings were checked against the checkpoint first (`distqa.resume`), so a failure here
     means files that passed their manifest but do not fit this model: one line, not a traceback.
     """
+    holds_shards = (directory / sharded_ckpt.METADATA_FILE).is_file()
+    if holds_shards != sharded:
+        kinds = ("sharded (train.parallel=fsdp)", "whole (train.parallel=ddp)")
+        raise DistqaError(
+            f"checkpoint {directory} holds the model {kinds[not holds_shards]}, and this run has "
+            f"train.parallel={'fsdp' if sharded else 'ddp'}: resume with the checkpoint's train.parallel"
+        )
     try:
-        load_model(model, str(directory / "model.safetensors"), device=str(info.device))
+        if sharded:
+            sharded_ckpt.read_shards(directory, model, optimizer)
+        else:
+            load_model(model, str(directory / "model.safetensors"), device=str(info.device))
         training_state = torch.load(directory / "training_state.pt", map_location=info.device, weights_only=True)
-        optimizer.load_state_dict(training_state["optimizer"])
+        if not sharded:
+            optimizer.load_state_dict(training_state["optimizer"])
         scheduler.load_state_dict(training_state["scheduler"])
         # A scaler that was off (fp32, bf16) saved an empty state: with fp16 now, start a fresh one.
         if training_state["scaler"] and scaler.is_enabled():
             scaler.load_state_dict(training_state["scaler"])
-    except (RuntimeError, ValueError, KeyError, TypeError, SafetensorError, pickle.UnpicklingError) as err:
+    except (
+        RuntimeError,
+        ValueError,
+        KeyError,
+        TypeError,
+        SafetensorError,
+        pickle.UnpicklingError,
+    ) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DistqaError(f"cannot load checkpoint {directory}: {reason[:300]}") from err
     state = read_trainer_state(directory)

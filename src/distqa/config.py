@@ -97,6 +97,14 @@ class TrainConfig:
         "train.batch_size and the process count, so that the data order and the schedule stay the same "
         "when an elastic run loses or gains nodes",
     )
+    parallel: str = _f(
+        "ddp",
+        "ddp (a whole model per process) | fsdp (FSDP2: weights, gradients and optimizer state sharded "
+        "over the processes, for models one GPU cannot hold)",
+    )
+    activation_checkpointing: bool = _f(
+        False, "recompute each transformer block's activations in the backward pass instead of keeping them"
+    )
     optimizer: str = _f("adamw", "adamw | sgd")
     lr: float = _f(3e-5, "peak learning rate")
     momentum: float = _f(0.0, "SGD momentum (train.optimizer=sgd only)")
@@ -132,7 +140,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "grad_accum", "checkpoint_every", "log_every"):
             check_min(f"train.{key}", getattr(self, key), 1)
+        _check_choice("train.parallel", self.parallel, ("ddp", "fsdp"))
         _check_choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
+        if self.parallel == "fsdp" and self.check_replicas:
+            raise ConfigError(
+                "train.check_replicas=true compares the ranks' whole copies of the model, which "
+                "train.parallel=fsdp does not keep (each rank holds a different shard): turn one off"
+            )
         _check_choice("train.lr_schedule", self.lr_schedule, ("linear", "constant", "cosine"))
         _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_min("train.lr", self.lr, 0.0, strict=True)

@@ -6,14 +6,16 @@ and prints one line with the metrics and the time taken (`run_evaluation`).
 
 `Task.evaluate` is the escape hatch; its default is the common path (`evaluate_dataset`), which
 does what every task would otherwise write again: each rank takes a contiguous share of the
-validation set (no sampler padding, so nothing is counted twice, and no collective inside the
-forward pass, so shares may differ in length), batches it with the task's `collate`, calls the
+validation set (no sampler padding, so nothing is counted twice; shares may differ in length,
+and with a sharded model the shorter ones run extra forward passes whose outputs are dropped,
+because its forward is collective), batches it with the task's `collate`, calls the
 task's `eval_step` per batch, and rank 0 gets every output in dataset order for `compute_metrics`.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from typing import Any
 
@@ -22,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from distqa.dist import DistInfo, gather_to_main, print0
+from distqa.parallel import is_sharded
 
 
 def to_device(batch: Any, device: torch.device) -> dict[str, Any]:
@@ -33,10 +36,18 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
     """The common path of `Task.evaluate`: sharded eval_step, gathered, compute_metrics on rank 0."""
     n = len(dataset)  # type: ignore[arg-type]
     share = Subset(dataset, range(n * info.rank // info.world_size, n * (info.rank + 1) // info.world_size))
-    loader = DataLoader(share, batch_size=task.cfg.train.batch_size, collate_fn=task.collate)
+    size = task.cfg.train.batch_size
+    loader = DataLoader(share, batch_size=size, collate_fn=task.collate)
     outputs: list[Any] = []
     for batch in loader:
         outputs.extend(task.eval_step(model, to_device(batch, info.device)))
+    if is_sharded(model) and n:
+        # A sharded model's forward is collective (each block all-gathers its weights), so every
+        # rank runs as many as the largest share needs: the smaller shares repeat the data's
+        # first batch and drop what it yields.
+        spare = task.collate([dataset[i] for i in range(min(size, n))])
+        for _ in range(math.ceil(math.ceil(n / info.world_size) / size) - len(loader)):
+            task.eval_step(model, to_device(spare, info.device))
     gathered = [item for part in gather_to_main(outputs, info) for item in part]
     return task.compute_metrics(gathered, step) if info.is_main else {}
 

@@ -34,6 +34,7 @@ RESUME_SILENT = {
     "train.max_steps",  # the schedule is rebuilt for the new length
     "train.epochs",
     "train.compile",
+    "train.activation_checkpointing",  # the same arithmetic, recomputed
     "train.static_graph",
     "train.find_unused_parameters",
     "train.deterministic",
@@ -170,6 +171,13 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_st
     # Keys the checkpoint's version did not have yet (or that were removed since) are not compared.
     changed = sorted(k for k in now if k in saved and saved[k] != now[k])
     refused = [k for k in changed if resume_kind(cfg, k) == "refused"]
+    if "train.parallel" in refused:
+        raise ConfigError(
+            f"cannot resume {directory} with changed train.parallel ({saved['train.parallel']!r} -> "
+            f"{now['train.parallel']!r}): its model and optimizer are stored "
+            + ("as shards" if saved["train.parallel"] == "fsdp" else "whole")
+            + f"; resume with train.parallel={saved['train.parallel']}, or start afresh with train.resume=never"
+        )
     if refused:
         detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in refused)
         raise ConfigError(

@@ -1,13 +1,13 @@
-"""The generic DDP training loop. It knows nothing of Natural Questions: see `distqa.task.Task`.
+"""The generic training loop, for DDP or FSDP2 (`distqa.parallel`). It knows nothing of Natural
+Questions: see `distqa.task.Task`.
 
-One optimizer step = `grad_accum` micro-batches per rank. Gradients are all-reduced once per step,
-on the last micro-batch (`no_sync` on the others), then clipped and applied. Every rank runs the
-same code; rank 0 alone prints, writes metrics, checkpoints and the final model.
+One optimizer step = `grad_accum` micro-batches per rank. Gradients are reduced once per step, on
+the last micro-batch (no sync on the others), then clipped and applied. Every rank runs the same
+code; rank 0 alone prints, writes metrics and the final model, and all but sharded checkpoints.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -43,6 +43,7 @@ from distqa.guards import StopSignal, check_replicas, loader_worker_init, watch_
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import apply_settings, build_optimizer, build_scheduler
 from distqa.outdir import claim, export_atomically, write_text
+from distqa.parallel import checkpoint_blocks, clip_gradients, full_weights, grad_scaler, gradient_sync, shard
 from distqa.resume import check_resumable, choose_checkpoint
 from distqa.rounds import as_peer_loss
 from distqa.sampler import GlobalBatchSampler, steps_per_epoch
@@ -81,7 +82,9 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * info.world_size
-        self.autocast_dtype = autocast_dtype(cfg.train.precision)
+        self.sharded = cfg.train.parallel == "fsdp"
+        # FSDP casts the gathered weights itself (its mixed-precision policy): no autocast on top.
+        self.autocast_dtype = None if self.sharded else autocast_dtype(cfg.train.precision)
         self.step = 0  # the last finished step, for the message when a peer is lost
 
     # ----------------------------------------------------------------------------- set-up
@@ -114,8 +117,16 @@ class Trainer:
         return default_num_workers() if workers is None else workers
 
     def _wrap(self) -> nn.Module:
-        """DDP (several processes), then torch.compile (train.compile)."""
-        self.ddp = data_parallel(self.raw_model, self.info, self.cfg.train) if self.info.is_distributed else None
+        """FSDP2 in place (train.parallel=fsdp, with activation checkpointing inside) or activation
+        checkpointing then DDP (several processes); then torch.compile (train.compile)."""
+        train = self.cfg.train
+        if self.sharded:
+            shard(self.raw_model, self.info, train)
+        elif train.activation_checkpointing:
+            checkpoint_blocks(self.raw_model)
+        self.ddp = (
+            data_parallel(self.raw_model, self.info, train) if self.info.is_distributed and not self.sharded else None
+        )
         model: nn.Module = self.raw_model
         if self.ddp is not None:
             model = self.ddp
@@ -158,8 +169,7 @@ class Trainer:
             # locally, which saves (accum - 1) rounds of communication per step.
             last = micro == accum - 1
             # (self.ddp, not self.model: a compiled model is no DDP instance, but obeys no_sync.)
-            sync = contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
-            with sync:
+            with gradient_sync(self.raw_model, self.ddp, enabled=last):
                 with torch.autocast(
                     self.info.device.type,
                     dtype=self.autocast_dtype or torch.float32,
@@ -174,7 +184,7 @@ class Trainer:
         timer.mark("optimizer")
         if self.cfg.train.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
-            nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.train.max_grad_norm)
+            clip_gradients(self.raw_model.parameters(), self.cfg.train.max_grad_norm)
         self.scaler.step(self.optimizer)
         if self.scaler.is_enabled():
             # fp16: the scaler skips the optimizer step when gradients overflowed (and then lowers
@@ -208,6 +218,7 @@ class Trainer:
             scaler=self.scaler,
             trainer_state=state,
             info=self.info,
+            sharded=self.sharded,
         )
 
     def _preempt(self, step: int, total_steps: int, epoch_steps: int, saved: bool, stop: StopSignal) -> None:
@@ -256,10 +267,10 @@ class Trainer:
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
         epoch_steps = steps_per_epoch(len(dataset), cfg.train.batch_size, cfg.train.grad_accum, info.world_size)  # type: ignore[arg-type]
         total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * epoch_steps
+        self.model = self._wrap()  # first: FSDP replaces the parameters the optimizer must hold
         self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, total_steps)
-        self.scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")
-        self.model = self._wrap()
+        self.scaler = grad_scaler(cfg.train, info.device)
 
         step = 0
         if resume_from is not None:
@@ -273,6 +284,7 @@ class Trainer:
                 scheduler=self.scheduler,
                 scaler=self.scaler,
                 info=info,
+                sharded=self.sharded,
             )
             apply_settings(self.optimizer, self.scheduler, cfg.train)
             self.task.load_state_dict(state.get("task") or {})
@@ -351,8 +363,9 @@ class Trainer:
             if info.is_main and metrics.path.is_file():
                 title = run_title(cfg, self.global_batch)
                 plotted = plot_metrics(metrics.path, self.out / "metrics.png", title=title)
+            model = self._whole_model()
             export_atomically(
-                lambda folder: self.task.save_model(self.raw_model, folder),
+                lambda folder: self.task.save_model(model, folder),
                 self.out / "model",
                 info,
                 note="the final checkpoint holds the same weights: free space and run the same command "
@@ -361,6 +374,18 @@ class Trainer:
             print0(outputs_summary(self.out, plotted=plotted))
         barrier()
         return self.out / "model"
+
+    def _whole_model(self) -> nn.Module:
+        """The model to export: itself, or (sharded) a fresh one from the task holding the
+        all-gathered weights, on rank 0 (every rank takes part in the gathering)."""
+        if not self.sharded:
+            return self.raw_model
+        weights = full_weights(self.raw_model)
+        if not self.info.is_main:
+            return self.raw_model  # not exported by this rank
+        model = self.task.build_model()
+        model.load_state_dict(weights, assign=True)
+        return model
 
 
 def train(cfg: Config) -> Path:

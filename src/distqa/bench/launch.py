@@ -150,6 +150,11 @@ def run_bench(args: Any) -> dict[str, Any]:
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise ConfigError(f"--peak-tflops={args.peak_tflops} must be > 0")
     cfg = load_config(args.config, args.overrides)  # a bad key fails here, before any launch
+    if args.baseline and cfg.train.parallel != "ddp":
+        raise ConfigError(
+            f"--baseline is a hand-written DDP loop: it has no train.parallel={cfg.train.parallel} "
+            "counterpart; leave --baseline out"
+        )
     _check_devices(nprocs)
     out = Path(args.output)
     try:
@@ -180,6 +185,8 @@ def run_bench(args: Any) -> dict[str, Any]:
         "task": cfg.task.name,
         "model": cfg.model.name,
         "precision": first["precision"],
+        "parallel": first.get("parallel", "ddp"),
+        "activation_checkpointing": first.get("activation_checkpointing", False),
         "compile": first["compile"],
         "seq_len": first["seq_len"],
         "batch_size": first["batch_size"],
@@ -201,12 +208,15 @@ def run_bench(args: Any) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     """The rows on stdout, then each implausible figure's warning on stderr."""
-    print(f"{result['device']}, {result['model']}, {result['precision']}, seq {result['seq_len']}")
+    print(
+        f"{result['device']}, {result['model']}, {result.get('parallel', 'ddp')}, {result['precision']}, "
+        f"seq {result['seq_len']}"
+    )
     if result["flops_note"]:
         print(f"no FLOPs or MFU: {result['flops_note']}")
     print(
         f"{'nproc':>5} {'samples/s':>10} {'min..max':>15} {'spread':>7} {'tokens/s':>10} {'scaling':>8} "
-        f"{'data%':>6} {'MFU':>6} {'vs loop':>8}"
+        f"{'data%':>6} {'MFU':>6} {'vs loop':>8} {'state MiB/rank':>15}"
     )
     for r in result["runs"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
@@ -214,9 +224,11 @@ def print_table(result: dict[str, Any]) -> None:
         s = r["samples_per_s_spread"]
         span = f"{s['min']:.1f}..{s['max']:.1f}"
         relative = f"{100 * s['relative']:.1f}%" if s["relative"] is not None else "-"  # one repeat: unknown
+        state = f"{r['state_mib_per_rank']:.1f}" if r.get("state_mib_per_rank") is not None else "-"
         print(
             f"{r['nproc']:>5} {r['samples_per_s']:>10.1f} {span:>15} {relative:>7} {r['tokens_per_s']:>10.0f} "
-            f"{100 * r['scaling_efficiency']:>7.1f}% {r['step_breakdown_pct']['data']:>5.1f}% {mfu:>6} {ratio:>8}"
+            f"{100 * r['scaling_efficiency']:>7.1f}% {r['step_breakdown_pct']['data']:>5.1f}% {mfu:>6} {ratio:>8} "
+            f"{state:>15}"
         )
     repeats = len(result["runs"][0]["repeats"])
     print(f"samples/s: median of {repeats} run(s) per process count; spread = (max - min) / median")

@@ -59,6 +59,7 @@ def summarize(
         "peak_tflops_per_process": peak,
         "mfu": achieved / peak if peak and achieved is not None else None,
         "peak_memory_gib": first.get("peak_memory_gib"),
+        **state_mib(first.get("state_bytes")),
         "threads_per_process": first["threads_per_process"],
         "repeats": rates,
         "samples_per_s_spread": spread(rates),
@@ -74,6 +75,14 @@ def summarize(
             k: statistics.fmean(r["phase_ms"][k] for r in baseline_runs) for k in PHASES
         }
     return row
+
+
+def state_mib(state: dict[str, int] | None) -> dict[str, Any]:
+    """`state_mib_per_rank` (parameters + gradients + optimizer state one rank holds) and its parts."""
+    if not state:
+        return {"state_mib_per_rank": None, "state_mib_breakdown": None}
+    parts = {k: v / 2**20 for k, v in state.items()}
+    return {"state_mib_per_rank": sum(parts.values()), "state_mib_breakdown": parts}
 
 
 def add_scaling(rows: list[dict[str, Any]]) -> None:
@@ -136,7 +145,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
 
     rows = result["runs"]
     nprocs = [r["nproc"] for r in rows]
-    fig, (ax_tp, ax_eff, ax_bd) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, (ax_tp, ax_eff, ax_bd, ax_mem) = plt.subplots(1, 4, figsize=(20, 4.5))
     ref = rows[0]
     ideal = [ref["samples_per_s_per_process"] * n for n in nprocs]
     # Medians, the bars spanning the repeats' min to max.
@@ -161,10 +170,26 @@ def plot(result: dict[str, Any], png: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, values)]
     ax_bd.set(xlabel="processes", ylabel="ms per step (mean over processes)", title="step time")
     ax_bd.legend(fontsize="small")
-    for ax in (ax_tp, ax_eff, ax_bd):
+    _plot_memory(ax_mem, rows, labels)
+    for ax in (ax_tp, ax_eff, ax_bd, ax_mem):
         ax.grid(alpha=0.3)
-    title = f"{result['device']}, {result['model']}, {result['precision']}, seq {result['seq_len']}"
+    title = f"{result['device']}, {result['model']}, {result.get('parallel', 'ddp')}, {result['precision']}"
+    title += f", seq {result['seq_len']}"
     fig.suptitle(f"{title}, batch {result['batch_size']} per process")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+def _plot_memory(ax: Any, rows: list[dict[str, Any]], labels: list[str]) -> None:
+    """Per rank: the training state as stacked parts and, on CUDA, the peak allocated memory."""
+    bottom = [0.0] * len(rows)
+    for part in ("parameters", "gradients", "optimizer"):
+        values = [(r.get("state_mib_breakdown") or {}).get(part, 0.0) for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    peaks = [r.get("peak_memory_gib") for r in rows]
+    if any(peaks):
+        ax.plot(labels, [1024 * (p or 0.0) for p in peaks], "k^", label="peak allocated (CUDA)")
+    ax.set(xlabel="processes", ylabel="MiB per rank", title="memory per rank (state between steps)")
+    ax.legend(fontsize="small")

@@ -29,6 +29,7 @@ from distqa.dist import DistInfo, barrier, cleanup, gather_to_main, init_distrib
 from distqa.errors import DistqaError
 from distqa.flops import device_name
 from distqa.guards import watch_parent
+from distqa.parallel import state_bytes
 from distqa.steptimer import PHASES, StepTimer
 from distqa.task import Task, load_task
 from distqa.trainer import Trainer
@@ -58,8 +59,14 @@ def _measure(cfg: Config, task: Task, info: DistInfo, loop: str, warmup: int) ->
         timer = StepTimer(info.device, warmup=warmup)
         trainer = Trainer(cfg, task, info, timer=timer, save_outputs=False)
         trainer.fit()
-        return timer.summary(), trainer.raw_model
+        summary = timer.summary()
+        summary["state_bytes"] = state_bytes(trainer.raw_model, trainer.optimizer)
+        return summary, trainer.raw_model
     return run_baseline(cfg, task, info, warmup=warmup)
+
+
+def _total(state: dict[str, int]) -> int:
+    return sum(state.values())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                 "host": platform.node(),
                 "threads_per_process": torch.get_num_threads(),
                 "precision": cfg.train.precision,
+                "parallel": cfg.train.parallel,
+                "activation_checkpointing": cfg.train.activation_checkpointing,
                 "compile": cfg.train.compile,
                 "seq_len": getattr(cfg.task, "max_seq_len", None),  # a text task's; None for others
                 "batch_size": cfg.train.batch_size,
@@ -116,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                 "tokens": sum(p["tokens"] for p in parts),
                 "phase_ms": {k: sum(p["phase_ms"][k] for p in parts) / len(parts) for k in PHASES},
                 "peak_memory_gib": max((p.get("peak_memory_gib", 0.0) for p in parts), default=0.0) or None,
+                # The largest rank's (with FSDP, shards of uneven tensors differ by a few bytes).
+                "state_bytes": max((p["state_bytes"] for p in parts if "state_bytes" in p), key=_total, default=None),
                 **shape,
             }
             path = Path(args.result)

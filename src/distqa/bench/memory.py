@@ -1,0 +1,111 @@
+"""What training an encoder needs per GPU, from its shape: the formulas behind the memory table of
+docs/benchmarks.md, for models and GPUs this machine does not have.
+
+    python -m distqa.bench.memory [--gpus 8] [--seq 512] [--batch 8]
+
+Per GPU = training state + activations + what FSDP gathers for the block it is computing.
+- State (AdamW, fp32 weights whether or not compute is bf16): weights 4 + gradients 4 + two moments
+  8 = 16 bytes per parameter. DDP holds all of it on every GPU; FSDP 1/N of it. `distqa bench`
+  measures the same figure (`state_mib_per_rank`), which this formula matches on the CPU.
+- Activations kept for the backward pass of one block, bf16 (Korthikanti et al., 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", eq. 2, without the attention matrix,
+  which SDPA's fused kernels do not keep): 34 * s * b * h bytes. With activation checkpointing,
+  only each block's input (2 * s * b * h) stays, plus one block's activations while it is
+  recomputed.
+- FSDP's gathered copies: the block being computed and the one prefetched, bf16 weights and fp32
+  gradients before their reduce-scatter, and the root unit (embeddings and heads), which stays
+  gathered from its forward to the end of its backward.
+Left out: the CUDA context and allocator slack (about 1-2 GiB per GPU), the loss's logits, and
+temporary buffers of individual kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+GIB = 2**30
+STATE_BYTES_PER_PARAMETER = 16  # fp32 weights 4 + gradients 4 + AdamW's two moments 8
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """A model's shape. Sources: each model's config.json and paper (parameters as published)."""
+
+    name: str
+    parameters: float
+    layers: int
+    hidden: int
+    vocab: int
+
+    @property
+    def block_parameters(self) -> float:
+        return 12 * self.hidden**2  # attention 4h^2 + MLP 8h^2 (4x expansion), biases and norms left out
+
+    @property
+    def root_parameters(self) -> float:
+        return max(0.0, self.parameters - self.layers * self.block_parameters)  # embeddings, heads
+
+
+ENCODERS = (
+    Encoder("BERT-base", 110e6, 12, 768, 30522),
+    Encoder("BERT-large", 335e6, 24, 1024, 30522),
+    Encoder("RoBERTa-large", 355e6, 24, 1024, 50265),
+    Encoder("ModernBERT-large", 395e6, 28, 1024, 50368),
+    Encoder("DeBERTa-v3-large", 435e6, 24, 1024, 128100),
+    Encoder("XLM-R-large", 560e6, 24, 1024, 250002),
+)
+
+
+def state_bytes_per_rank(parameters: float, world: int, sharded: bool) -> float:
+    """Weights, gradients and AdamW state one rank holds between steps."""
+    return STATE_BYTES_PER_PARAMETER * parameters / (world if sharded else 1)
+
+
+def activation_bytes(model: Encoder, seq: int, batch: int, checkpointed: bool) -> float:
+    per_block = 34 * seq * batch * model.hidden
+    if checkpointed:
+        return model.layers * 2 * seq * batch * model.hidden + per_block
+    return model.layers * per_block
+
+
+def gathered_bytes(model: Encoder) -> float:
+    """FSDP: two blocks' bf16 weights and fp32 gradients, and the root unit's, gathered at once."""
+    return (2 * model.block_parameters + model.root_parameters) * (2 + 4)
+
+
+def per_gpu_bytes(model: Encoder, *, gpus: int, seq: int, batch: int, sharded: bool, checkpointed: bool) -> float:
+    total = state_bytes_per_rank(model.parameters, gpus, sharded) + activation_bytes(model, seq, batch, checkpointed)
+    return total + (gathered_bytes(model) if sharded else 0.0)
+
+
+def table(gpus: int, seq: int, batch: int) -> str:
+    """docs/benchmarks.md's markdown table: GiB per GPU in the four set-ups."""
+    setups = (("DDP", False, False), ("DDP + AC", False, True), ("FSDP", True, False), ("FSDP + AC", True, True))
+    lines = [
+        f"| model (parameters) | {' | '.join(name for name, _, _ in setups)} |",
+        "|---|" + "---:|" * len(setups),
+    ]
+    for model in ENCODERS:
+        cells = [
+            per_gpu_bytes(model, gpus=gpus, seq=seq, batch=batch, sharded=sharded, checkpointed=ac) / GIB
+            for _, sharded, ac in setups
+        ]
+        lines.append(
+            f"| {model.name} ({model.parameters / 1e6:.0f} M) | " + " | ".join(f"{c:.1f}" for c in cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per GPU per micro-batch")
+    args = parser.parse_args(argv)
+    print(f"GiB per GPU, {args.gpus} GPUs, seq {args.seq}, batch {args.batch} per GPU, bf16 compute, AdamW")
+    print(table(args.gpus, args.seq, args.batch))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""How the model is spread over the processes: `train.parallel=ddp` or `fsdp`.
+
+- ddp: every rank holds the whole model, its gradients and the optimizer state; gradients are
+  all-reduced once per step (`distqa.dist.data_parallel`).
+- fsdp: FSDP2 (`fully_shard`). Each transformer block, then the root, is one unit whose
+  parameters, gradients and optimizer state are split over the ranks: a rank holds 1/N of them
+  and all-gathers a block's weights just before its forward and backward, then frees them. The
+  state per rank shrinks N-fold, for one all-gather more per block and step.
+
+Both modes run the same trainer; this module holds what differs (wrapping, gradient sync,
+clipping, the full weights for export, the memory figures). `train.activation_checkpointing`
+wraps the same blocks in either mode: their activations are recomputed in the backward pass
+instead of kept, which trades a forward pass per step for most of the activation memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+
+from distqa.config import TrainConfig
+from distqa.dist import AUTOCAST_DTYPES, DistInfo
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model: the members of its outermost `nn.ModuleList`s that hold
+    parameters (BERT's `encoder.layer`, any Hugging Face encoder's layers, a fork's own stack). A
+    model without one has no blocks: FSDP then shards it as one unit."""
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        if any(name == outer or name.startswith(f"{outer}.") for outer, _ in blocks):
+            continue  # a list inside a block (its sub-layers) is part of that block
+        for index, child in enumerate(module):
+            if any(True for _ in child.parameters()):
+                blocks.append((f"{name}.{index}" if name else str(index), child))
+    return [block for _, block in blocks]
+
+
+def ensure_process_group(info: DistInfo) -> None:
+    """FSDP needs a process group even for one process (a resumed run on fewer processes may be
+    down to one): create a world of one, in memory, when the launcher made none."""
+    if dist.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"device_id": info.device} if info.device.type == "cuda" else {}
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def shard(model: nn.Module, info: DistInfo, train: TrainConfig) -> nn.Module:
+    """Apply activation checkpointing (when asked) and FSDP2, in place: blocks first, then the root.
+
+    Mixed precision is FSDP's own: parameters stay fp32 and sharded (the optimizer updates the
+    fp32 shards); each block's all-gathered copy is cast to bf16/fp16 for its compute, and
+    gradients are reduced in fp32. Autocast over sharded parameters would cast every weight again
+    at every use; the trainer turns it off in this mode.
+    """
+    ensure_process_group(info)
+    blocks = transformer_blocks(model)
+    if train.activation_checkpointing:
+        checkpoint_blocks(model, blocks)
+        blocks = transformer_blocks(model)  # the wrappers, which FSDP must shard around
+    dtype = AUTOCAST_DTYPES.get(train.precision)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    for block in blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def checkpoint_blocks(model: nn.Module, blocks: list[nn.Module] | None = None) -> None:
+    """Recompute each block's activations in the backward pass instead of keeping them.
+
+    Non-reentrant checkpointing restores the RNG state for the recomputation, so dropout draws the
+    same masks and the weights equal a run without it. The wrapper hides itself from state dicts:
+    checkpoints and exports keep the model's own key names.
+    """
+    chosen = {id(block) for block in (transformer_blocks(model) if blocks is None else blocks)}
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda module: id(module) in chosen
+    )
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, ddp: Any, enabled: bool) -> Iterator[None]:
+    """Communicate gradients in this backward pass only when `enabled` (the step's last micro-batch).
+
+    DDP: `no_sync` keeps the gradients local. FSDP: the blocks skip their reduce-scatter and keep
+    the unsharded gradients until the last micro-batch, which reduces their sum: the same
+    communication as one micro-batch, for one full gradient's memory while accumulating.
+    """
+    if is_sharded(model):
+        model.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+        yield
+    elif ddp is not None and not enabled:
+        with ddp.no_sync():
+            yield
+    else:
+        yield
+
+
+def clip_gradients(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to a global norm of `max_norm`, also over sharded (DTensor) gradients.
+
+    A rank holding a shard sees only part of each gradient: the norm of the local shards is
+    reduced over the ranks (`full_tensor`) before the common scale is applied, so every rank
+    scales by the same factor that one process holding everything would use.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def grad_scaler(train: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
+    """fp16's loss scaler. Sharded, a rank sees an overflow only in its own shards: FSDP's scaler
+    all-reduces the finding, so every rank skips the same steps."""
+    enabled = train.precision == "fp16"
+    if train.parallel == "fsdp":
+        return ShardedGradScaler(device.type, enabled=enabled)
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole, unsharded weights on rank 0's CPU (an empty dict on the other ranks), with the
+    model's own key names. Every rank must call it: a sharded model all-gathers block by block."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in map(_local, tensors))
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What one rank holds between steps, from its local shards: parameters, one gradient per
+    trainable parameter (the shard's size: DDP keeps whole gradients in its buckets, FSDP the
+    reduced shard) and the optimizer state (AdamW: two moments per parameter)."""
+    params = list(model.parameters())
+    optimizer_tensors = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return {
+        "parameters": _bytes(params),
+        "gradients": _bytes(p for p in params if p.requires_grad),
+        "optimizer": _bytes(optimizer_tensors),
+    }

@@ -1,0 +1,147 @@
+"""The sharded part of a `train.parallel=fsdp` checkpoint, written with torch.distributed.checkpoint.
+
+Every rank writes its own shards of the model and optimizer state (`__R_0.distcp`) into the
+checkpoint's temporary folder, and rank 0 writes DCP's index (`.metadata`); the rest of the
+checkpoint (scheduler, RNG, trainer state, manifest) is `distqa.checkpoint`'s as for DDP. DCP
+stores each tensor with its place in the whole, so a checkpoint written by N processes loads into
+any other number of them (resharding) and into a plain model.
+
+All ranks write into one folder, so on several nodes output_dir must be storage every node
+shares; `check_shared_folder` turns a folder that is not into one clear line instead of a
+checkpoint with missing shards.
+
+Loading unpickles nothing but DCP's own index classes and tensors: DCP's reader unpickles
+`.metadata` and non-tensor entries (the optimizer's settings) without restriction, so both go
+through a reader and planner that allow only what a checkpoint of ours contains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from distqa.dist import DistInfo, all_gather_objects
+
+METADATA_FILE = ".metadata"
+_TOKEN_FILE = ".shared-folder-check"
+
+
+def entry(path: Path) -> dict[str, Any]:
+    """A manifest entry: size and SHA-256."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def make_token(tmp: Path) -> str:
+    """Rank 0: leave a random token in the new checkpoint folder for `check_shared_folder`."""
+    token = secrets.token_hex(16)
+    (tmp / _TOKEN_FILE).write_text(token)
+    return token
+
+
+def check_shared_folder(tmp: Path, token: str, info: DistInfo) -> str | None:
+    """Every rank: None when every rank sees rank 0's token in `tmp`, else the problem (same on all)."""
+    try:
+        seen = (tmp / _TOKEN_FILE).read_text() == token
+    except OSError:
+        seen = False
+    blind = [rank for rank, ok in enumerate(all_gather_objects(seen, info)) if not ok]
+    (tmp / _TOKEN_FILE).unlink(missing_ok=True) if info.is_main else None
+    if not blind:
+        return None
+    return (
+        f"rank(s) {', '.join(map(str, blind))} cannot see {tmp.parent}, which rank 0 writes: with "
+        "train.parallel=fsdp every rank writes its shards of each checkpoint, so output_dir must be on "
+        "storage every node shares (a network file system or a mounted bucket)"
+    )
+
+
+def first_failure(err: CheckpointException) -> str:
+    """DCP gathers every rank's exception into one whose message is a list of tracebacks: the
+    first failure's own first line says more."""
+    for exc, _ in err.failures.values():
+        text = str(exc).strip()
+        return text.splitlines()[0] if text else type(exc).__name__
+    return str(err).splitlines()[0]
+
+
+def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict[str, Any]:
+    """Every rank: write its shards of model and optimizer into `tmp`; return the manifest entries
+    of the files it wrote (hashed where they were written, in parallel)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=dcp.FileSystemWriter(tmp))
+    except CheckpointException as err:
+        failure = next((exc for exc, _ in err.failures.values() if isinstance(exc, OSError)), None)
+        raise failure or OSError(first_failure(err)) from err  # an OSError keeps its strerror (a full disk)
+    mine = sorted(tmp.glob(f"__{info.rank}_*.distcp"))
+    if info.is_main:
+        mine.append(tmp / METADATA_FILE)
+    return {path.name: entry(path) for path in mine}
+
+
+# The classes DCP's index may name (seen in the files torch 2.11-2.13 write).
+_INDEX_CLASSES = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module, name) in _INDEX_CLASSES
+            or module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{METADATA_FILE} names {module}.{name}, which a checkpoint index never holds")
+        return super().find_class(module, name)
+
+
+class _Reader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        with open(Path(self.path) / METADATA_FILE, "rb") as f:
+            metadata = _IndexUnpickler(f).load()
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _Planner(dcp.DefaultLoadPlanner):
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        # DCP's own planner loads these with weights_only=False; they are the optimizer's
+        # settings (numbers, strings, lists), which weights_only allows. Placed as DCP places them.
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def read_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank: load the model and optimizer state of `directory` into this rank's shards."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        dcp.load(state, storage_reader=_Reader(directory), planner=_Planner())
+    except CheckpointException as err:
+        raise ValueError(first_failure(err)) from err
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

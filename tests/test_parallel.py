@@ -1,0 +1,168 @@
+"""`distqa.parallel` and the sharded checkpoint in one process (the two-process proofs are in
+test_fsdp.py): which blocks are sharded and checkpointed, activation checkpointing changing no
+weight, FSDP in a world of one equal to the plain model, the state figures, and what a sharded
+checkpoint refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import SMALL, load_weights, max_abs_diff
+from distqa.checkpoint import verify_checkpoint
+from distqa.config import load_config
+from distqa.errors import ConfigError, DistqaError
+from distqa.parallel import state_bytes, transformer_blocks
+from distqa.trainer import train
+
+# AdamW with dropout and DataLoader workers: activation checkpointing must replay dropout's masks.
+ADAMW = [
+    *SMALL,
+    "train.check_replicas=false",
+    "model.dropout=0.1",
+    "data.num_workers=2",
+    "train.batch_size=2",
+    "train.grad_accum=2",
+    "train.lr=1e-3",
+    "train.max_steps=3",
+]
+
+
+def run(tmp_path: Path, name: str, *extra: str) -> Path:
+    out = tmp_path / name
+    train(load_config(None, [*ADAMW, f"output_dir={out}", *extra]))
+    return out
+
+
+def test_the_blocks_are_the_encoder_layers_and_nothing_inside_them():
+    from distqa.config import ModelConfig
+    from distqa.nq.model import BertJointQA
+
+    model = BertJointQA.build(ModelConfig(name="tiny"))
+    blocks = transformer_blocks(model)
+    assert blocks == list(model.qa.bert.encoder.layer)
+
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stack = nn.ModuleList(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]) for _ in range(3))
+            self.empty = nn.ModuleList([nn.ReLU()])
+
+    nested = Nested()
+    assert transformer_blocks(nested) == list(nested.stack)  # not the Linears inside, not the ReLU
+    assert transformer_blocks(nn.Sequential(nn.Linear(2, 2))) == []
+
+
+def test_activation_checkpointing_and_one_process_fsdp_give_the_same_weights(tmp_path):
+    plain = load_weights(run(tmp_path, "plain"))
+    recomputed = load_weights(run(tmp_path, "ac", "train.activation_checkpointing=true"))
+    assert max_abs_diff(plain, recomputed) < 1e-6
+    sharded = run(tmp_path, "fsdp-ac", "train.parallel=fsdp", "train.activation_checkpointing=true")
+    assert max_abs_diff(plain, load_weights(sharded)) < 1e-5
+    # The export of a checkpointed and sharded model keeps the model's own key names.
+    assert not any("_checkpoint_wrapped_module" in k for k in load_weights(sharded))
+    assert max_abs_diff(plain, load_weights(run(tmp_path, "short", "train.max_steps=2"))) > 1e-5
+
+
+def test_state_bytes_counts_weights_gradients_and_adams_two_moments():
+    model = nn.Linear(10, 10)  # 110 parameters
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 10)).sum().backward()
+    optimizer.step()
+    state = state_bytes(model, optimizer)
+    assert state["parameters"] == state["gradients"] == 110 * 4
+    assert state["optimizer"] == 2 * 110 * 4 + 2 * 4  # exp_avg, exp_avg_sq, and a step counter per tensor
+
+
+def test_the_replica_check_is_refused_with_fsdp():
+    with pytest.raises(ConfigError, match="train.check_replicas=true .* train.parallel=fsdp"):
+        load_config(None, ["train.parallel=fsdp", "train.check_replicas=true"])
+    with pytest.raises(ConfigError, match="train.parallel='zero' is not one of ddp, fsdp"):
+        load_config(None, ["train.parallel=zero"])
+
+
+def test_a_sharded_checkpoint_is_verified_and_refused_by_a_ddp_run(tmp_path):
+    out = run(tmp_path, "sharded", "train.parallel=fsdp", "train.max_steps=2")
+    checkpoint = out / "checkpoints" / "step-2"
+    assert verify_checkpoint(checkpoint) is None
+    refused = r"changed train.parallel \('fsdp' -> 'ddp'\): its model and optimizer are stored as shards"
+    with pytest.raises(ConfigError, match=refused):
+        run(tmp_path, "sharded", "train.max_steps=3")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert {"__0_0.distcp", ".metadata"} <= set(manifest) and "model.safetensors" not in manifest
+    (checkpoint / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != ".metadata"}))
+    assert verify_checkpoint(checkpoint) == "manifest.json lists no model (model.safetensors or .metadata)"
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    shard = checkpoint / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert verify_checkpoint(checkpoint) == "__0_0.distcp does not match its hash in the manifest"
+
+
+def test_loading_a_checkpoint_of_the_other_kind_names_train_parallel(tmp_path):
+    from distqa.checkpoint import load_checkpoint
+    from distqa.dist import DistInfo
+
+    out = run(tmp_path, "whole", "train.max_steps=1")
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters())
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(DistqaError, match=r"holds the model whole \(train.parallel=ddp\).*train.parallel=fsdp"):
+        load_checkpoint(
+            out / "checkpoints" / "step-1",
+            model=model,
+            optimizer=optimizer,
+            scheduler=None,
+            scaler=None,  # type: ignore[arg-type]
+            info=info,
+            sharded=True,
+        )
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def test_a_checkpoint_index_naming_other_code_is_not_unpickled(tmp_path):
+    from distqa.sharded import read_shards
+
+    out = run(tmp_path, "sharded", "train.parallel=fsdp", "train.max_steps=1")
+    checkpoint = out / "checkpoints" / "step-1"
+    _Evil.marker = tmp_path / "ran"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"\.metadata names posix\.system, which a checkpoint index never holds"):
+        read_shards(checkpoint, model, torch.optim.SGD(model.parameters()))
+    assert not _Evil.marker.exists()
+
+
+def test_the_memory_formula_matches_the_measured_state_and_orders_the_setups():
+    from distqa.bench.memory import ENCODERS, per_gpu_bytes, state_bytes_per_rank
+    from distqa.config import ModelConfig
+    from distqa.nq.model import BertJointQA
+
+    model = BertJointQA.build(ModelConfig(name="tiny"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    outputs = model(torch.ones(1, 8, dtype=torch.long))
+    sum(v.sum() for v in outputs.values()).backward()
+    optimizer.step()
+    measured = sum(state_bytes(model, optimizer).values())
+    parameters = sum(p.numel() for p in model.parameters())
+    counters = 4 * len(list(model.parameters()))  # AdamW's step count, one float per tensor
+    assert measured == state_bytes_per_rank(parameters, 1, sharded=False) + counters
+    assert state_bytes_per_rank(parameters, 2, sharded=True) == state_bytes_per_rank(parameters, 1, sharded=False) / 2
+    for encoder in ENCODERS:
+        gib = {
+            (sharded, ac): per_gpu_bytes(encoder, gpus=8, seq=512, batch=8, sharded=sharded, checkpointed=ac)
+            for sharded in (False, True)
+            for ac in (False, True)
+        }
+        assert gib[True, True] < gib[True, False] < gib[False, False] and gib[False, True] < gib[False, False]
