@@ -74,7 +74,7 @@ test-nodes: install-dev
 
 # FSDP's proofs at two processes (tests/test_fsdp.py): torchrun launches beyond make test's 5 minutes.
 perf-fsdp: install-dev
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m fsdp
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m fsdp
 
 lint: install-dev
 	$(BIN)/ruff check src tests scripts

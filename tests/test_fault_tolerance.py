@@ -164,11 +164,17 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=False)
 
 
-def test_full_disk_keeps_the_previous_checkpoint(small_disk):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_full_disk_keeps_the_previous_checkpoint(small_disk, parallel):
     disk = small_disk
-    # The tiny model's checkpoint is ~17.6 MB with SGD: the first fits, the second does not.
-    with pytest.raises(DistqaError, match=r"cannot write checkpoint .*step-2.*step-1 is intact"):
-        in_process(disk, "run", "train.max_steps=3", "train.checkpoint_every=1", "train.optimizer=sgd")
+    # The tiny model's checkpoint is ~17.6 MB with SGD: the first fits, the second does not. With
+    # fsdp the weights are DCP's shards (one here), written by torch.distributed.checkpoint.
+    mode = [f"train.parallel={parallel}", "train.check_replicas=false"]
+    with pytest.raises(
+        DistqaError,
+        match=r"cannot write checkpoint .*step-2 \(.*; [0-9.]+ MiB free there\); the previous checkpoint step-1 is",
+    ):
+        in_process(disk, "run", "train.max_steps=3", "train.checkpoint_every=1", "train.optimizer=sgd", *mode)
     assert [p.name for p in list_checkpoints(disk / "run" / "checkpoints")] == ["step-1"]
     assert verify_checkpoint(disk / "run" / "checkpoints" / "step-1") is None
     assert not list((disk / "run" / "checkpoints").glob(".tmp-*"))

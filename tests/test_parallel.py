@@ -166,3 +166,17 @@ def test_the_memory_formula_matches_the_measured_state_and_orders_the_setups():
             for ac in (False, True)
         }
         assert gib[True, True] < gib[True, False] < gib[False, False] and gib[False, True] < gib[False, False]
+
+
+@pytest.mark.parametrize(
+    "parallel, expected",
+    [("fsdp", [["torch.bfloat16", False]]), ("ddp", [["torch.float32", True]])],
+)
+def test_bf16_is_fsdps_own_cast_not_autocast_over_shards(tmp_path, parallel, expected):
+    """With fsdp, the block computes with weights FSDP cast to bf16 and autocast is off; with ddp,
+    fp32 weights under autocast. Either way the weights kept and exported stay fp32."""
+    out = tmp_path / parallel
+    args = ["task=toy_task:PrecisionProbeTask", "train.precision=bf16", "train.max_steps=2", "data.num_workers=0"]
+    train(load_config(None, [*args, f"train.parallel={parallel}", f"output_dir={out}"]))
+    assert json.loads((out / "model" / "precision.json").read_text()) == expected
+    assert {t.dtype for t in load_weights(out).values()} == {torch.float32}

@@ -185,6 +185,29 @@ class StackedEvalProbeTask(EvalProbeTask):
         return StackedClassifier()
 
 
+class PrecisionProbeTask(ToyClassificationTask):
+    """Records, at each forward of its first block's Linear, the dtype of the weight it computes
+    with and whether autocast is on; save_model writes what it saw to precision.json."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.seen: set[tuple[str, bool]] = set()
+
+    def build_model(self) -> nn.Module:
+        model = StackedClassifier()
+
+        def record(module: nn.Module, args: tuple) -> None:
+            if torch.is_grad_enabled():  # training forwards only
+                self.seen.add((str(module.weight.dtype), torch.is_autocast_enabled("cpu")))
+
+        model.blocks[0][0].register_forward_pre_hook(record)
+        return model
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        super().save_model(model, directory)
+        (directory / "precision.json").write_text(json.dumps(sorted(self.seen)))
+
+
 class TrainerProbeTask(EvalProbeTask):
     """EvalProbeTask with an unused head (so it needs train.find_unused_parameters) that also counts
     DDP's gradient all-reduces: its own comm hook, registered before the first backward, counts the

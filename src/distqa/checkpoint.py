@@ -20,6 +20,7 @@ safetensors, so loading a checkpoint never unpickles arbitrary objects.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import pickle
@@ -113,18 +114,15 @@ def save_checkpoint(
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     rng_states = gather_to_main(capture_rng_state(info.device), info)
     problem: str | None = None
-    token = None
     if info.is_main:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            token = sharded_ckpt.make_token(tmp) if sharded else None
         except OSError as err:
             problem = _cannot_write(final, root, err)
-    problem, token = broadcast_object((problem, token))  # type: ignore[misc]
     hashed: dict[str, Any] = {}
-    if sharded and not problem:
-        problem = sharded_ckpt.check_shared_folder(tmp, str(token), info)
+    if sharded:  # every rank writes its shards into rank 0's folder (shared: checked at start)
+        problem = broadcast_object(problem)  # type: ignore[assignment]
         if not problem:
             try:
                 hashed = sharded_ckpt.write_shards(tmp, model, optimizer, info)
@@ -134,6 +132,12 @@ def save_checkpoint(
             parts = all_gather_objects((problem, hashed), info)
             problem = next((p for p, _ in parts if p), None)
             hashed = {name: e for _, part in parts for name, e in part.items()}
+            missing = [name for name in hashed if info.is_main and not (tmp / name).is_file()]
+            if missing and not problem:  # written, but not where rank 0 looks: not one shared folder
+                problem = (
+                    f"cannot write checkpoint {final}: {', '.join(missing)} were written where rank 0 cannot "
+                    "see them; output_dir must be on storage every node shares"
+                )
     if info.is_main and not problem:
         try:
             training_state = {
@@ -165,6 +169,8 @@ def save_checkpoint(
 def _cannot_write(final: Path, root: Path, err: BaseException) -> str:
     previous = [p.name for p in list_checkpoints(root)]
     reason = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [type(err).__name__])[0]
+    with contextlib.suppress(OSError):  # a full disk shows in some writers' errors only as a short write
+        reason += f"; {shutil.disk_usage(root).free / 2**20:.1f} MiB free there"
     return (
         f"cannot write checkpoint {final} ({reason[:300]}); "
         + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")

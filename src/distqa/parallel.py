@@ -16,7 +16,7 @@ instead of kept, which trades a forward pass per step for most of the activation
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -146,6 +146,19 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     model's own key names. Every rank must call it: a sharded model all-gathers block by block."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+def whole_model(model: nn.Module, build: Callable[[], nn.Module], info: DistInfo) -> nn.Module:
+    """The model to export: itself, or (sharded) a fresh one from `build` (the task's
+    build_model) holding the all-gathered weights, on rank 0. Every rank must call it."""
+    if not is_sharded(model):
+        return model
+    weights = full_weights(model)
+    if not info.is_main:
+        return model  # not exported by this rank
+    whole = build()
+    whole.load_state_dict(weights, assign=True)
+    return whole
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

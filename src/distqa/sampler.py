@@ -8,17 +8,24 @@ it, split into `grad_accum` micro-batches. 1 process x batch 8 and 2 processes x
 average the gradient over exactly the same 8 examples at every step.
 
 The sampler can start in the middle of an epoch (`start_step`), which is how a resumed run picks up
-at the exact position in the data without replaying the loader.
+at the exact position in the data without replaying the loader. `training_loader` is the
+trainer's DataLoader over it; `seed_everything` and `derive_seed` seed weights, dropout and workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
-from torch.utils.data import Sampler
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
 
+from distqa.config import Config
+from distqa.dist import DistInfo, default_num_workers
 from distqa.errors import ConfigError
+from distqa.guards import loader_worker_init
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, grad_accum: int, world_size: int) -> int:
@@ -78,3 +85,43 @@ class GlobalBatchSampler(Sampler[list[int]]):
             mine = order[begin : begin + per_rank]
             for micro in range(self.grad_accum):
                 yield mine[micro * self.batch_size : (micro + 1) * self.batch_size].tolist()
+
+
+def derive_seed(*parts: int) -> int:
+    """One 32-bit seed from several numbers, without the collisions of `seed + rank`."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def training_loader(
+    dataset: Dataset, collate: Callable[[list[Any]], Any], cfg: Config, info: DistInfo, epoch: int, start_step: int
+) -> DataLoader:
+    """This rank's batches of one epoch, from optimizer step `start_step` on."""
+    sampler = GlobalBatchSampler(
+        len(dataset),  # type: ignore[arg-type]
+        batch_size=cfg.train.batch_size,
+        grad_accum=cfg.train.grad_accum,
+        rank=info.rank,
+        world_size=info.world_size,
+        seed=cfg.seed,
+        epoch=epoch,
+        start_step=start_step,
+    )
+    # The loader draws its workers' base seed from this generator, not from the global RNG:
+    # otherwise creating a loader after a resume would shift the dropout stream.
+    generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+    workers = cfg.data.num_workers
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=default_num_workers() if workers is None else workers,
+        pin_memory=info.device.type == "cuda",
+        generator=generator,
+        worker_init_fn=loader_worker_init,
+    )

@@ -7,8 +7,8 @@ stores each tensor with its place in the whole, so a checkpoint written by N pro
 any other number of them (resharding) and into a plain model.
 
 All ranks write into one folder, so on several nodes output_dir must be storage every node
-shares; `check_shared_folder` turns a folder that is not into one clear line instead of a
-checkpoint with missing shards.
+shares; `require_shared` checks that at start and turns a folder that is not into one clear line
+instead of a checkpoint with missing shards.
 
 Loading unpickles nothing but DCP's own index classes and tensors: DCP's reader unpickles
 `.metadata` and non-tensor entries (the optimizer's settings) without restriction, so both go
@@ -31,10 +31,11 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from distqa.dist import DistInfo, all_gather_objects
+from distqa.dist import DistInfo, all_gather_objects, broadcast_object
+from distqa.errors import DistqaError
 
 METADATA_FILE = ".metadata"
-_TOKEN_FILE = ".shared-folder-check"
+_TOKEN_FILE = ".distqa-shared-check"
 
 
 def entry(path: Path) -> dict[str, Any]:
@@ -46,28 +47,28 @@ def entry(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def make_token(tmp: Path) -> str:
-    """Rank 0: leave a random token in the new checkpoint folder for `check_shared_folder`."""
-    token = secrets.token_hex(16)
-    (tmp / _TOKEN_FILE).write_text(token)
-    return token
-
-
-def check_shared_folder(tmp: Path, token: str, info: DistInfo) -> str | None:
-    """Every rank: None when every rank sees rank 0's token in `tmp`, else the problem (same on all)."""
+def require_shared(folder: Path, info: DistInfo) -> None:
+    """Every rank, at start: raise unless every rank sees the files rank 0 writes in `folder`
+    (a random token), so that a run whose nodes do not share output_dir stops before its first
+    step, not at its first checkpoint hours later."""
+    token = secrets.token_hex(16) if info.is_main else None
+    path = folder / _TOKEN_FILE
+    if info.is_main:
+        path.write_text(str(token))
+    token = broadcast_object(token)
     try:
-        seen = (tmp / _TOKEN_FILE).read_text() == token
+        seen = path.read_text() == token
     except OSError:
         seen = False
     blind = [rank for rank, ok in enumerate(all_gather_objects(seen, info)) if not ok]
-    (tmp / _TOKEN_FILE).unlink(missing_ok=True) if info.is_main else None
-    if not blind:
-        return None
-    return (
-        f"rank(s) {', '.join(map(str, blind))} cannot see {tmp.parent}, which rank 0 writes: with "
-        "train.parallel=fsdp every rank writes its shards of each checkpoint, so output_dir must be on "
-        "storage every node shares (a network file system or a mounted bucket)"
-    )
+    if info.is_main:
+        path.unlink(missing_ok=True)
+    if blind:
+        raise DistqaError(
+            f"rank(s) {', '.join(map(str, blind))} cannot see the files rank 0 writes in {folder}: with "
+            "train.parallel=fsdp every rank writes its shards of each checkpoint there, so output_dir must be "
+            "on storage every node shares (a network file system or a mounted bucket)"
+        )
 
 
 def first_failure(err: CheckpointException) -> str:

@@ -11,15 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
 from distqa import checkpoint as ckpt
 from distqa.config import Config, to_yaml
@@ -32,34 +29,23 @@ from distqa.dist import (
     broadcast_object,
     cleanup,
     data_parallel,
-    default_num_workers,
     init_distributed,
     local_main_first,
     print0,
 )
 from distqa.errors import DistqaError, Preempted
 from distqa.evaluation import run_evaluation, to_device
-from distqa.guards import StopSignal, check_replicas, loader_worker_init, watch_parent
+from distqa.guards import StopSignal, check_replicas, watch_parent
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import apply_settings, build_optimizer, build_scheduler
 from distqa.outdir import claim, export_atomically, write_text
-from distqa.parallel import checkpoint_blocks, clip_gradients, full_weights, grad_scaler, gradient_sync, shard
+from distqa.parallel import checkpoint_blocks, clip_gradients, grad_scaler, gradient_sync, shard, whole_model
 from distqa.resume import check_resumable, choose_checkpoint
 from distqa.rounds import as_peer_loss
-from distqa.sampler import GlobalBatchSampler, steps_per_epoch
+from distqa.sampler import derive_seed, seed_everything, steps_per_epoch, training_loader
+from distqa.sharded import require_shared
 from distqa.steptimer import StepTimer
 from distqa.task import Batch, Task, load_task
-
-
-def derive_seed(*parts: int) -> int:
-    """One 32-bit seed from several numbers, without the collisions of `seed + rank`."""
-    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # also seeds every CUDA device
 
 
 class Trainer:
@@ -88,34 +74,6 @@ class Trainer:
         self.step = 0  # the last finished step, for the message when a peer is lost
 
     # ----------------------------------------------------------------------------- set-up
-    def _loader(self, dataset: Dataset, epoch: int, start_step: int) -> DataLoader:
-        sampler = GlobalBatchSampler(
-            len(dataset),  # type: ignore[arg-type]
-            batch_size=self.cfg.train.batch_size,
-            grad_accum=self.cfg.train.grad_accum,
-            rank=self.info.rank,
-            world_size=self.info.world_size,
-            seed=self.cfg.seed,
-            epoch=epoch,
-            start_step=start_step,
-        )
-        # The loader draws its workers' base seed from this generator, not from the global RNG:
-        # otherwise creating a loader after a resume would shift the dropout stream.
-        generator = torch.Generator().manual_seed(self.cfg.seed * 1000 + epoch)
-        return DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=self.task.collate,
-            num_workers=self._num_workers(),
-            pin_memory=self.info.device.type == "cuda",
-            generator=generator,
-            worker_init_fn=loader_worker_init,
-        )
-
-    def _num_workers(self) -> int:
-        workers = self.cfg.data.num_workers
-        return default_num_workers() if workers is None else workers
-
     def _wrap(self) -> nn.Module:
         """FSDP2 in place (train.parallel=fsdp, with activation checkpointing inside) or activation
         checkpointing then DDP (several processes); then torch.compile (train.compile)."""
@@ -249,6 +207,8 @@ class Trainer:
         # Decided before anything is written: train.resume=never may move an earlier run aside.
         resume_from = choose_checkpoint(self.out, cfg.train.resume, info)
         write_text(self.out / "config.yaml", to_yaml(cfg), info)
+        if self.sharded:
+            require_shared(self.out, info)  # every rank writes its shards there
         if cfg.train.deterministic:
             # cuBLAS is only deterministic with a fixed workspace; it must be set before its first use.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -315,7 +275,7 @@ class Trainer:
         try:
             while step < total_steps:
                 epoch, in_epoch = divmod(step, epoch_steps)
-                batches = iter(self._loader(dataset, epoch, in_epoch))
+                batches = iter(training_loader(dataset, self.task.collate, cfg, info, epoch, in_epoch))
                 for _ in range(in_epoch, min(epoch_steps, in_epoch + total_steps - step)):
                     lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                     self._train_step(batches, meter)
@@ -363,7 +323,7 @@ class Trainer:
             if info.is_main and metrics.path.is_file():
                 title = run_title(cfg, self.global_batch)
                 plotted = plot_metrics(metrics.path, self.out / "metrics.png", title=title)
-            model = self._whole_model()
+            model = whole_model(self.raw_model, self.task.build_model, info)
             export_atomically(
                 lambda folder: self.task.save_model(model, folder),
                 self.out / "model",
@@ -374,18 +334,6 @@ class Trainer:
             print0(outputs_summary(self.out, plotted=plotted))
         barrier()
         return self.out / "model"
-
-    def _whole_model(self) -> nn.Module:
-        """The model to export: itself, or (sharded) a fresh one from the task holding the
-        all-gathered weights, on rank 0 (every rank takes part in the gathering)."""
-        if not self.sharded:
-            return self.raw_model
-        weights = full_weights(self.raw_model)
-        if not self.info.is_main:
-            return self.raw_model  # not exported by this rank
-        model = self.task.build_model()
-        model.load_state_dict(weights, assign=True)
-        return model
 
 
 def train(cfg: Config) -> Path:
