@@ -49,8 +49,8 @@ def check_min(key: str, value: float, low: float, *, strict: bool = False) -> No
 class ModelConfig:
     name: str = _f(
         "tiny",
-        "'tiny' or 'bert-base-random' (random BERTs built from a config, no download), "
-        "a Hugging Face id, or a local folder",
+        "'tiny', 'bert-base-random' or 'bert-large-random' (random BERTs built from a config, no "
+        "download), a Hugging Face id, or a local folder",
     )
     tokenizer: str | None = _f(None, "tokenizer id or folder (default: model.name; none for 'tiny')")
     dropout: float | None = _f(None, "dropout for every dropout rate of the encoder (default: keep its own)")

@@ -32,9 +32,11 @@ TINY_BERT = dict(
 )
 
 # Encoders built from a config with random weights, no download. `bert-base-random` has
-# bert-base-uncased's exact shape (BertConfig's defaults): for speed benchmarks, where only the
-# shape matters, on machines that cannot reach the Hugging Face hub.
-RANDOM_MODELS: dict[str, dict[str, int]] = {"tiny": TINY_BERT, "bert-base-random": {}}
+# bert-base-uncased's exact shape (BertConfig's defaults), `bert-large-random` bert-large-uncased's:
+# for speed and memory benchmarks, where only the shape matters, on machines that cannot reach the
+# Hugging Face hub.
+BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+RANDOM_MODELS: dict[str, dict[str, int]] = {"tiny": TINY_BERT, "bert-base-random": {}, "bert-large-random": BERT_LARGE}
 
 
 def set_dropout(config: PretrainedConfig, rate: float) -> None:
