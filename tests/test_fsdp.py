@@ -118,9 +118,10 @@ def test_evaluation_of_a_sharded_model_runs_in_step_when_shares_differ(tmp_path)
     A sharded forward is collective, so without the extra pass the run would hang."""
     out = tmp_path / "eval"
     args = ["task=toy_task:StackedEvalProbeTask", "train.max_steps=2", "train.batch_size=1", "data.num_workers=0"]
-    run_train([*args, *FSDP, f"output_dir={out}"], nproc=2, timeout=120)
-    last = metrics_rows(out)[-1]
-    assert last["eval_items_in_order"] == 1.0 and last["eval_any_grad"] == 0.0 and last["eval_step_seen"] == 2.0
+    run_train([*args, *FSDP, "train.eval_every=1", f"output_dir={out}"], nproc=2, timeout=120)
+    rows = metrics_rows(out)  # an evaluation at step 1, training goes on, and another at step 2
+    assert [r["eval_step_seen"] for r in rows] == [1.0, 2.0]
+    assert all(r["eval_items_in_order"] == 1.0 and r["eval_any_grad"] == 0.0 for r in rows)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")

@@ -157,7 +157,7 @@ def whole_model(model: nn.Module, build: Callable[[], nn.Module], info: DistInfo
     if not info.is_main:
         return model  # not exported by this rank
     whole = build()
-    whole.load_state_dict(weights, assign=True)
+    whole.load_state_dict(weights)  # copied into its tensors, so weights the model ties stay tied
     return whole
 
 

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distqa.dist import DistInfo, all_gather_objects, broadcast_object
@@ -110,7 +111,7 @@ class _IndexUnpickler(pickle.Unpickler):
         allowed = (
             (module, name) in _INDEX_CLASSES
             or module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)))
         )
         if not allowed:
             raise pickle.UnpicklingError(f"{METADATA_FILE} names {module}.{name}, which a checkpoint index never holds")
@@ -121,7 +122,7 @@ class _Reader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         with open(Path(self.path) / METADATA_FILE, "rb") as f:
             metadata = _IndexUnpickler(f).load()
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
