@@ -145,7 +145,7 @@ def test_a_checkpoint_index_naming_other_code_is_not_unpickled(tmp_path):
 
 
 def test_the_memory_formula_matches_the_measured_state_and_orders_the_setups():
-    from distqa.bench.memory import ENCODERS, per_gpu_bytes, state_bytes_per_rank
+    from distqa.bench.memory import ENCODERS, OVERHEAD_GIB, largest_batch, per_gpu_bytes, state_bytes_per_rank
     from distqa.config import ModelConfig
     from distqa.nq.model import BertJointQA
 
@@ -166,6 +166,19 @@ def test_the_memory_formula_matches_the_measured_state_and_orders_the_setups():
             for ac in (False, True)
         }
         assert gib[True, True] < gib[True, False] < gib[False, False] and gib[False, True] < gib[False, False]
+        fits = {
+            (sharded, ac): largest_batch(encoder, gpus=8, seq=512, gib=24, sharded=sharded, checkpointed=ac)
+            for sharded in (False, True)
+            for ac in (False, True)
+        }
+        assert fits[False, False] < fits[True, False] < fits[True, True] and fits[False, False] < fits[False, True]
+        # The batch it names fits, one more does not.
+        for (sharded, ac), batch in fits.items():
+            need = [
+                per_gpu_bytes(encoder, gpus=8, seq=512, batch=b, sharded=sharded, checkpointed=ac)
+                for b in (batch, batch + 1)
+            ]
+            assert need[0] <= (24 - OVERHEAD_GIB) * 2**30 < need[1]
 
 
 @pytest.mark.parametrize(
