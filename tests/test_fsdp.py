@@ -151,3 +151,33 @@ def test_nodes_that_do_not_share_output_dir_stop_at_start_naming_it(tmp_path):
     stderr = logs[0][1]
     assert f"rank(s) 1 cannot see the files rank 0 writes in {out}" in stderr, stderr[-3000:]
     assert "step 1" not in logs[0][0] and not (out / "checkpoints").exists()
+
+
+def test_an_fp16_overflow_in_one_ranks_shards_skips_the_step_on_every_rank(tmp_path):
+    """Sharded, a rank sees only its own shards' gradients: the overflow on step 3 lies in rank 1's
+    rows only. Every rank must skip that step (the scaler agrees across ranks), or rank 0's half of
+    the weights would move while rank 1's did not."""
+    out = tmp_path / "fp16"
+    args = ["task=toy_task:ShardOverflowTask", "train.precision=fp16", "train.optimizer=sgd", "train.lr=0.1"]
+    args += ["train.lr_schedule=constant", "train.warmup_ratio=0", "train.max_steps=5", "data.num_workers=0"]
+    run_train([*args, *FSDP, "train.checkpoint_every=1", "train.keep_checkpoints=0", f"output_dir={out}"], nproc=2)
+    steps = range(1, 6)
+    states = {s: sharded_state(out / "checkpoints" / f"step-{s}", tmp_path) for s in steps}
+    weights = {s: {k: v for k, v in states[s].items() if k.startswith("/model/")} for s in steps}
+    assert max_abs_diff(weights[2], weights[3]) == 0.0  # skipped, both halves
+    assert max_abs_diff(weights[1], weights[2]) > 1e-4 and max_abs_diff(weights[3], weights[4]) > 1e-4
+    training = [torch.load(out / "checkpoints" / f"step-{s}" / "training_state.pt", weights_only=True) for s in steps]
+    # The schedule waits on step 3 and goes on after it. (Step 1 may be skipped too: gradients are
+    # computed in fp16 under FSDP's policy, and the scaler's first scale, 2**16, can overflow them.)
+    epochs = [t["scheduler"]["last_epoch"] for t in training]
+    assert epochs[2] == epochs[1] and epochs[3:] == [epochs[1] + 1, epochs[1] + 2], epochs
+    scales = [t["scaler"]["scale"] for t in training]
+    assert scales[2] == scales[1] / 2 and scales[3] == scales[2], scales
+
+
+def test_gradient_accumulation_reduces_only_on_the_last_micro_batch(tmp_path):
+    out = tmp_path / "accum"
+    args = ["task=toy_task:SyncProbeTask", "train.grad_accum=2", "train.max_steps=2", "data.num_workers=0"]
+    run_train([*args, *FSDP, f"output_dir={out}"], nproc=2)
+    # Before micro-batches 1, 2 of step 1 and 1, 2 of step 2: no gradient reduced yet, each time.
+    assert json.loads((out / "model" / "reduced_before.json").read_text()) == [False] * 4

@@ -307,3 +307,43 @@ class NonFiniteLossTask(StepCounterTask):
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         loss = super().loss(model, batch)
         return loss * float("inf") if self.calls >= self.BAD_STEP else loss
+
+
+class ShardOverflowTask(StepCounterTask):
+    """StackedClassifier whose head, on step BAD_STEP, gets a gradient of 1e35 in its last row only:
+    an fp16 overflow in the rows FSDP gives to rank 1 (dim 0 is split in rank order), while rank 0's
+    shards stay finite. The output's value is unchanged (the added term is 0)."""
+
+    def build_model(self) -> nn.Module:
+        model = StackedClassifier()
+
+        def spike(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            if self.calls != self.BAD_STEP or not torch.is_grad_enabled():
+                return output
+            with torch.autocast(args[0].device.type, enabled=False):  # 1e35 must not meet fp16
+                last = F.linear(args[0].detach().float(), module.weight.float(), module.bias.float())[:, -1] * 1e35
+            return output + (last - last.detach()).unsqueeze(1).to(output.dtype)
+
+        model.head.register_forward_hook(spike)
+        return model
+
+
+class SyncProbeTask(ToyClassificationTask):
+    """StackedClassifier; before each micro-batch records whether any (sharded) parameter already
+    holds a gradient. FSDP sets them only when it reduce-scatters, so with train.grad_accum=2 the
+    second micro-batch of a step must find none: no communication before the step's last backward."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.reduced_before: list[bool] = []
+
+    def build_model(self) -> nn.Module:
+        return StackedClassifier()
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        self.reduced_before.append(any(p.grad is not None for p in model.parameters()))
+        return super().loss(model, batch)
+
+    def save_model(self, model: nn.Module, directory: Path) -> None:
+        super().save_model(model, directory)
+        (directory / "reduced_before.json").write_text(json.dumps(self.reduced_before))
