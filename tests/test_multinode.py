@@ -220,16 +220,20 @@ def kill_workers(host: dict) -> int:
 
 
 @pytest.mark.nodes
-@pytest.mark.parametrize("loss", ["worker", "node"])
-def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same_weights(two_hosts, tmp_path, loss):
+@pytest.mark.parametrize("loss, parallel", [("worker", "ddp"), ("node", "ddp"), ("node", "fsdp")])
+def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same_weights(
+    two_hosts, tmp_path, loss, parallel
+):
     """launch-elastic-netns (1) and (2): node 1's worker killed after step 8 (its torchrun restarts
     it), or every process of node 1 killed and its command started again. In the second case the
     new node's torchrun counts no restart (0) while node 0's counts 1: the round they meet in must
     come from the store, or the new node's first workers join a dead round and crash (gloo's
-    Connection refused traceback) and cost a restart. Node 0 says the loss in one line."""
+    Connection refused traceback) and cost a restart. Node 0 says the loss in one line. With fsdp,
+    both nodes write shards of each checkpoint into the shared output_dir and load them back."""
     hosts, _ = two_hosts
     out = tmp_path / "run"
-    args = [*LOSS_RUN, f"output_dir={out}"]
+    mode = ["train.parallel=fsdp", "train.check_replicas=false"] if parallel == "fsdp" else []
+    args = [*LOSS_RUN, *mode, f"output_dir={out}"]
     master = hosts[0]["addr"]
     # One CPU per node: one thread per process, as the in-process reference below.
     procs = [
@@ -259,6 +263,8 @@ def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same
     resumed = [line for line in lines if line.startswith("resumed from")]
     assert len(resumed) == 1, resumed  # the replacement cost no further round
 
+    sharded = (out / "checkpoints" / "step-24" / ".metadata").is_file()
+    assert sharded == (parallel == "fsdp")
     ref = tmp_path / "one-process"
     train(load_config(None, [*LOSS_RUN, "train.batch_size=8", f"output_dir={ref}"]))
     assert max_abs_diff(load_weights(out), load_weights(ref)) <= 1e-5
