@@ -51,9 +51,12 @@ SGD_RUN = [
 @pytest.fixture(scope="module")
 def sgd_runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sgd")
-    runs = {"fsdp": root / "fsdp", "ddp": root / "ddp"}
+    runs = {name: root / name for name in ("fsdp", "ddp", "fsdp-ac", "ddp-ac")}
+    ac = "train.activation_checkpointing=true"
     run_train([*SGD_RUN, *FSDP, f"output_dir={runs['fsdp']}"], nproc=2)
     run_train([*SGD_RUN, f"output_dir={runs['ddp']}"], nproc=2)
+    run_train([*SGD_RUN, *FSDP, ac, f"output_dir={runs['fsdp-ac']}"], nproc=2)
+    run_train([*SGD_RUN, ac, f"output_dir={runs['ddp-ac']}"], nproc=2)
     return runs
 
 
@@ -85,6 +88,12 @@ def test_fsdp_equals_ddp_after_four_steps(sgd_runs):
     assert [r["loss"] for r in metrics_rows(sgd_runs["fsdp"])] == pytest.approx(
         [r["loss"] for r in metrics_rows(sgd_runs["ddp"])], abs=1e-5
     )
+
+
+def test_activation_checkpointing_at_two_processes_changes_no_weight(sgd_runs):
+    """Recomputed blocks inside FSDP's units (gathered again for the recomputation) and inside DDP."""
+    for name in ("fsdp-ac", "ddp-ac"):
+        assert max_abs_diff(load_weights(sgd_runs[name]), load_weights(sgd_runs["ddp"])) < 1e-5, name
 
 
 def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_with_grad_accum_two(sgd_runs, tmp_path):
