@@ -209,3 +209,21 @@ def test_the_global_batch_derives_grad_accum_for_each_process_count():
     unset = load_config(None, ["train.grad_accum=3"])
     unset.train.resolve_global_batch(2)
     assert unset.train.grad_accum == 3
+
+
+def test_nq_keys_that_moved_from_data_to_task_are_still_read_with_a_warning(tmp_path, capsys):
+    """`data.max_seq_len` and the other keys that became the task's own keep working (older
+    commands, docs and YAML files), as the new key, with one warning naming it."""
+    cfg = load_config(None, ["data.max_seq_len=64", "data.dummy_size=10"])
+    assert (cfg.task.max_seq_len, cfg.task.dummy_size) == (64, 10)
+    assert "data.max_seq_len is now task.max_seq_len, data.dummy_size is now task.dummy_size" in capsys.readouterr().err
+    path = tmp_path / "old.yaml"
+    path.write_text("data:\n  train: dummy\n  doc_stride: 64\ntrain:\n  max_steps: 3\n")
+    cfg = load_config(str(path), ["task.max_seq_len=96"])
+    assert (cfg.task.doc_stride, cfg.task.max_seq_len, cfg.train.max_steps) == (64, 96, 3)
+    assert "data.doc_stride is now task.doc_stride" in capsys.readouterr().err
+    # Only keys the selected task has: textcls has no doc_stride, and data.* stays closed.
+    with pytest.raises(ConfigError, match="unknown config key 'data.doc_stride'"):
+        load_config(None, ["task=textcls", "data.doc_stride=64"])
+    with pytest.raises(ConfigError, match="unknown config key 'data.foo'"):
+        load_config(None, ["data.foo=1"])
