@@ -78,7 +78,9 @@ def bench(tmp_path: Path, parallel: str) -> dict:
 
 
 def test_bench_records_that_fsdp_holds_about_half_the_state_per_rank_of_ddp(tmp_path):
-    rows = {p: bench(tmp_path, p)["runs"] for p in ("ddp", "fsdp")}
+    results = {p: bench(tmp_path, p) for p in ("ddp", "fsdp")}
+    assert {r["seq_len"] for r in results.values()} == {64}
+    rows = {p: r["runs"] for p, r in results.items()}
     ddp, fsdp = (next(r for r in rows[p] if r["nproc"] == 2) for p in ("ddp", "fsdp"))
     # bert-base: 110M parameters, AdamW: 16 bytes each (weights, gradients, two moments) in DDP.
     assert 1600 < ddp["state_mib_per_rank"] < 1750
