@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -173,8 +174,15 @@ def load_weights(output_dir: Path) -> dict[str, torch.Tensor]:
 
 def checkpoint_weights(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
     """The model of checkpoint step-N (the task's module names: compare with other checkpoints,
-    not with model/)."""
-    return load_file(str(output_dir / "checkpoints" / f"step-{step}" / "model.safetensors"))
+    not with model/), whole, from either kind of checkpoint (train.parallel ddp or fsdp)."""
+    folder = output_dir / "checkpoints" / f"step-{step}"
+    if not (folder / ".metadata").is_file():
+        return load_file(str(folder / "model.safetensors"))
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(folder, Path(tmp) / "whole.pt")  # our own test checkpoints: trusted
+        return torch.load(Path(tmp) / "whole.pt", weights_only=False)["model"]
 
 
 def metrics_rows(output_dir: Path) -> list[dict]:

@@ -298,17 +298,20 @@ def test_a_node_gone_for_good_stops_the_others_in_time_naming_it(two_hosts, tmp_
 
 
 @pytest.mark.nodes
-def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts, tmp_path, parallel):
     """launch-elastic-netns (4): NNODES=1:2 and train.global_batch=8 at train.batch_size=4. Node 1
     is lost after step 8: node 0 goes on alone (train.grad_accum 2, the same global batch), and its
     checkpoints equal a 1-process resume from the one it says it resumed from. Then node 1 comes
     back: torchrun stops node 0's worker (SIGTERM: a checkpoint), both resume together, and the run
-    ends with the weights of a 1-process resume from that checkpoint."""
+    ends with the weights of a 1-process resume from that checkpoint. With fsdp, each change of the
+    node count reshards the checkpoint (2 processes' shards to 1, then 1 to 2)."""
     hosts, _ = two_hosts
     out = tmp_path / "run"
     # Longer steps (256 tokens) and more of them: node 0 must still be training when node 1 is back.
     args = [
         *LOSS_RUN,
+        *(["train.parallel=fsdp", "train.check_replicas=false"] if parallel == "fsdp" else []),
         "task.max_seq_len=256",
         "train.max_steps=96",
         "train.checkpoint_every=8",
