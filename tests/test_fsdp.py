@@ -35,12 +35,14 @@ pytestmark = [pytest.mark.fsdp, pytest.mark.slow]
 
 FSDP = ["train.parallel=fsdp", "train.check_replicas=false"]  # the replica check needs whole replicas
 
-# 4 SGD steps of global batch 4 (2 processes x 2), clipped, DataLoader workers on, no RNG in the result.
+# 4 SGD steps of global batch 4 (2 processes x 2 micro-batches of 1: FSDP's accumulation against
+# DDP's), clipped, DataLoader workers on, no RNG in the result.
 SGD_RUN = [
     *SGD,
     "task.dummy_size=64",
     "data.num_workers=2",
-    "train.batch_size=2",
+    "train.batch_size=1",
+    "train.grad_accum=2",
     "train.max_steps=4",
     "train.max_grad_norm=0.1",  # below the gradients' norm: clipping over the shards is compared too
     "train.checkpoint_every=2",
@@ -96,10 +98,10 @@ def test_activation_checkpointing_at_two_processes_changes_no_weight(sgd_runs):
         assert max_abs_diff(load_weights(sgd_runs[name]), load_weights(sgd_runs["ddp"])) < 1e-5, name
 
 
-def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_with_grad_accum_two(sgd_runs, tmp_path):
+def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_with_twice_the_accumulation(sgd_runs, tmp_path):
     out = tmp_path / "one"
     step2 = sgd_runs["fsdp"] / "checkpoints" / "step-2"
-    proc = run_train([*SGD_RUN, *FSDP, "train.grad_accum=2", f"train.resume={step2}", f"output_dir={out}"], nproc=1)
+    proc = run_train([*SGD_RUN, *FSDP, "train.grad_accum=4", f"train.resume={step2}", f"output_dir={out}"], nproc=1)
     assert f"resumed from {step2} at step 2" in proc.stdout
     assert max_abs_diff(load_weights(out), load_weights(sgd_runs["fsdp"])) < 1e-5
 
@@ -186,7 +188,9 @@ def test_an_fp16_overflow_in_one_ranks_shards_skips_the_step_on_every_rank(tmp_p
 
 def test_gradient_accumulation_reduces_only_on_the_last_micro_batch(tmp_path):
     out = tmp_path / "accum"
-    args = ["task=toy_task:SyncProbeTask", "train.grad_accum=2", "train.max_steps=2", "data.num_workers=0"]
+    args = ["task=toy_task:SyncProbeTask", "train.grad_accum=3", "train.max_steps=2", "data.num_workers=0"]
     run_train([*args, *FSDP, f"output_dir={out}"], nproc=2)
-    # Before micro-batches 1, 2 of step 1 and 1, 2 of step 2: no gradient reduced yet, each time.
-    assert json.loads((out / "model" / "reduced_before.json").read_text()) == [False] * 4
+    # Before micro-batches 1, 2, 3 of steps 1 and 2: no gradient reduced yet, each time (before the
+    # first, the last step's were cleared; before the others, a backward has run without reducing).
+    # That the last micro-batch does reduce, and right, is test_fsdp_equals_ddp_after_four_steps.
+    assert json.loads((out / "model" / "reduced_before.json").read_text()) == [False] * 6

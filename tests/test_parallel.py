@@ -131,17 +131,37 @@ class _Evil:
         return (os.system, (f"touch {_Evil.marker}",))
 
 
+def _dotted_payload(marker: Path) -> bytes:
+    """A protocol-4 pickle calling `torch.distributed.checkpoint.filesystem` / `os.system`: a name
+    looked up through an allowed module into what that module imported."""
+
+    def text(value: str) -> bytes:
+        raw = value.encode()
+        return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+    call = text("torch.distributed.checkpoint.filesystem") + text("os.system") + b"\x93"  # STACK_GLOBAL
+    return b"\x80\x04" + call + text(f"touch {marker}") + b"\x85R."  # TUPLE1, REDUCE, STOP
+
+
 def test_a_checkpoint_index_naming_other_code_is_not_unpickled(tmp_path):
     from distqa.sharded import read_shards
 
     out = run(tmp_path, "sharded", "train.parallel=fsdp", "train.max_steps=1")
     checkpoint = out / "checkpoints" / "step-1"
     _Evil.marker = tmp_path / "ran"
-    (checkpoint / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    payloads = {
+        "posix.system": pickle.dumps(_Evil()),
+        "torch.distributed.checkpoint.filesystem.os.system": _dotted_payload(_Evil.marker),
+    }
     model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=r"\.metadata names posix\.system, which a checkpoint index never holds"):
-        read_shards(checkpoint, model, torch.optim.SGD(model.parameters()))
-    assert not _Evil.marker.exists()
+    for name, payload in payloads.items():
+        (checkpoint / ".metadata").write_bytes(payload)
+        with pytest.raises(ValueError, match=rf"\.metadata names {name}, which a checkpoint index never holds"):
+            read_shards(checkpoint, model, torch.optim.SGD(model.parameters()))
+        assert not _Evil.marker.exists()
+    # The dotted payload is a real one: plain pickle runs it.
+    pickle.loads(payloads["torch.distributed.checkpoint.filesystem.os.system"])
+    assert _Evil.marker.exists()
 
 
 def test_the_memory_formula_matches_the_measured_state_and_orders_the_setups():
@@ -166,6 +186,10 @@ def test_the_memory_formula_matches_the_measured_state_and_orders_the_setups():
             for ac in (False, True)
         }
         assert gib[True, True] < gib[True, False] < gib[False, False] and gib[False, True] < gib[False, False]
+        accumulating = per_gpu_bytes(
+            encoder, gpus=8, seq=512, batch=8, sharded=True, checkpointed=False, accumulating=True
+        )
+        assert accumulating - gib[True, False] == 4 * encoder.parameters  # whole fp32 gradients
         fits = {
             (sharded, ac): largest_batch(encoder, gpus=8, seq=512, gib=24, sharded=sharded, checkpointed=ac)
             for sharded in (False, True)
@@ -183,7 +207,11 @@ def test_the_memory_formula_matches_the_measured_state_and_orders_the_setups():
 
 @pytest.mark.parametrize(
     "parallel, expected",
-    [("fsdp", [["torch.bfloat16", False]]), ("ddp", [["torch.float32", True]])],
+    [
+        # FSDP: weights cast by its policy, no autocast, and logits back in fp32 (the root's output_dtype).
+        ("fsdp", [["logits", "torch.float32"], ["torch.bfloat16", False]]),
+        ("ddp", [["logits", "torch.bfloat16"], ["torch.float32", True]]),
+    ],
 )
 def test_bf16_is_fsdps_own_cast_not_autocast_over_shards(tmp_path, parallel, expected):
     """With fsdp, the block computes with weights FSDP cast to bf16 and autocast is off; with ddp,

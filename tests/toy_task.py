@@ -187,7 +187,8 @@ class StackedEvalProbeTask(EvalProbeTask):
 
 class PrecisionProbeTask(ToyClassificationTask):
     """Records, at each forward of its first block's Linear, the dtype of the weight it computes
-    with and whether autocast is on; save_model writes what it saw to precision.json."""
+    with and whether autocast is on, and the dtype of the logits the loss gets; save_model writes
+    what it saw to precision.json."""
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -202,6 +203,11 @@ class PrecisionProbeTask(ToyClassificationTask):
 
         model.blocks[0][0].register_forward_pre_hook(record)
         return model
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        logits = model(batch["features"])
+        self.seen.add(("logits", str(logits.dtype)))
+        return F.cross_entropy(logits.float(), batch["label"])
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
         super().save_model(model, directory)

@@ -86,6 +86,9 @@ def _write(
     (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     manifest = {p.name: hashed.get(p.name) or {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    # Shards are listed as their writers hashed them, even where a network file system's listing
+    # here lags behind: a shard missing later fails the manifest check, not the resume.
+    manifest = dict(sorted({**manifest, **hashed}.items()))
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     for path in [*files, tmp / MANIFEST_FILE, tmp]:
         fsync_path(path)

@@ -296,6 +296,9 @@ def _moved_keys(defaults: Config, layer: DictConfig | None, items: list[str]) ->
     as `task.KEY`, with a warning naming the new key (once per run: rank 0 or a single process)."""
     task_keys = {f.name for f in dataclasses.fields(defaults.task)} - {"name"}
     moved = task_keys - {f.name for f in dataclasses.fields(DataConfig)}
+    task_layer = layer.get("task") if layer is not None else None
+    given = {item.partition("=")[0][5:] for item in items if item.startswith("task.")}
+    given |= set(task_layer) if isinstance(task_layer, DictConfig) else set()
     said: list[str] = []
     renamed = []
     for item in items:
@@ -312,6 +315,9 @@ def _moved_keys(defaults: Config, layer: DictConfig | None, items: list[str]) ->
         for key in [k for k in data if k in moved]:
             said.append(str(key))
             layer["task"][key] = data.pop(key)
+    for key in dict.fromkeys(said):
+        if key in given:  # which one should win is anybody's guess: say so
+            raise ConfigError(f"data.{key} is the old name of task.{key}, and both are set: keep task.{key} only")
     if said and os.environ.get("RANK", "0") == "0":
         names = ", ".join(f"data.{k} is now task.{k}" for k in dict.fromkeys(said))
         print(f"distqa: warning: {names}: read as the new name(s); the old ones will go", file=sys.stderr)

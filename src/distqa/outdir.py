@@ -74,7 +74,9 @@ def export_atomically(save: Callable[[Path], None], directory: Path, info: DistI
                 directory.rename(old)
             tmp.rename(directory)
             shutil.rmtree(old, ignore_errors=True)
-        except (OSError, RuntimeError, ValueError, SafetensorError) as err:
+        except (OSError, RuntimeError, ValueError, SafetensorError, DistqaError) as err:
+            # (DistqaError: a task's save_model, or rebuilding a sharded model, that cannot load
+            # what it needs.) Rank 0 alone runs `save`: the others learn of it just below.
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not directory.exists():
                 old.rename(directory)

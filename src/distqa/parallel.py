@@ -28,7 +28,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from distqa.config import TrainConfig
@@ -76,9 +75,13 @@ def shard(model: nn.Module, info: DistInfo, train: TrainConfig) -> nn.Module:
         blocks = transformer_blocks(model)  # the wrappers, which FSDP must shard around
     dtype = AUTOCAST_DTYPES.get(train.precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    # A model on the CPU goes to the device unit by unit as it is sharded: no rank ever holds the
+    # whole model on its GPU.
     for block in blocks:
         fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    # The model's outputs (logits) in fp32, as under autocast: the loss is computed in full precision.
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    fully_shard(model, mp_policy=root if dtype else policy)
     return model
 
 
@@ -133,12 +136,12 @@ def clip_gradients(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
 
 
 def grad_scaler(train: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
-    """fp16's loss scaler. Sharded, a rank sees an overflow only in its own shards: FSDP's scaler
-    all-reduces the finding, so every rank skips the same steps."""
-    enabled = train.precision == "fp16"
-    if train.parallel == "fsdp":
-        return ShardedGradScaler(device.type, enabled=enabled)
-    return torch.amp.GradScaler(device.type, enabled=enabled)
+    """fp16's loss scaler, the same in both modes. Sharded, a rank sees an overflow only in its own
+    shards; the scaler's check runs on DTensor gradients, whose dispatch reduces the finding over
+    the ranks, so every rank skips the same steps (test_fsdp.py overflows one rank's rows only).
+    (FSDP1's ShardedGradScaler would do the same, but its 1-element finding breaks fused AdamW's
+    0-dimensional step counters on CUDA: pytorch/pytorch#140514.)"""
+    return torch.amp.GradScaler(device.type, enabled=train.precision == "fp16")
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -148,14 +151,11 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def whole_model(model: nn.Module, build: Callable[[], nn.Module], info: DistInfo) -> nn.Module:
-    """The model to export: itself, or (sharded) a fresh one from `build` (the task's
-    build_model) holding the all-gathered weights, on rank 0. Every rank must call it."""
-    if not is_sharded(model):
+def whole_model(model: nn.Module, weights: dict[str, torch.Tensor] | None, build: Callable[[], nn.Module]) -> nn.Module:
+    """The model to export, on rank 0: itself, or (sharded) a fresh one from `build` (the task's
+    build_model) holding `weights`, gathered by every rank with `full_weights` beforehand."""
+    if weights is None:
         return model
-    weights = full_weights(model)
-    if not info.is_main:
-        return model  # not exported by this rank
     whole = build()
     whole.load_state_dict(weights)  # copied into its tensors, so weights the model ties stay tied
     return whole

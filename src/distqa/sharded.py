@@ -50,13 +50,20 @@ def entry(path: Path) -> dict[str, Any]:
 
 def require_shared(folder: Path, info: DistInfo) -> None:
     """Every rank, at start: raise unless every rank sees the files rank 0 writes in `folder`
-    (a random token), so that a run whose nodes do not share output_dir stops before its first
-    step, not at its first checkpoint hours later."""
-    token = secrets.token_hex(16) if info.is_main else None
-    path = folder / _TOKEN_FILE
+    (a file with a random name and content), so that a run whose nodes do not share output_dir
+    stops before its first step, not at its first checkpoint hours later. (A name never used before
+    cannot be answered from a network file system's cache of names that do not exist.)"""
+    token, problem = (secrets.token_hex(16), None) if info.is_main else (None, None)
+    path = folder / f"{_TOKEN_FILE}-{token}"
     if info.is_main:
-        path.write_text(str(token))
-    token = broadcast_object(token)
+        try:
+            path.write_text(str(token))
+        except OSError as err:
+            problem = f"cannot write in output_dir {folder} ({err.strerror or err})"
+    token, problem = broadcast_object((token, problem))  # type: ignore[misc]
+    if problem:
+        raise DistqaError(str(problem))
+    path = folder / f"{_TOKEN_FILE}-{token}"
     try:
         seen = path.read_text() == token
     except OSError:
@@ -96,10 +103,18 @@ def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     return {path.name: entry(path) for path in mine}
 
 
-# The classes DCP's index may name (seen in the files torch 2.11-2.13 write).
-_INDEX_CLASSES = {
+# What DCP's index may name (seen in the files torch 2.11-2.13 write): its own classes, defined in
+# these modules, and a few plain values.
+_INDEX_MODULES = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+}
+_INDEX_VALUES = {
     ("pathlib", "PosixPath"),
     ("pathlib", "WindowsPath"),
+    ("pathlib._local", "PosixPath"),  # Python 3.13's home of the same classes
+    ("pathlib._local", "WindowsPath"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),
@@ -108,14 +123,18 @@ _INDEX_CLASSES = {
 
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            (module, name) in _INDEX_CLASSES
-            or module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)))
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"{METADATA_FILE} names {module}.{name}, which a checkpoint index never holds")
-        return super().find_class(module, name)
+        # A dotted name would be looked up attribute by attribute, out of the module into whatever
+        # it imported (`filesystem` / `os.system`): only plain names are read at all.
+        if "." not in name:
+            if (module, name) in _INDEX_VALUES:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+                return super().find_class(module, name)
+            if module in _INDEX_MODULES:
+                found = super().find_class(module, name)
+                if isinstance(found, type) and found.__module__ == module:  # defined there, not imported
+                    return found
+        raise pickle.UnpicklingError(f"{METADATA_FILE} names {module}.{name}, which a checkpoint index never holds")
 
 
 class _Reader(dcp.FileSystemReader):

@@ -56,7 +56,10 @@ class Task(ABC):
 
     @abstractmethod
     def build_model(self) -> nn.Module:
-        """Return the model on the CPU. Called after seeding, identically on every rank."""
+        """Return the model on the CPU. Called after seeding, identically on every rank; with
+        train.parallel=fsdp once more on rank 0 at the end, to hold the gathered weights for export.
+        Repeated blocks belong in an `nn.ModuleList`: they are FSDP's units and what activation
+        checkpointing recomputes."""
 
     @abstractmethod
     def build_train_dataset(self) -> Dataset:
@@ -100,7 +103,9 @@ class Task(ABC):
 
         The default is the common path, with no distributed code in the task: the trainer shards
         `build_eval_dataset()`, runs `eval_step` on each batch and gives rank 0 every output for
-        `compute_metrics`. Override this only for what that path cannot express.
+        `compute_metrics`. Override this only for what that path cannot express; with
+        train.parallel=fsdp the model's forward is a collective, so every rank must call it equally
+        often.
         """
         dataset = self.eval_dataset()
         return {} if dataset is None else evaluate_dataset(self, model, dataset, info, step)

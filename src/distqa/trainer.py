@@ -39,7 +39,15 @@ from distqa.guards import StopSignal, check_replicas, watch_parent
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import apply_settings, build_optimizer, build_scheduler
 from distqa.outdir import claim, export_atomically, write_text
-from distqa.parallel import checkpoint_blocks, clip_gradients, grad_scaler, gradient_sync, shard, whole_model
+from distqa.parallel import (
+    checkpoint_blocks,
+    clip_gradients,
+    full_weights,
+    grad_scaler,
+    gradient_sync,
+    shard,
+    whole_model,
+)
 from distqa.resume import check_resumable, choose_checkpoint
 from distqa.rounds import as_peer_loss
 from distqa.sampler import derive_seed, seed_everything, steps_per_epoch, training_loader
@@ -220,7 +228,9 @@ class Trainer:
         # rank 0's anyway, but identical construction keeps RNG streams aligned too).
         seed_everything(cfg.seed)
         with local_main_first(info):
-            self.raw_model = self.task.build_model().to(info.device)
+            self.raw_model = self.task.build_model()
+        if not self.sharded:  # FSDP moves it to the device itself, one unit at a time, as it shards it
+            self.raw_model.to(info.device)
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
             self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
@@ -323,9 +333,13 @@ class Trainer:
             if info.is_main and metrics.path.is_file():
                 title = run_title(cfg, self.global_batch)
                 plotted = plot_metrics(metrics.path, self.out / "metrics.png", title=title)
-            model = whole_model(self.raw_model, self.task.build_model, info)
+            # A sharded model is gathered by every rank first; rank 0 then builds the whole one
+            # inside the export, whose failures every rank learns of.
+            weights = full_weights(self.raw_model) if self.sharded else None
             export_atomically(
-                lambda folder: self.task.save_model(model, folder),
+                lambda folder: self.task.save_model(
+                    whole_model(self.raw_model, weights, self.task.build_model), folder
+                ),
                 self.out / "model",
                 info,
                 note="the final checkpoint holds the same weights: free space and run the same command "

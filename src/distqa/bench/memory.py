@@ -15,6 +15,9 @@ Per GPU = training state + activations + what FSDP gathers for the block it is c
 - FSDP's gathered copies: the block being computed and the one prefetched, bf16 weights and fp32
   gradients before their reduce-scatter, and the root unit (embeddings and heads), which stays
   gathered from its forward to the end of its backward.
+- Gradient accumulation (`accumulating`, train.grad_accum > 1) with FSDP: between micro-batches
+  each rank keeps whole, unreduced fp32 gradients (4 bytes per parameter, as DDP does), because it
+  reduces only on the last one. The tables are for train.grad_accum=1.
 Left out: the CUDA context and allocator slack (`OVERHEAD_GIB` is set aside for them), the loss's
 logits, and temporary buffers of individual kernels. DeBERTa's disentangled attention keeps
 relative-position score matrices no fused kernel removes: its activation figures are lower bounds.
@@ -76,9 +79,13 @@ def gathered_bytes(model: Encoder) -> float:
     return (2 * model.block_parameters + model.root_parameters) * (2 + 4)
 
 
-def per_gpu_bytes(model: Encoder, *, gpus: int, seq: int, batch: int, sharded: bool, checkpointed: bool) -> float:
+def per_gpu_bytes(
+    model: Encoder, *, gpus: int, seq: int, batch: int, sharded: bool, checkpointed: bool, accumulating: bool = False
+) -> float:
     total = state_bytes_per_rank(model.parameters, gpus, sharded) + activation_bytes(model, seq, batch, checkpointed)
-    return total + (gathered_bytes(model) if sharded else 0.0)
+    if sharded:
+        total += gathered_bytes(model) + (4 * model.parameters if accumulating else 0.0)
+    return total
 
 
 SETUPS = (("DDP", False, False), ("DDP + AC", False, True), ("FSDP", True, False), ("FSDP + AC", True, True))
