@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import os
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -290,40 +288,6 @@ def _task_name(layer: DictConfig | None, items: list[str]) -> str:
     return TaskSettings().name
 
 
-def _moved_keys(defaults: Config, layer: DictConfig | None, items: list[str]) -> tuple[DictConfig | None, list[str]]:
-    """Natural Questions' data keys became the task's own (`data.max_seq_len` is `task.max_seq_len`).
-    Old commands and YAML files keep working: a `data.KEY` the task has and `data` has not is read
-    as `task.KEY`, with a warning naming the new key (once per run: rank 0 or a single process)."""
-    task_keys = {f.name for f in dataclasses.fields(defaults.task)} - {"name"}
-    moved = task_keys - {f.name for f in dataclasses.fields(DataConfig)}
-    task_layer = layer.get("task") if layer is not None else None
-    given = {item.partition("=")[0][5:] for item in items if item.startswith("task.")}
-    given |= set(task_layer) if isinstance(task_layer, DictConfig) else set()
-    said: list[str] = []
-    renamed = []
-    for item in items:
-        key, _, value = item.partition("=")
-        if key.startswith("data.") and key[5:] in moved:
-            said.append(key[5:])
-            item = f"task.{key[5:]}={value}"
-        renamed.append(item)
-    data = layer.get("data") if layer is not None else None
-    if isinstance(data, DictConfig) and any(key in moved for key in data):
-        assert layer is not None
-        if not isinstance(layer.get("task"), DictConfig):
-            layer["task"] = {}
-        for key in [k for k in data if k in moved]:
-            said.append(str(key))
-            layer["task"][key] = data.pop(key)
-    for key in dict.fromkeys(said):
-        if key in given:  # which one should win is anybody's guess: say so
-            raise ConfigError(f"data.{key} is the old name of task.{key}, and both are set: keep task.{key} only")
-    if said and os.environ.get("RANK", "0") == "0":
-        names = ", ".join(f"data.{k} is now task.{k}" for k in dict.fromkeys(said))
-        print(f"distqa: warning: {names}: read as the new name(s); the old ones will go", file=sys.stderr)
-    return layer, renamed
-
-
 def load_config(
     path: str | None = None,
     overrides: tuple[str, ...] | list[str] = (),
@@ -345,7 +309,10 @@ def load_config(
     if settings_of is None:
         from distqa.tasks import settings_class as settings_of
     defaults = default_config(settings_of(_task_name(layer, items)))
-    layer, items = _moved_keys(defaults, layer, items)
+    from distqa.tasks import moved_to_task
+
+    task_keys = {f.name for f in dataclasses.fields(defaults.task)} - {"name"}
+    layer, items = moved_to_task(task_keys - {f.name for f in dataclasses.fields(DataConfig)}, layer, items)
     known = [k for k, _, _ in describe_keys(defaults)]
     merged = OmegaConf.structured(defaults)
     if layer is not None:

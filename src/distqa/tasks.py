@@ -1,6 +1,7 @@
 """Which class a `task.name` means, without importing torch where that can be avoided.
 
-Built-in tasks have short names. Their settings classes live in modules that import no torch, so
+Built-in tasks have short names. `moved_to_task` reads the keys that became a task's own under
+their old `data.*` names. Their settings classes live in modules that import no torch, so
 that `distqa train --check-config` (and any configuration mistake) answers in well under a second;
 a fork's `module:Class` task is imported to read its `Config`.
 """
@@ -8,7 +9,11 @@ a fork's `module:Class` task is imported to read its `Config`.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
+
+from omegaconf import DictConfig
 
 from distqa.errors import ConfigError
 
@@ -50,3 +55,35 @@ def settings_class(name: str) -> type:
     if name in BUILTIN_SETTINGS:
         return _import(name, BUILTIN_SETTINGS[name])
     return task_class(name).Config
+
+
+def moved_to_task(moved: set[str], layer: Any, items: list[str]) -> tuple[Any, list[str]]:
+    """Natural Questions' data keys became the task's own (`data.max_seq_len` is `task.max_seq_len`).
+    Old commands and YAML files keep working: a `data.KEY` with KEY in `moved` (the selected task's
+    keys that `data` has not) is read as `task.KEY`, with a warning naming the new key (once per
+    run: rank 0 or a single process). `layer`: the YAML file's OmegaConf mapping, or None."""
+    task_layer = layer.get("task") if layer is not None else None
+    given = {item.partition("=")[0][5:] for item in items if item.startswith("task.")}
+    given |= set(task_layer) if isinstance(task_layer, DictConfig) else set()
+    said: list[str] = []
+    renamed = []
+    for item in items:
+        key, _, value = item.partition("=")
+        if key.startswith("data.") and key[5:] in moved:
+            said.append(key[5:])
+            item = f"task.{key[5:]}={value}"
+        renamed.append(item)
+    data = layer.get("data") if layer is not None else None
+    if isinstance(data, DictConfig) and any(key in moved for key in data):
+        if not isinstance(task_layer, DictConfig):
+            layer["task"] = {}
+        for key in [k for k in data if k in moved]:
+            said.append(str(key))
+            layer["task"][key] = data.pop(key)
+    for key in dict.fromkeys(said):
+        if key in given:  # which one should win is anybody's guess: say so
+            raise ConfigError(f"data.{key} is the old name of task.{key}, and both are set: keep task.{key} only")
+    if said and os.environ.get("RANK", "0") == "0":
+        names = ", ".join(f"data.{k} is now task.{k}" for k in dict.fromkeys(said))
+        print(f"distqa: warning: {names}: read as the new name(s); the old ones will go", file=sys.stderr)
+    return layer, renamed

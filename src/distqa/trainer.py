@@ -13,12 +13,12 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from distqa import checkpoint as ckpt
+from distqa import parallel
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, outputs_summary, quiet_libraries, run_title
 from distqa.data_identity import agreed_identity
@@ -39,15 +39,6 @@ from distqa.guards import StopSignal, check_replicas, watch_parent
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import apply_settings, build_optimizer, build_scheduler
 from distqa.outdir import claim, export_atomically, write_text
-from distqa.parallel import (
-    checkpoint_blocks,
-    clip_gradients,
-    full_weights,
-    grad_scaler,
-    gradient_sync,
-    shard,
-    whole_model,
-)
 from distqa.resume import check_resumable, choose_checkpoint
 from distqa.rounds import as_peer_loss
 from distqa.sampler import derive_seed, seed_everything, steps_per_epoch, training_loader
@@ -85,14 +76,12 @@ class Trainer:
     def _wrap(self) -> nn.Module:
         """FSDP2 in place (train.parallel=fsdp, with activation checkpointing inside) or activation
         checkpointing then DDP (several processes); then torch.compile (train.compile)."""
-        train = self.cfg.train
+        train, replicas = self.cfg.train, self.info.is_distributed and not self.sharded
         if self.sharded:
-            shard(self.raw_model, self.info, train)
+            parallel.shard(self.raw_model, self.info, train)
         elif train.activation_checkpointing:
-            checkpoint_blocks(self.raw_model)
-        self.ddp = (
-            data_parallel(self.raw_model, self.info, train) if self.info.is_distributed and not self.sharded else None
-        )
+            parallel.checkpoint_blocks(self.raw_model)
+        self.ddp = data_parallel(self.raw_model, self.info, train) if replicas else None
         model: nn.Module = self.raw_model
         if self.ddp is not None:
             model = self.ddp
@@ -105,9 +94,6 @@ class Trainer:
         return model
 
     # ----------------------------------------------------------------------------- the loop
-    def _to_device(self, batch: Batch) -> dict[str, Any]:
-        return to_device(batch, self.info.device)
-
     def _loss(self, batch: Batch) -> torch.Tensor:
         try:
             return self.task.loss(self.model, batch)
@@ -129,13 +115,13 @@ class Trainer:
             cpu_batch = next(batches)
             tokens = self.task.count_tokens(cpu_batch)  # on the CPU copy: no device sync
             samples = len(next(iter(cpu_batch.values())))
-            batch = self._to_device(cpu_batch)
+            batch = to_device(cpu_batch, self.info.device)
             timer.mark("forward_backward")
             # All-reduce only on the last micro-batch: earlier backward passes just accumulate
             # locally, which saves (accum - 1) rounds of communication per step.
             last = micro == accum - 1
             # (self.ddp, not self.model: a compiled model is no DDP instance, but obeys no_sync.)
-            with gradient_sync(self.raw_model, self.ddp, enabled=last):
+            with parallel.gradient_sync(self.raw_model, self.ddp, enabled=last):
                 with torch.autocast(
                     self.info.device.type,
                     dtype=self.autocast_dtype or torch.float32,
@@ -150,7 +136,7 @@ class Trainer:
         timer.mark("optimizer")
         if self.cfg.train.max_grad_norm > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
-            clip_gradients(self.raw_model.parameters(), self.cfg.train.max_grad_norm)
+            parallel.clip_gradients(self.raw_model.parameters(), self.cfg.train.max_grad_norm)
         self.scaler.step(self.optimizer)
         if self.scaler.is_enabled():
             # fp16: the scaler skips the optimizer step when gradients overflowed (and then lowers
@@ -240,7 +226,7 @@ class Trainer:
         self.model = self._wrap()  # first: FSDP replaces the parameters the optimizer must hold
         self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, total_steps)
-        self.scaler = grad_scaler(cfg.train, info.device)
+        self.scaler = parallel.grad_scaler(cfg.train, info.device)
 
         step = 0
         if resume_from is not None:
@@ -335,11 +321,10 @@ class Trainer:
                 plotted = plot_metrics(metrics.path, self.out / "metrics.png", title=title)
             # A sharded model is gathered by every rank first; rank 0 then builds the whole one
             # inside the export, whose failures every rank learns of.
-            weights = full_weights(self.raw_model) if self.sharded else None
+            weights = parallel.full_weights(self.raw_model) if self.sharded else None
+            whole = parallel.whole_model
             export_atomically(
-                lambda folder: self.task.save_model(
-                    whole_model(self.raw_model, weights, self.task.build_model), folder
-                ),
+                lambda folder: self.task.save_model(whole(self.raw_model, weights, self.task.build_model), folder),
                 self.out / "model",
                 info,
                 note="the final checkpoint holds the same weights: free space and run the same command "
