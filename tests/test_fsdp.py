@@ -53,9 +53,12 @@ SGD_RUN = [
 @pytest.fixture(scope="module")
 def sgd_runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sgd")
-    runs = {name: root / name for name in ("fsdp", "ddp", "fsdp-ac", "ddp-ac")}
+    runs = {name: root / name for name in ("fsdp", "ddp", "fsdp-ac", "ddp-ac", "fsdp-batch-2")}
     ac = "train.activation_checkpointing=true"
     run_train([*SGD_RUN, *FSDP, f"output_dir={runs['fsdp']}"], nproc=2)
+    # The same global batch as one micro-batch of 2 per process (the issue's resharding check).
+    batch2 = ["train.batch_size=2", "train.grad_accum=1"]
+    run_train([*SGD_RUN, *FSDP, *batch2, f"output_dir={runs['fsdp-batch-2']}"], nproc=2)
     run_train([*SGD_RUN, f"output_dir={runs['ddp']}"], nproc=2)
     run_train([*SGD_RUN, *FSDP, ac, f"output_dir={runs['fsdp-ac']}"], nproc=2)
     run_train([*SGD_RUN, ac, f"output_dir={runs['ddp-ac']}"], nproc=2)
@@ -98,12 +101,18 @@ def test_activation_checkpointing_at_two_processes_changes_no_weight(sgd_runs):
         assert max_abs_diff(load_weights(sgd_runs[name]), load_weights(sgd_runs["ddp"])) < 1e-5, name
 
 
-def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_with_twice_the_accumulation(sgd_runs, tmp_path):
+def test_a_sharded_checkpoint_of_two_processes_resumes_on_one_with_grad_accum_two(sgd_runs, tmp_path):
+    """2 processes x batch 2 to step 2, then 1 process x batch 2 x grad_accum 2 to step 4: the
+    2-process run's weights. (Its split of the global batch does not matter either: it equals the
+    1 x 2 micro-batches run of DDP.)"""
     out = tmp_path / "one"
-    step2 = sgd_runs["fsdp"] / "checkpoints" / "step-2"
-    proc = run_train([*SGD_RUN, *FSDP, "train.grad_accum=4", f"train.resume={step2}", f"output_dir={out}"], nproc=1)
+    straight = sgd_runs["fsdp-batch-2"]
+    step2 = straight / "checkpoints" / "step-2"
+    args = [*SGD_RUN, *FSDP, "train.batch_size=2", "train.grad_accum=2", f"train.resume={step2}"]
+    proc = run_train([*args, f"output_dir={out}"], nproc=1)
     assert f"resumed from {step2} at step 2" in proc.stdout
-    assert max_abs_diff(load_weights(out), load_weights(sgd_runs["fsdp"])) < 1e-5
+    assert max_abs_diff(load_weights(out), load_weights(straight)) < 1e-5
+    assert max_abs_diff(load_weights(straight), load_weights(sgd_runs["ddp"])) < 1e-5
 
 
 def test_the_fsdp_export_is_whole_and_loads_with_hugging_face_and_bertjointqa(sgd_runs):

@@ -176,6 +176,43 @@ def test_loader_workers_leave_the_process_group_but_still_die_on_their_parents_s
     del batches
 
 
+# A training process in a session of its own, as torchrun starts it: its loader's workers get a
+# SIGTERM sent to the whole group as they start (in their worker_init_fn, before they leave the
+# group: the moment the race needs), as torchrun's stop can arrive at an epoch's start.
+_RACE = """
+import os, signal, sys
+from torch.utils.data import DataLoader
+from distqa.guards import loader_worker_init, sigterm_held
+
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+
+def init(worker_id):
+    os.killpg(os.getpgid(0), signal.SIGTERM)  # still in the training process's group
+    loader_worker_init(worker_id)
+
+loader = DataLoader(list(range(32)), batch_size=2, num_workers=2, worker_init_fn=init)
+with (sigterm_held() if sys.argv[1] == "held" else open(os.devnull)):
+    batches = iter(loader)
+print(len(list(batches)), "batches; training process got SIGTERM:", bool(got), flush=True)
+"""
+
+
+@pytest.mark.parametrize("held", ["held", "not held"])
+def test_a_sigterm_while_loader_workers_start_reaches_only_the_training_process(held):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _RACE, held], capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    if held == "held":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip() == "16 batches; training process got SIGTERM: True"
+    else:  # the race as it was: a worker dies of the signal meant for its parent
+        assert proc.returncode != 0 and "exited unexpectedly" in proc.stderr, proc.stdout + proc.stderr[-2000:]
+
+
 def test_the_replica_checksum_is_exact_whatever_the_thread_count():
     """Nodes may run other thread counts (their CPUs differ): a float sum of identical weights then
     differs in its last bits, and the replica check raised a false alarm (seen: spread 7e-15)."""

@@ -9,11 +9,13 @@ same step, write one checkpoint together, and exit as "preempted".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import torch
@@ -36,8 +38,27 @@ def loader_worker_init(worker_id: int) -> None:
     they do not get it, yet keep PyTorch's own handling: the loader ends them when it shuts down
     (with SIGTERM as a last resort, which they must not ignore, or the training process waits for
     them forever at exit), and they exit when their parent is gone.
+
+    A SIGTERM can reach the group while a worker is starting, before it has left: the training
+    process starts its workers with SIGTERM held (`sigterm_held`), so such a signal waits in the
+    worker, which drops it here once out of the group and only then takes signals again.
     """
     os.setpgid(0, 0)
+    if signal.SIGTERM in signal.sigpending():
+        signal.sigwait({signal.SIGTERM})  # sent to the training process's group: not ours
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+@contextlib.contextmanager
+def sigterm_held() -> Iterator[None]:
+    """Hold SIGTERM while DataLoader workers are started (`iter(loader)`): they inherit the held
+    signal and release it in `loader_worker_init`. A SIGTERM for this process meanwhile is
+    delivered when the block ends, so the stop it asks for is only delayed, never lost."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def watch_parent(grace_s: float = 10.0) -> None:
