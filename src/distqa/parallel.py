@@ -79,7 +79,7 @@ def shard(model: nn.Module, info: DistInfo, train: TrainConfig) -> nn.Module:
     # whole model on its GPU.
     for block in blocks:
         fully_shard(block, mp_policy=policy)
-    # The model's outputs (logits) in fp32, as under autocast: the loss is computed in full precision.
+    # The model's outputs (logits) back in fp32: the task's loss then runs in full precision.
     root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
     fully_shard(model, mp_policy=root if dtype else policy)
     return model
