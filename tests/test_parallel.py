@@ -88,7 +88,11 @@ def test_the_replica_check_is_refused_with_fsdp():
 
 
 def test_a_sharded_checkpoint_is_verified_and_refused_by_a_ddp_run(tmp_path):
+    stale = tmp_path / "sharded" / ".distqa-shared-check-0123"  # as a run killed during its start leaves
+    stale.parent.mkdir()
+    stale.write_text("0123")
     out = run(tmp_path, "sharded", "train.parallel=fsdp", "train.max_steps=2")
+    assert not list(out.glob(".distqa-shared-check-*"))  # the shared-storage check leaves nothing
     checkpoint = out / "checkpoints" / "step-2"
     assert verify_checkpoint(checkpoint) is None
     refused = r"changed train.parallel \('fsdp' -> 'ddp'\): its model and optimizer are stored as shards"

@@ -57,6 +57,8 @@ def require_shared(folder: Path, info: DistInfo) -> None:
     path = folder / f"{_TOKEN_FILE}-{token}"
     if info.is_main:
         try:
+            for stale in folder.glob(f"{_TOKEN_FILE}-*"):  # left by a run killed right here (one run per folder)
+                stale.unlink(missing_ok=True)
             path.write_text(str(token))
         except OSError as err:
             problem = f"cannot write in output_dir {folder} ({err.strerror or err})"
