@@ -222,10 +222,14 @@ def test_nq_keys_that_moved_from_data_to_task_are_still_read_with_a_warning(tmp_
     cfg = load_config(str(path), ["task.max_seq_len=96"])
     assert (cfg.task.doc_stride, cfg.task.max_seq_len, cfg.train.max_steps) == (64, 96, 3)
     assert "data.doc_stride is now task.doc_stride" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="data.max_seq_len is the old name of task.max_seq_len, and both are set"):
+    # Both names in one layer: refused. In two, the command line wins, as for any key.
+    with pytest.raises(ConfigError, match="data.max_seq_len is the old name of task.max_seq_len, and the command"):
         load_config(None, ["task.max_seq_len=96", "data.max_seq_len=64"])
-    with pytest.raises(ConfigError, match="data.doc_stride is the old name of task.doc_stride, and both are set"):
-        load_config(str(path), ["task.doc_stride=32"])
+    both = tmp_path / "both.yaml"
+    both.write_text("data:\n  doc_stride: 64\ntask:\n  doc_stride: 32\n")
+    with pytest.raises(ConfigError, match="data.doc_stride is the old name of task.doc_stride, and the config file"):
+        load_config(str(both))
+    assert load_config(str(path), ["task.doc_stride=32"]).task.doc_stride == 32
     # Only keys the selected task has: textcls has no doc_stride, and data.* stays closed.
     with pytest.raises(ConfigError, match="unknown config key 'data.doc_stride'"):
         load_config(None, ["task=textcls", "data.doc_stride=64"])

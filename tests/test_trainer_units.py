@@ -191,7 +191,7 @@ def init(worker_id):
     os.killpg(os.getpgid(0), signal.SIGTERM)  # still in the training process's group
     loader_worker_init(worker_id)
 
-loader = DataLoader(list(range(32)), batch_size=2, num_workers=2, worker_init_fn=init)
+loader = DataLoader(list(range(32)), batch_size=2, num_workers=2, worker_init_fn=init, multiprocessing_context="fork")
 with (sigterm_held() if sys.argv[1] == "held" else open(os.devnull)):
     batches = iter(loader)
 print(len(list(batches)), "batches; training process got SIGTERM:", bool(got), flush=True)

@@ -8,13 +8,14 @@ it, split into `grad_accum` micro-batches. 1 process x batch 8 and 2 processes x
 average the gradient over exactly the same 8 examples at every step.
 
 The sampler can start in the middle of an epoch (`start_step`), which is how a resumed run picks up
-at the exact position in the data without replaying the loader. `training_loader` is the
-trainer's DataLoader over it; `seed_everything` and `derive_seed` seed weights, dropout and workers.
+at the exact position in the data without replaying the loader. `training_batches` are the
+trainer's batches through a DataLoader over it; `seed_everything` and `derive_seed` seed weights, dropout and workers.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from distqa.config import Config
 from distqa.dist import DistInfo, default_num_workers
 from distqa.errors import ConfigError
-from distqa.guards import loader_worker_init
+from distqa.guards import loader_worker_init, sigterm_held
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, grad_accum: int, world_size: int) -> int:
@@ -98,10 +99,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def training_loader(
+def training_batches(
     dataset: Dataset, collate: Callable[[list[Any]], Any], cfg: Config, info: DistInfo, epoch: int, start_step: int
-) -> DataLoader:
-    """This rank's batches of one epoch, from optimizer step `start_step` on."""
+) -> Iterator[Any]:
+    """This rank's batches of one epoch, from optimizer step `start_step` on, its DataLoader workers
+    started."""
     sampler = GlobalBatchSampler(
         len(dataset),  # type: ignore[arg-type]
         batch_size=cfg.train.batch_size,
@@ -115,13 +117,20 @@ def training_loader(
     # The loader draws its workers' base seed from this generator, not from the global RNG:
     # otherwise creating a loader after a resume would shift the dropout stream.
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-    workers = cfg.data.num_workers
-    return DataLoader(
+    workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
+    loader = DataLoader(
         dataset,
         batch_sampler=sampler,
         collate_fn=collate,
-        num_workers=default_num_workers() if workers is None else workers,
+        num_workers=workers,
         pin_memory=info.device.type == "cuda",
         generator=generator,
         worker_init_fn=loader_worker_init,
+        # Forked workers inherit the held SIGTERM below (spawn and forkserver, Python 3.14's
+        # default on Linux, start them with nothing held); elsewhere that protection is best effort.
+        multiprocessing_context="fork" if workers and sys.platform.startswith("linux") else None,
     )
+    # Its workers must not die of a SIGTERM sent while they start (guards.loader_worker_init). (The
+    # caller's previous epoch's workers end after this returns, outside the hold.)
+    with sigterm_held():
+        return iter(loader)

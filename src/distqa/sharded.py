@@ -105,38 +105,50 @@ def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     return {path.name: entry(path) for path in mine}
 
 
-# What DCP's index may name (seen in the files torch 2.11-2.13 write): its own classes, defined in
-# these modules, and a few plain values.
-_INDEX_MODULES = {
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-}
-_INDEX_VALUES = {
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib._local", "PosixPath"),  # Python 3.13's home of the same classes
-    ("pathlib._local", "WindowsPath"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
+# What DCP's index may name (seen in the files torch 2.11-2.13 write): its own classes, by name,
+# and a few plain values.
+_INDEX_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"WriteItemType", "LoadItemType"},
+    "pathlib": {"PosixPath", "WindowsPath"},
+    "pathlib._local": {"PosixPath", "WindowsPath"},  # Python 3.13's home of the same classes
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
 }
 
 
-class _IndexUnpickler(pickle.Unpickler):
+class _IndexUnpickler(pickle._Unpickler):  # the Python one: its BUILD step can be checked
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
-        # A dotted name would be looked up attribute by attribute, out of the module into whatever
-        # it imported (`filesystem` / `os.system`): only plain names are read at all.
-        if "." not in name:
-            if (module, name) in _INDEX_VALUES:
-                return super().find_class(module, name)
-            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-                return super().find_class(module, name)
-            if module in _INDEX_MODULES:
-                found = super().find_class(module, name)
-                if isinstance(found, type) and found.__module__ == module:  # defined there, not imported
-                    return found
-        raise pickle.UnpicklingError(f"{METADATA_FILE} names {module}.{name}, which a checkpoint index never holds")
+        # Only plain names: a dotted one is looked up attribute by attribute, out of the module
+        # into whatever it imported (`filesystem` / `os.system`).
+        allowed = name in _INDEX_CLASSES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+        )
+        if "." in name or not allowed:
+            raise pickle.UnpicklingError(f"{METADATA_FILE} names {module}.{name}, which a checkpoint index never holds")
+        return super().find_class(module, name)
+
+    def load_build(self) -> None:
+        # BUILD sets attributes on the object below it; on a class, that would change the class
+        # for the whole process (a method of DCP's reader replaced, say). Only instances.
+        if isinstance(self.stack[-2], type):
+            raise pickle.UnpicklingError(f"{METADATA_FILE} sets attributes of {self.stack[-2].__name__} itself")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 class _Reader(dcp.FileSystemReader):

@@ -60,30 +60,35 @@ def settings_class(name: str) -> type:
 def moved_to_task(moved: set[str], layer: Any, items: list[str]) -> tuple[Any, list[str]]:
     """Natural Questions' data keys became the task's own (`data.max_seq_len` is `task.max_seq_len`).
     Old commands and YAML files keep working: a `data.KEY` with KEY in `moved` (the selected task's
-    keys that `data` has not) is read as `task.KEY`, with a warning naming the new key (once per
-    run: rank 0 or a single process). `layer`: the YAML file's OmegaConf mapping, or None."""
-    task_layer = layer.get("task") if layer is not None else None
-    given = {item.partition("=")[0][5:] for item in items if item.startswith("task.")}
-    given |= set(task_layer) if isinstance(task_layer, DictConfig) else set()
+    keys that `data` has not, whichever the task) is read as `task.KEY`, with a warning naming the
+    new key (once per run: rank 0 or a single process). Both names in one layer (the command line,
+    or the YAML file) are refused; across layers the command line wins, as for any key.
+    `layer`: the YAML file's OmegaConf mapping, or None."""
     said: list[str] = []
+    in_items = {item.partition("=")[0] for item in items}
     renamed = []
     for item in items:
         key, _, value = item.partition("=")
         if key.startswith("data.") and key[5:] in moved:
+            if f"task.{key[5:]}" in in_items:
+                raise ConfigError(_both(key[5:], "the command line"))
             said.append(key[5:])
             item = f"task.{key[5:]}={value}"
         renamed.append(item)
     data = layer.get("data") if layer is not None else None
     if isinstance(data, DictConfig) and any(key in moved for key in data):
-        if not isinstance(task_layer, DictConfig):
+        if not isinstance(layer.get("task"), DictConfig):
             layer["task"] = {}
         for key in [k for k in data if k in moved]:
+            if key in layer["task"]:
+                raise ConfigError(_both(str(key), "the config file"))
             said.append(str(key))
             layer["task"][key] = data.pop(key)
-    for key in dict.fromkeys(said):
-        if key in given:  # which one should win is anybody's guess: say so
-            raise ConfigError(f"data.{key} is the old name of task.{key}, and both are set: keep task.{key} only")
     if said and os.environ.get("RANK", "0") == "0":
         names = ", ".join(f"data.{k} is now task.{k}" for k in dict.fromkeys(said))
         print(f"distqa: warning: {names}: read as the new name(s); the old ones will go", file=sys.stderr)
     return layer, renamed
+
+
+def _both(key: str, where: str) -> str:
+    return f"data.{key} is the old name of task.{key}, and {where} sets both: keep task.{key} only"

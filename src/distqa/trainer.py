@@ -35,13 +35,13 @@ from distqa.dist import (
 )
 from distqa.errors import DistqaError, Preempted
 from distqa.evaluation import run_evaluation, to_device
-from distqa.guards import StopSignal, check_replicas, sigterm_held, watch_parent
+from distqa.guards import StopSignal, check_replicas, watch_parent
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
 from distqa.optim import apply_settings, build_optimizer, build_scheduler
 from distqa.outdir import claim, export_atomically, write_text
 from distqa.resume import check_resumable, choose_checkpoint
 from distqa.rounds import as_peer_loss
-from distqa.sampler import derive_seed, seed_everything, steps_per_epoch, training_loader
+from distqa.sampler import derive_seed, seed_everything, steps_per_epoch, training_batches
 from distqa.sharded import require_shared
 from distqa.steptimer import StepTimer
 from distqa.task import Batch, Task, load_task
@@ -271,8 +271,7 @@ class Trainer:
         try:
             while step < total_steps:
                 epoch, in_epoch = divmod(step, epoch_steps)
-                with sigterm_held():  # its workers must not die of a SIGTERM sent while they start
-                    batches = iter(training_loader(dataset, self.task.collate, cfg, info, epoch, in_epoch))
+                batches = training_batches(dataset, self.task.collate, cfg, info, epoch, in_epoch)
                 for _ in range(in_epoch, min(epoch_steps, in_epoch + total_steps - step)):
                     lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                     self._train_step(batches, meter)
