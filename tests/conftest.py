@@ -178,11 +178,16 @@ def checkpoint_weights(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
     folder = output_dir / "checkpoints" / f"step-{step}"
     if not (folder / ".metadata").is_file():
         return load_file(str(folder / "model.safetensors"))
+    return sharded_checkpoint(folder)["model"]
+
+
+def sharded_checkpoint(folder: Path) -> dict:
+    """A train.parallel=fsdp checkpoint's DCP state, whole: {"model": ..., "optimizer": ...}."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(folder, Path(tmp) / "whole.pt")  # our own test checkpoints: trusted
-        return torch.load(Path(tmp) / "whole.pt", weights_only=False)["model"]
+        return torch.load(Path(tmp) / "whole.pt", weights_only=False)
 
 
 def metrics_rows(output_dir: Path) -> list[dict]:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (
     ROOT,
@@ -28,6 +27,7 @@ from conftest import (
     max_abs_diff,
     metrics_rows,
     run_train,
+    sharded_checkpoint,
     subprocess_env,
 )
 
@@ -65,11 +65,9 @@ def sgd_runs(tmp_path_factory) -> dict[str, Path]:
     return runs
 
 
-def sharded_state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+def sharded_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a sharded checkpoint (model and optimizer), whole, by its key."""
-    target = tmp_path / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
-    dcp_to_torch_save(checkpoint, target)
-    state = torch.load(target, weights_only=False)
+    state = sharded_checkpoint(checkpoint)
     flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value: object) -> None:
@@ -87,7 +85,7 @@ def test_fsdp_equals_ddp_after_four_steps(sgd_runs):
     fsdp, ddp = load_weights(sgd_runs["fsdp"]), load_weights(sgd_runs["ddp"])
     assert max_abs_diff(fsdp, ddp) < 1e-5
     # The comparison can fail: 4 steps at SGD's rate 0.5 move the weights by far more.
-    start = sharded_state(sgd_runs["fsdp"] / "checkpoints" / "step-2", sgd_runs["fsdp"])
+    start = sharded_state(sgd_runs["fsdp"] / "checkpoints" / "step-2")
     moved = max(float((fsdp[k] - start[f"/model/{k}"]).abs().max()) for k in fsdp if f"/model/{k}" in start)
     assert moved > 1e-3
     assert [r["loss"] for r in metrics_rows(sgd_runs["fsdp"])] == pytest.approx(
@@ -182,7 +180,7 @@ def test_an_fp16_overflow_in_one_ranks_shards_skips_the_step_on_every_rank(tmp_p
     args += ["train.lr_schedule=constant", "train.warmup_ratio=0", "train.max_steps=5", "data.num_workers=0"]
     run_train([*args, *FSDP, "train.checkpoint_every=1", "train.keep_checkpoints=0", f"output_dir={out}"], nproc=2)
     steps = range(1, 6)
-    states = {s: sharded_state(out / "checkpoints" / f"step-{s}", tmp_path) for s in steps}
+    states = {s: sharded_state(out / "checkpoints" / f"step-{s}") for s in steps}
     weights = {s: {k: v for k, v in states[s].items() if k.startswith("/model/")} for s in steps}
     assert max_abs_diff(weights[2], weights[3]) == 0.0  # skipped, both halves
     assert max_abs_diff(weights[1], weights[2]) > 1e-4 and max_abs_diff(weights[3], weights[4]) > 1e-4

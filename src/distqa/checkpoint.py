@@ -74,6 +74,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _entry(path: Path) -> dict[str, Any]:
+    """A manifest entry: size and SHA-256."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
 def _write(
     tmp: Path, model: nn.Module | None, training_state: dict, rng_states: list, trainer_state: dict, hashed: dict
 ) -> None:
@@ -85,10 +90,9 @@ def _write(
         torch.save(rng, tmp / f"rng-rank{rank}.pt")
     (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
     files = sorted(p for p in tmp.iterdir() if p.is_file())
-    manifest = {p.name: hashed.get(p.name) or {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     # Shards are listed as their writers hashed them, even where a network file system's listing
     # here lags behind: a shard missing later fails the manifest check, not the resume.
-    manifest = dict(sorted({**manifest, **hashed}.items()))
+    manifest = dict(sorted({**{p.name: _entry(p) for p in files if p.name not in hashed}, **hashed}.items()))
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     for path in [*files, tmp / MANIFEST_FILE, tmp]:
         fsync_path(path)
@@ -128,7 +132,7 @@ def save_checkpoint(
         problem = broadcast_object(problem)  # type: ignore[assignment]
         if not problem:
             try:
-                hashed = sharded_ckpt.write_shards(tmp, model, optimizer, info)
+                hashed = {path.name: _entry(path) for path in sharded_ckpt.write_shards(tmp, model, optimizer, info)}
             except (OSError, RuntimeError) as err:
                 problem = _cannot_write(final, root, err)
             # Every rank learns whether every rank's shards are written, and all their hashes.
@@ -315,14 +319,7 @@ def load_checkpoint(
         # A scaler that was off (fp32, bf16) saved an empty state: with fp16 now, start a fresh one.
         if training_state["scaler"] and scaler.is_enabled():
             scaler.load_state_dict(training_state["scaler"])
-    except (
-        RuntimeError,
-        ValueError,
-        KeyError,
-        TypeError,
-        SafetensorError,
-        pickle.UnpicklingError,
-    ) as err:
+    except (RuntimeError, ValueError, KeyError, TypeError, SafetensorError, pickle.UnpicklingError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DistqaError(f"cannot load checkpoint {directory}: {reason[:300]}") from err
     state = read_trainer_state(directory)

@@ -17,7 +17,6 @@ through a reader and planner that allow only what a checkpoint of ours contains.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import pickle
 import secrets
@@ -37,15 +36,6 @@ from distqa.errors import DistqaError
 
 METADATA_FILE = ".metadata"
 _TOKEN_FILE = ".distqa-shared-check"
-
-
-def entry(path: Path) -> dict[str, Any]:
-    """A manifest entry: size and SHA-256."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def require_shared(folder: Path, info: DistInfo) -> None:
@@ -90,9 +80,9 @@ def first_failure(err: CheckpointException) -> str:
     return str(err).splitlines()[0]
 
 
-def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict[str, Any]:
-    """Every rank: write its shards of model and optimizer into `tmp`; return the manifest entries
-    of the files it wrote (hashed where they were written, in parallel)."""
+def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> list[Path]:
+    """Every rank: write its shards of model and optimizer into `tmp`; return the files it wrote
+    (each rank hashes its own, in parallel)."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=dcp.FileSystemWriter(tmp))
@@ -100,9 +90,7 @@ def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
         failure = next((exc for exc, _ in err.failures.values() if isinstance(exc, OSError)), None)
         raise failure or OSError(first_failure(err)) from err  # an OSError keeps its strerror (a full disk)
     mine = sorted(tmp.glob(f"__{info.rank}_*.distcp"))
-    if info.is_main:
-        mine.append(tmp / METADATA_FILE)
-    return {path.name: entry(path) for path in mine}
+    return [*mine, tmp / METADATA_FILE] if info.is_main else mine
 
 
 # What DCP's index may name (seen in the files torch 2.11-2.13 write): its own classes, by name,

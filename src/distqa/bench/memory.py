@@ -26,6 +26,7 @@ relative-position score matrices no fused kernel removes: its activation figures
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -41,7 +42,6 @@ class Encoder:
     parameters: float
     layers: int
     hidden: int
-    vocab: int
 
     @property
     def block_parameters(self) -> float:
@@ -53,12 +53,12 @@ class Encoder:
 
 
 ENCODERS = (
-    Encoder("BERT-base", 110e6, 12, 768, 30522),
-    Encoder("BERT-large", 335e6, 24, 1024, 30522),
-    Encoder("RoBERTa-large", 355e6, 24, 1024, 50265),
-    Encoder("ModernBERT-large", 395e6, 28, 1024, 50368),
-    Encoder("DeBERTa-v3-large", 435e6, 24, 1024, 128100),
-    Encoder("XLM-R-large", 560e6, 24, 1024, 250002),
+    Encoder("BERT-base", 110e6, 12, 768),
+    Encoder("BERT-large", 335e6, 24, 1024),
+    Encoder("RoBERTa-large", 355e6, 24, 1024),
+    Encoder("ModernBERT-large", 395e6, 28, 1024),
+    Encoder("DeBERTa-v3-large", 435e6, 24, 1024),
+    Encoder("XLM-R-large", 560e6, 24, 1024),
 )
 
 
@@ -98,33 +98,35 @@ def largest_batch(model: Encoder, *, gpus: int, seq: int, gib: float, sharded: b
     return max(0, int(((gib - OVERHEAD_GIB) * GIB - fixed) // per_sequence))
 
 
+def _markdown(head: str, label: Callable[[Encoder], str], cell: Callable[[Encoder, bool, bool], str]) -> str:
+    """A markdown table: a row per encoder, a column per set-up."""
+    lines = [f"| {head} | {' | '.join(name for name, _, _ in SETUPS)} |", "|---|" + "---:|" * len(SETUPS)]
+    for model in ENCODERS:
+        cells = [cell(model, sharded, ac) for _, sharded, ac in SETUPS]
+        lines.append(f"| {label(model)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def fit_table(gpus: int, seq: int, gib: float) -> str:
     """docs/benchmarks.md's other table: the largest batch per GPU in the four set-ups."""
-    lines = [f"| model | {' | '.join(name for name, _, _ in SETUPS)} |", "|---|" + "---:|" * len(SETUPS)]
-    for model in ENCODERS:
-        cells = [
+    return _markdown(
+        "model",
+        lambda model: model.name,
+        lambda model, sharded, ac: str(
             largest_batch(model, gpus=gpus, seq=seq, gib=gib, sharded=sharded, checkpointed=ac)
-            for _, sharded, ac in SETUPS
-        ]
-        lines.append(f"| {model.name} | " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+        ),
+    )
 
 
 def table(gpus: int, seq: int, batch: int) -> str:
     """docs/benchmarks.md's markdown table: GiB per GPU in the four set-ups."""
-    lines = [
-        f"| model (parameters) | {' | '.join(name for name, _, _ in SETUPS)} |",
-        "|---|" + "---:|" * len(SETUPS),
-    ]
-    for model in ENCODERS:
-        cells = [
-            per_gpu_bytes(model, gpus=gpus, seq=seq, batch=batch, sharded=sharded, checkpointed=ac) / GIB
-            for _, sharded, ac in SETUPS
-        ]
-        lines.append(
-            f"| {model.name} ({model.parameters / 1e6:.0f} M) | " + " | ".join(f"{c:.1f}" for c in cells) + " |"
-        )
-    return "\n".join(lines)
+    return _markdown(
+        "model (parameters)",
+        lambda model: f"{model.name} ({model.parameters / 1e6:.0f} M)",
+        lambda model, sharded, ac: (
+            f"{per_gpu_bytes(model, gpus=gpus, seq=seq, batch=batch, sharded=sharded, checkpointed=ac) / GIB:.1f}"
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
