@@ -8,7 +8,7 @@ RESULTS ?= results/quickstart
 # Extra KEY=VALUE settings for `make train`, e.g. make train ARGS="train.max_steps=50"
 ARGS    ?=
 
-.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download test-nodes perf-fsdp lint clean
+.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download test-nodes perf-fsdp test-safety lint clean
 
 help:
 	@echo "make train      create .venv, install, train the tiny model on the DummyDataset into $(RESULTS)"
@@ -18,6 +18,7 @@ help:
 	@echo "make test-docker  build the image with the local Docker engine and run containers (minutes)"
 	@echo "make test-download  the tests that pip-install neuro-flow on first use (about 40 s, needs pip's index)"
 	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 2 minutes)"
+	@echo "make test-safety  no silent wrong result: refusals at two processes, planted files, lock takeovers (minutes)"
 	@echo "make perf-fsdp  train.parallel=fsdp against ddp at two processes, sharded resumes, bench memory (minutes)"
 	@echo "make lint       ruff"
 	@echo "make clean      remove .venv and everything under results/"
@@ -75,6 +76,11 @@ test-nodes: install-dev
 # FSDP's proofs at two processes (tests/test_fsdp.py): torchrun launches beyond make test's 5 minutes.
 perf-fsdp: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m fsdp
+
+# The proofs that a run never ends with a wrong result and exit 0 (tests marked safety): torchrun
+# launches at two processes beyond make test's 5 minutes.
+test-safety: install-dev
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m safety
 
 lint: install-dev
 	$(BIN)/ruff check src tests scripts

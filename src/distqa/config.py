@@ -126,6 +126,10 @@ class TrainConfig:
     keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0 = keep all)")
     term_grace_s: float = _f(30.0, "after SIGTERM: seconds the platform allows for the last checkpoint")
     check_replicas: bool = _f(False, "debug: check every step that all ranks hold identical parameters")
+    check_finite: bool = _f(
+        False,
+        "check every step that the weights are finite (by default only on the steps that log, save or export)",
+    )
     log_every: int = _f(10, "log metrics every N steps")
     eval_every: int = _f(0, "evaluate on data.valid every N steps (0: only at the end)")
     resume: str = _f(

@@ -42,6 +42,7 @@ RESUME_SILENT = {
     "train.keep_checkpoints",
     "train.term_grace_s",
     "train.check_replicas",
+    "train.check_finite",
     "train.log_every",
     "train.eval_every",
     "train.resume",
