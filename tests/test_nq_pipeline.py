@@ -58,11 +58,12 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     assert len(prepared) == 2
 
     # predict through the command line's entry point, in this process (its output as another
-    # program reads it is tests/test_nq_predict_checks.py's).
+    # program reads it is tests/test_nq_predict_checks.py's). Without task.max_seq_len: the export
+    # carries the settings it was trained with (model/distqa_task.json), so the scores below agree.
     submission = tmp_path / "submission.csv"
     capsys.readouterr()
-    argv = ["predict", "--input", str(SAMPLE), "--checkpoint", str(out), "--output", str(submission), *common]
-    assert main(argv) == 0
+    argv = ["predict", "--input", str(SAMPLE), "--checkpoint", str(out), "--output", str(submission)]
+    assert main([*argv, f"model.tokenizer={minilm_dir}", f"task.cache_dir={cache}"]) == 0
     # The validation features are reused (training's keep_unknown does not matter to them), quietly.
     assert sorted(cache.iterdir()) == prepared and "prepared" not in capsys.readouterr().out
     with submission.open(newline="") as f:

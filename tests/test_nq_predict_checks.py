@@ -84,6 +84,12 @@ def test_the_right_tokenizer_predicts_and_says_no_thresholds_were_saved(tmp_path
     proc = predict(tmp_path, tiny_run, f"model.tokenizer={minilm_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no distqa_thresholds.json" in proc.stdout and "best long and short answer" in proc.stdout
+    # `make train`'s model was trained at task.max_seq_len=64 (SMALL); 128 is given: used, said once.
+    said = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert said == [
+        f"distqa: warning: task.max_seq_len=128 was given but the model in {tiny_run / 'model'} was trained "
+        "with task.max_seq_len=64: using 128 (leave task.max_seq_len out to use the trained value)"
+    ], proc.stderr[-2000:]
     assert (tmp_path / "sub.csv").read_text().startswith("example_id,PredictionString")
     assert [p.name for p in cache.iterdir()] == [folder.name] and "prepared" not in proc.stdout
     # Not a terminal: no progress bars of transformers or datasets (a redraw is a carriage return).

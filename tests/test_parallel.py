@@ -240,3 +240,41 @@ def test_bf16_is_fsdps_own_cast_not_autocast_over_shards(tmp_path, parallel, exp
     train(load_config(None, [*args, f"train.parallel={parallel}", f"output_dir={out}"]))
     assert json.loads((out / "model" / "precision.json").read_text()) == expected
     assert {t.dtype for t in load_weights(out).values()} == {torch.float32}
+
+
+def test_a_shard_byte_entry_holding_code_is_refused_even_where_torch_would_unpickle_it(tmp_path, monkeypatch):
+    """M3: the optimizer's settings in a sharded checkpoint are DCP byte entries, each a torch.save'd
+    object that DCP's own planner loads with weights_only=False. Ours passes weights_only=True
+    explicitly; with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD set (as torch's own advice for old files
+    suggests), a torch.load without it would run the entry's code."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from distqa.checkpoint import load_checkpoint
+    from distqa.dist import DistInfo
+    from distqa.sharded import read_shards
+
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    _Evil.marker = tmp_path / "ran"
+    optimizer_state["param_groups"][0]["lr"] = _Evil()  # torch.save'd into the byte entry as a pickle
+    checkpoint = tmp_path / "step-1"
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(checkpoint), no_dist=True)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(ValueError, match="it names posix.system, which a checkpoint never holds; refused unread"):
+        read_shards(checkpoint, model, optimizer)
+    assert not _Evil.marker.exists()
+
+    (checkpoint / "training_state.pt").write_bytes(b"")  # never reached: the shards fail first
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(DistqaError) as refused:
+        load_checkpoint(
+            checkpoint, model=model, optimizer=optimizer, scheduler=None, scaler=None, info=info, sharded=True
+        )  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert f"cannot load checkpoint file {checkpoint}/.metadata and __*.distcp: it names posix.system" in message
+    assert "weights_only" not in message and "\n" not in message and not _Evil.marker.exists()

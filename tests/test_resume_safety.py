@@ -175,6 +175,7 @@ ALTERNATIVES = {
     "train.keep_checkpoints": "1",
     "train.term_grace_s": "5",
     "train.check_replicas": "false",
+    "train.check_finite": "true",
     "train.log_every": "2",
     "train.eval_every": "1",
     "train.resume": None,  # what selects the checkpoint: exercised by every case

@@ -169,3 +169,144 @@ def test_two_runs_racing_for_a_stale_lock_end_with_one_holder(tmp_path, round_):
     finally:
         for holder in holders:
             holder.release()
+
+
+def acquire_within(lock: RunLock, seconds: float) -> float:
+    """Acquire in a thread; fail (instead of hanging for the wrong wait) if it takes longer."""
+    errors: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            lock.acquire()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            errors.append(err)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        (lock.path).unlink(missing_ok=True)  # let the stuck acquire end
+        thread.join()
+        lock.release()
+        pytest.fail(f"acquire still waiting after {seconds} s")
+    if errors:
+        raise errors[0]
+    return time.monotonic() - start
+
+
+def test_a_lock_dated_in_the_future_is_taken_over_after_one_lease(tmp_path, capsys, monkeypatch):
+    """A skewed clock or a copied folder: the negative age never lengthens the wait past one lease."""
+    monkeypatch.setattr(runlock, "LEASE_S", 1.0)
+    path = foreign_lock(tmp_path)
+    ahead = time.time() + 86400
+    os.utime(path, (ahead, ahead))
+    lock = RunLock(tmp_path)
+    waited = acquire_within(lock, runlock.LEASE_S + 3)
+    try:
+        assert 0.9 < waited < runlock.LEASE_S + 2
+        assert "s in the future" in capsys.readouterr().out
+        assert lock.token in path.read_text()
+    finally:
+        lock.release()
+
+
+def test_a_lock_dated_in_the_future_with_a_live_heartbeat_is_refused(tmp_path):
+    path = foreign_lock(tmp_path)
+    ahead = time.time() + 86400
+    os.utime(path, (ahead, ahead))
+    stop = threading.Event()
+
+    def beat():
+        beats = 0
+        while not stop.wait(0.2):
+            beats += 1
+            os.utime(path, (ahead + beats, ahead + beats))  # its clock is a day ahead, and it ticks
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        with pytest.raises(DistqaError, match="host node-7, pid 4242"):
+            RunLock(tmp_path).acquire()
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_the_age_of_a_lock_is_measured_on_the_filesystems_clock(tmp_path, monkeypatch):
+    """M4a: this machine's clock an hour off either way changes nothing: a live foreign holder is
+    still refused (not judged an hour old), and a long-dead one is still taken at once (not
+    watched for a lease). Measured with time.time(), both would go wrong."""
+    dead = foreign_lock(tmp_path)
+    age(dead, 3600)
+    real = time.time
+    monkeypatch.setattr(runlock.time, "time", lambda: real() - 3600)  # this machine an hour behind
+    lock = RunLock(tmp_path)
+    assert acquire_within(lock, runlock.LEASE_S + 3) < 1
+    lock.release()
+
+    path = foreign_lock(tmp_path)
+    monkeypatch.setattr(runlock.time, "time", lambda: real() + 3600)  # an hour ahead
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.2):
+            os.utime(path)  # the kernel's (the filesystem's) clock, as a live holder's heartbeat
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        with pytest.raises(DistqaError, match="host node-7, pid 4242"):
+            RunLock(tmp_path).acquire()
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_pid_reused_by_another_process_on_this_machine_is_stale_at_once(tmp_path, capsys):
+    """M4b: the holder's pid now belongs to another process (its start time differs): the holder
+    is gone, whatever lives under its pid."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = runlock._identity()
+        started = runlock._proc_start(other.pid)
+        assert started is not None
+        lock_of = {**me, "pid": other.pid, "token": "t"}
+        foreign_lock(tmp_path, **{**lock_of, "proc_start": started})  # that very process: alive, refused at once
+        start = time.monotonic()
+        with pytest.raises(DistqaError, match=rf"pid {other.pid}"):
+            RunLock(tmp_path).acquire()
+        assert time.monotonic() - start < 1
+
+        foreign_lock(tmp_path, **{**lock_of, "proc_start": str(int(started) + 1)})  # an earlier process, same pid
+        lock = RunLock(tmp_path)
+        assert acquire_within(lock, runlock.LEASE_S + 3) < 1
+        assert "its process no longer exists" in capsys.readouterr().out
+        lock.release()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_verify_reports_a_takeover_or_a_deleted_lock_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(runlock, "HEARTBEAT_S", 3600.0)  # the heartbeat thread never looks
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    try:
+        assert lock.verify() is None and lock.lost is None
+        foreign_lock(tmp_path)  # another run judged this one dead and took the folder
+        lost = lock.verify()
+        assert lost is not None and "another run took over output_dir" in lost and "host node-7, pid 4242" in lost
+        assert lock.lost == lost
+        (tmp_path / LOCK_NAME).unlink()
+        assert lock.verify() == lost  # once lost, it stays lost
+    finally:
+        lock.release()
+
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    try:
+        (tmp_path / LOCK_NAME).unlink()
+        assert lock.verify() == f"the lock {tmp_path / LOCK_NAME} was deleted while this run held it"
+    finally:
+        lock.release()

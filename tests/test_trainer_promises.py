@@ -79,7 +79,7 @@ def test_fp16_overflowed_step_is_skipped_and_the_schedule_waits(tmp_path, clip):
 # ---------------------------------------------------------------------------- non-finite loss
 def test_a_non_finite_loss_stops_the_run_with_an_error_naming_it(tmp_path):
     out = tmp_path / "diverged"
-    with pytest.raises(DistqaError, match=r"^loss is inf at step 3: lower train.lr or use bf16$"):
+    with pytest.raises(DistqaError, match=r"^loss is inf at step 3: the run diverged: lower train.lr \(now 3e-05\)"):
         run(out, "task=toy_task:NonFiniteLossTask", *TOY, "train.max_steps=6")
     assert [r["step"] for r in metrics(out)] == [1, 2]
     assert not (out / "model").exists()  # nothing exported from a diverged run

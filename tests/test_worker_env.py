@@ -569,11 +569,14 @@ echo "$n" >"$DIR/terms"
 if [[ $PREEMPTED == 1 ]]; then
   echo "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..." >>"$DISTQA_ERROR_FILE"
 fi
+for ((rank = 0; rank < ${FINISHED:-0}; rank++)); do
+  echo "distqa: finished: local rank $rank of 2" >>"$DISTQA_ERROR_FILE"
+done
 exit 1
 """
 
 
-def sigterm_twice(tmp_path: Path, preempted: str) -> tuple[subprocess.Popen, str]:
+def sigterm_twice(tmp_path: Path, preempted: str, finished: str = "0") -> tuple[subprocess.Popen, str]:
     fake = tmp_path / "torchrun"
     fake.write_text(TERM_COUNTING_TORCHRUN)
     fake.chmod(0o755)
@@ -584,6 +587,7 @@ def sigterm_twice(tmp_path: Path, preempted: str) -> tuple[subprocess.Popen, str
         MASTER_PORT=str(free_port()),
         DIR=str(tmp_path),
         PREEMPTED=preempted,
+        FINISHED=finished,
     )
     proc = subprocess.Popen(
         [str(WORKER)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -618,3 +622,14 @@ def test_sigterm_without_a_checkpoint_is_not_reported_as_143(tmp_path):
         .splitlines()[-1]
         .startswith("worker.sh: error: stopped by SIGTERM, but distqa confirmed no checkpoint (torchrun exited 1)")
     )
+
+
+def test_sigterm_after_every_rank_finished_is_a_success(tmp_path):
+    """Must-work 7: both local ranks wrote `distqa: finished:` before the SIGTERM: exit 0 and no line
+    of worker.sh's own, whatever torchrun's status; one rank short of that is still a failure."""
+    proc, stderr = sigterm_twice(tmp_path, preempted="0", finished="2")
+    assert proc.returncode == 0, stderr
+    assert [line for line in stderr.splitlines() if "error" in line] == []
+    (tmp_path / "short").mkdir()
+    proc, stderr = sigterm_twice(tmp_path / "short", preempted="0", finished="1")
+    assert proc.returncode == 1 and "distqa confirmed no checkpoint" in stderr.splitlines()[-1], stderr

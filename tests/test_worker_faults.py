@@ -85,6 +85,23 @@ def test_sigterm_to_worker_sh_checkpoints_exits_143_and_resumes_exactly(tmp_path
     assert max_abs_diff(load_weights(out), load_weights(fault_straight)) == 0.0
 
 
+@pytest.mark.safety
+def test_a_sigterm_after_the_export_is_a_success(tmp_path):
+    """Must-work 7: a SIGTERM that reaches worker.sh once the last step's checkpoint and model/ are
+    written (a platform stopping a job that just finished) ends with exit 0 and the run's ordinary
+    last line, not "no checkpoint" and status 1."""
+    out = tmp_path / "run"
+    args = [*FAULT_RUN, "train.max_steps=4", f"output_dir={out}"]
+    proc = start_worker(args, worker_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port())), new_session=True)
+    wait_for(out / "model", proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = finish(proc, timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.strip().splitlines()[-1].startswith(f"metrics in {out / 'metrics.jsonl'}"), stdout[-2000:]
+    assert "error" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert last_step(out) == 4 and verify_checkpoint(out / "checkpoints" / "step-4") is None
+
+
 # ---- a killed torchrun ------------------------------------------------------------------------
 
 

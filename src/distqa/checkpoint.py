@@ -14,19 +14,19 @@ Every rank takes part (the RNG states are gathered to rank 0); rank 0 alone writ
 shards of a sharded model, which each rank writes and hashes itself. A checkpoint is
 written to a hidden `.tmp-step-N` folder, fsynced and renamed when complete, so a `step-N` folder is
 always whole: a run killed mid-save leaves only a `.tmp-` folder, which resume ignores, and a file
-damaged later is caught by the manifest. Files are read back with `weights_only=True` and
-safetensors, so loading a checkpoint never unpickles arbitrary objects.
+damaged later is caught by the manifest (`distqa.checkpoint_verify`, which also refuses weights
+holding NaN/inf). Files are read back with `weights_only=True` and safetensors, so loading a
+checkpoint never unpickles arbitrary objects, and a file that fails to load is one line naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import pickle
 import random
-import re
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,13 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from distqa import sharded as sharded_ckpt
+from distqa.checkpoint_verify import MANIFEST_FILE, STATE_FILE, list_checkpoints, manifest_entry, read_trainer_state
+from distqa.checkpoint_verify import REQUIRED_FILES as REQUIRED_FILES  # re-exported: resume and tests use them here
+from distqa.checkpoint_verify import step_folders as step_folders
+from distqa.checkpoint_verify import verify_checkpoint as verify_checkpoint
 from distqa.dist import DistInfo, all_gather_objects, broadcast_object, gather_to_main
 from distqa.durable import fsync_path
 from distqa.errors import DistqaError
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-STATE_FILE = "trainer_state.json"
-MANIFEST_FILE = "manifest.json"
 
 
 def capture_rng_state(device: torch.device) -> dict[str, Any]:
@@ -66,19 +66,6 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _entry(path: Path) -> dict[str, Any]:
-    """A manifest entry: size and SHA-256."""
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
 def _write(
     tmp: Path, model: nn.Module | None, training_state: dict, rng_states: list, trainer_state: dict, hashed: dict
 ) -> None:
@@ -92,7 +79,7 @@ def _write(
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     # Shards are listed as their writers hashed them, even where a network file system's listing
     # here lags behind: a shard missing later fails the manifest check, not the resume.
-    manifest = dict(sorted({**{p.name: _entry(p) for p in files if p.name not in hashed}, **hashed}.items()))
+    manifest = dict(sorted({**{p.name: manifest_entry(p) for p in files if p.name not in hashed}, **hashed}.items()))
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     for path in [*files, tmp / MANIFEST_FILE, tmp]:
         fsync_path(path)
@@ -109,6 +96,7 @@ def save_checkpoint(
     info: DistInfo,
     keep: int = 0,
     sharded: bool = False,
+    still_holding: Callable[[], str | None] | None = None,
 ) -> Path:
     """Write `root/step-N` (N = trainer_state["step"]) and keep the newest `keep` (0: all).
 
@@ -116,14 +104,23 @@ def save_checkpoint(
     their sizes and hashes, then renames the folder: `step-N` appears whole or not at all. If the
     write fails (a full disk), the temporary folder is removed, the previous checkpoints are left
     as they were, and every rank raises the same one-line error instead of waiting forever.
+
+    `still_holding` (rank 0: the run lock's `verify`) is asked before the first write and again
+    right before the rename: a run whose output_dir was taken over while it wrote (a pause longer
+    than the lock's lease) then removes its temporary folder, renames and prunes nothing, and
+    every rank raises its message.
     """
     step = int(trainer_state["step"])
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     rng_states = gather_to_main(capture_rng_state(info.device), info)
     problem: str | None = None
-    if info.is_main:
+    if info.is_main and still_holding is not None:
+        problem = _not_held(still_holding(), final)
+    created = False
+    if info.is_main and not problem:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
+            created = True
             tmp.mkdir(parents=True)
         except OSError as err:
             problem = _cannot_write(final, root, err)
@@ -132,7 +129,9 @@ def save_checkpoint(
         problem = broadcast_object(problem)  # type: ignore[assignment]
         if not problem:
             try:
-                hashed = {path.name: _entry(path) for path in sharded_ckpt.write_shards(tmp, model, optimizer, info)}
+                hashed = {
+                    path.name: manifest_entry(path) for path in sharded_ckpt.write_shards(tmp, model, optimizer, info)
+                }
             except (OSError, RuntimeError) as err:
                 problem = _cannot_write(final, root, err)
             # Every rank learns whether every rank's shards are written, and all their hashes.
@@ -153,24 +152,34 @@ def save_checkpoint(
                 **({} if sharded else {"optimizer": optimizer.state_dict()}),
             }
             _write(tmp, None if sharded else model, training_state, rng_states, trainer_state, hashed)
-            if final.exists():  # saving the same step again (e.g. a finished run restarted)
-                shutil.rmtree(final)
-            tmp.rename(final)
-            fsync_path(root)
-            for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
+            # Last look before anything outside .tmp-step-N changes: a lock taken over during the
+            # write means the folder is another run's now (its step-N, its older checkpoints).
+            problem = _not_held(still_holding(), final) if still_holding is not None else None
+            if not problem:
+                if final.exists():  # saving the same step again (e.g. a finished run restarted)
+                    shutil.rmtree(final)
+                tmp.rename(final)
+                fsync_path(root)
+                for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+                    if old != final:
+                        shutil.rmtree(old, ignore_errors=True)
         except (OSError, RuntimeError, SafetensorError) as err:
             # A full disk surfaces as OSError, as torch.save's RuntimeError or as safetensors' own
             # error, depending on which file was being written.
             problem = _cannot_write(final, root, err)
-    if problem and info.is_main:
+    if problem and created:
+        # Ours (only rank 0 creates it); a takeover seen before it was created leaves the folder,
+        # maybe the new holder's, alone.
         shutil.rmtree(tmp, ignore_errors=True)
     # Replaces a barrier: nobody reads or prunes before rank 0 is done, and all learn how it went.
     problem = broadcast_object(problem)
     if problem:
         raise DistqaError(str(problem))
     return final
+
+
+def _not_held(lost: str | None, final: Path) -> str | None:
+    return f"{lost}: checkpoint {final.name} was not written, and this run stops" if lost else None
 
 
 def _cannot_write(final: Path, root: Path, err: BaseException) -> str:
@@ -183,106 +192,6 @@ def _cannot_write(final: Path, root: Path, err: BaseException) -> str:
         + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")
         + ": free space in output_dir (or lower train.keep_checkpoints) and run again to resume"
     )
-
-
-# Files every checkpoint has; a manifest that does not list them is not one distqa wrote. The
-# model is in model.safetensors (ddp) or in DCP's shards, indexed by .metadata (fsdp).
-REQUIRED_FILES = ("training_state.pt", STATE_FILE, "rng-rank0.pt")
-MODEL_FILES = ("model.safetensors", sharded_ckpt.METADATA_FILE)
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _shown(name: object) -> str:
-    """A name from a damaged file, safe to print on one line."""
-    text = ascii(name)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def verify_checkpoint(directory: Path) -> str | None:
-    """None when the checkpoint is whole; else what is wrong, in a few words.
-
-    Survives any content of any file: the manifest must be a JSON object that lists at least the
-    files every checkpoint has, each with its size and SHA-256, and every file must match; the
-    trainer state must parse and agree with the folder's step. (A manifest of `{}` would
-    otherwise vouch for a folder of truncated files.)
-    """
-    try:
-        return _verify(directory)
-    except OSError as err:
-        return f"cannot be read ({err.strerror or err})"
-
-
-def _verify(directory: Path) -> str | None:
-    manifest_path = directory / MANIFEST_FILE
-    if not manifest_path.is_file():
-        return "no manifest"
-    try:
-        manifest = json.loads(manifest_path.read_bytes())
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's limit
-        return f"{MANIFEST_FILE} is not valid JSON"
-    if not isinstance(manifest, dict):
-        return f"{MANIFEST_FILE} is not a JSON object"
-    for name in REQUIRED_FILES:
-        if name not in manifest:
-            return f"{MANIFEST_FILE} does not list {name}"
-    if not any(name in manifest for name in MODEL_FILES):
-        return f"{MANIFEST_FILE} lists no model ({' or '.join(MODEL_FILES)})"
-    for name, expected in manifest.items():
-        if not name or name != Path(name).name or name in (".", ".."):
-            return f"{MANIFEST_FILE} names a file outside the checkpoint: {_shown(name)}"
-        size = expected.get("bytes") if isinstance(expected, dict) else None
-        digest = expected.get("sha256") if isinstance(expected, dict) else None
-        if type(size) is not int or not isinstance(digest, str) or not _SHA256.match(digest):
-            return f"{MANIFEST_FILE} has a malformed entry for {_shown(name)}"
-        path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
-        if _sha256(path) != digest:
-            return f"{name} does not match its hash in the manifest"
-    problem = _check_trainer_state(directory)
-    return problem
-
-
-def _check_trainer_state(directory: Path) -> str | None:
-    try:
-        state = read_trainer_state(directory)
-    except (ValueError, RecursionError):
-        return f"{STATE_FILE} is not valid JSON"
-    if not isinstance(state, dict):
-        return f"{STATE_FILE} is not a JSON object"
-    for key in ("step", "epoch", "step_in_epoch", "global_batch", "world_size"):
-        if type(state.get(key)) is not int or state[key] < 0:
-            return f"{STATE_FILE} has no valid {key!r}"
-    if not isinstance(state.get("config"), dict):
-        return f"{STATE_FILE} has no config"
-    match = _STEP_DIR.match(directory.name)
-    if match and int(match.group(1)) != state["step"]:
-        return f"{STATE_FILE} is for step {state['step']}, not {match.group(1)}"
-    return None
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and path.is_dir() and (path / STATE_FILE).is_file():
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def read_trainer_state(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / STATE_FILE).read_bytes())
-
-
-def step_folders(root: Path) -> list[Path]:
-    """Every `step-N` folder under `root`, complete or not (to tell "no run here" from "a run whose
-    checkpoints are all unusable")."""
-    return sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and p.is_dir()) if root.is_dir() else []
 
 
 def load_checkpoint(
@@ -307,11 +216,13 @@ def load_checkpoint(
             f"checkpoint {directory} holds the model {kinds[not holds_shards]}, and this run has "
             f"train.parallel={'fsdp' if sharded else 'ddp'}: resume with the checkpoint's train.parallel"
         )
-    try:
-        if sharded:
+    if sharded:
+        with _loading(directory / f"{sharded_ckpt.METADATA_FILE} and __*.distcp"):
             sharded_ckpt.read_shards(directory, model, optimizer)
-        else:
+    else:
+        with _loading(directory / "model.safetensors"):
             load_model(model, str(directory / "model.safetensors"), device=str(info.device))
+    with _loading(directory / "training_state.pt"):
         training_state = torch.load(directory / "training_state.pt", map_location=info.device, weights_only=True)
         if not sharded:
             optimizer.load_state_dict(training_state["optimizer"])
@@ -319,14 +230,40 @@ def load_checkpoint(
         # A scaler that was off (fp32, bf16) saved an empty state: with fp16 now, start a fresh one.
         if training_state["scaler"] and scaler.is_enabled():
             scaler.load_state_dict(training_state["scaler"])
-    except (RuntimeError, ValueError, KeyError, TypeError, SafetensorError, pickle.UnpicklingError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DistqaError(f"cannot load checkpoint {directory}: {reason[:300]}") from err
     state = read_trainer_state(directory)
     rng_path = directory / f"rng-rank{info.rank}.pt"
     # A run resumed on more processes (same global batch) has ranks the checkpoint never saw;
     # the caller seeds those afresh, and says so.
     state["rng_restored"] = rng_path.is_file()
     if state["rng_restored"]:
-        restore_rng_state(torch.load(rng_path, weights_only=True), info.device)
+        with _loading(rng_path):
+            restore_rng_state(torch.load(rng_path, weights_only=True), info.device)
     return state
+
+
+# What loading a file that passed its manifest can still raise: it does not fit this model, or it
+# was crafted (a manifest is a checksum, not a signature).
+_LOAD_ERRORS = (
+    OSError,
+    EOFError,
+    RuntimeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    SafetensorError,
+    pickle.UnpicklingError,
+)
+
+
+@contextlib.contextmanager
+def _loading(path: Path) -> Iterator[None]:
+    """Turn a failure to load or apply `path` into one line naming it."""
+    try:
+        yield
+    except _LOAD_ERRORS as err:
+        raise DistqaError(
+            f"cannot load checkpoint file {path}: {sharded_ckpt.error_line(err)}; resume from an earlier "
+            "checkpoint (train.resume=PATH) or start afresh (train.resume=never)"
+        ) from err

@@ -11,6 +11,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+from distqa import outcome
 from distqa.config import describe_keys
 from distqa.errors import DistqaError, PeerLost, Preempted
 
@@ -167,6 +168,9 @@ def _run(args: argparse.Namespace) -> int:
         from distqa.trainer import train
 
         train(cfg)
+        # Every rank says so to its node's launcher: a SIGTERM that arrives from here on (torchrun
+        # then fails) still ends a run that completed, and worker.sh reports it as the success it is.
+        outcome.finished()
     elif args.command == "bench":
         from distqa.bench.launch import print_table, run_bench
 
@@ -176,20 +180,6 @@ def _run(args: argparse.Namespace) -> int:
     else:  # a task's own command
         return args.run(args) or 0
     return 0
-
-
-def _report(line: str, *, show: bool = True) -> None:
-    """Print the one-line message; also append it to DISTQA_ERROR_FILE when a launcher (worker.sh)
-    asked for it, so the launcher can repeat it after torchrun's own failure report."""
-    if show:
-        print(line, file=sys.stderr, flush=True)
-    path = os.environ.get("DISTQA_ERROR_FILE")
-    if path:
-        try:
-            with open(path, "a") as f:
-                f.write(line + "\n")
-        except OSError:
-            pass  # the message was printed; the copy is a convenience
 
 
 def run_and_exit() -> None:
@@ -210,15 +200,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Preempted as err:
         # Not a crash: the job was asked to stop and saved its state. Said once, by rank 0; every
         # rank leaves the line for its node's launcher, which has no rank 0 on nodes other than 0.
-        _report(f"distqa: preempted: {err}", show=os.environ.get("RANK", "0") == "0")
+        outcome.report(f"distqa: preempted: {err}", show=os.environ.get("RANK", "0") == "0")
         return err.exit_code
     except DistqaError as err:
         if os.environ.get("DISTQA_DEBUG") == "1":
             raise
-        # Under torchrun every rank would print the same line; name the rank when there are several.
+        # Under torchrun every rank may meet the same error: it is printed once per node (the
+        # first rank to report it names itself), and a different one on another rank still is.
         rank = os.environ.get("RANK")
         where = f" [rank {rank}]" if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        # A lost peer ends every rank of the node alike: one line per node says it.
+        # A lost peer ends every rank of the node alike, each naming another address: local rank 0 says it.
         show = not isinstance(err, PeerLost) or os.environ.get("LOCAL_RANK", "0") == "0"
-        _report(f"distqa{where}: error: {err}", show=show)
+        outcome.report(f"distqa{where}: error: {err}", show=show)
         return err.exit_code

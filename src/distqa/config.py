@@ -8,7 +8,6 @@ field carries a one-line `help` that `distqa train --help` prints, so the schema
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,6 +17,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from distqa.config_checks import check_choice as _check_choice
+from distqa.config_checks import check_finite, check_floats, check_min, check_not_a_section, check_sections, suggest
+from distqa.config_checks import raise_config_error as _raise_config_error
 from distqa.errors import ConfigError
 
 
@@ -31,18 +33,9 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 # Public names for tasks' own Config dataclasses: `setting(default, help, resume="silent")`.
 # `resume` says what a change on resume means: "silent" (nothing computed changes), "applied"
 # (takes effect from the resume step, with a warning); without it the change is refused.
+# A float setting must be finite unless declared with `finite=False` (then +-inf is allowed).
 def setting(default: Any, help: str, **kw: Any) -> Any:
     return _f(default, help, **kw)
-
-
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
-
-
-def check_min(key: str, value: float, low: float, *, strict: bool = False) -> None:
-    if value < low or (strict and value == low):
-        raise ConfigError(f"{key}={value} must be {'>' if strict else '>='} {low}")
 
 
 @dataclass
@@ -59,6 +52,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        check_finite("model.dropout", self.dropout)
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
 
@@ -165,6 +159,7 @@ class TrainConfig:
             )
         check_min("train.keep_checkpoints", self.keep_checkpoints, 0)
         check_min("train.term_grace_s", self.term_grace_s, 0.0, strict=True)
+        check_finite("train.warmup_ratio", self.warmup_ratio)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
@@ -199,14 +194,22 @@ class TaskSettings:
     name: str = _f("nq", "'nq', 'textcls' or 'package.module:TaskClass' (see docs/fork.md)")
 
 
+# numpy's and the DataLoader's seeds are 32-bit: a seed outside fails deep inside the first step.
+MAX_SEED = 2**32 - 1
+
+
 @dataclass
 class Config:
     output_dir: str = _f("results/run", "folder for config.yaml, metrics, checkpoints and the final model")
-    seed: int = _f(42, "seed for weights, data order, dropout and synthetic data")
+    seed: int = _f(42, f"seed for weights, data order, dropout and synthetic data (0..{MAX_SEED})")
     task: TaskSettings = _f(TaskSettings, "")
     model: ModelConfig = _f(ModelConfig, "")
     data: DataConfig = _f(DataConfig, "")
     train: TrainConfig = _f(TrainConfig, "")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed={self.seed} must be an integer in [0, {MAX_SEED}]")
 
 
 def describe_keys(schema: Any = Config, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
@@ -219,24 +222,6 @@ def describe_keys(schema: Any = Config, prefix: str = "") -> Iterator[tuple[str,
             yield from describe_keys(value, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", value, f.metadata.get("help", "")
-
-
-def _suggest(key: str, known: list[str]) -> str:
-    """The closest full key: first one with the same last part (`data.max_seq_len` ->
-    `task.max_seq_len` once it moved), else the closest spelling of the whole key."""
-    last = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == last]
-    close = same_leaf[:1] or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def _raise_config_error(err: OmegaConfBaseException, source: str, known: list[str]) -> None:
-    key = getattr(err, "full_key", None) or "?"
-    if isinstance(err, ConfigKeyError):
-        raise ConfigError(f"unknown config key '{key}' in {source}{_suggest(key, known)}") from err
-    # OmegaConf's own message names the expected type and the value it got; keep its first line.
-    detail = str(err).splitlines()[0]
-    raise ConfigError(f"bad value for '{key}' in {source}: {detail}") from err
 
 
 @functools.cache
@@ -307,7 +292,7 @@ def load_config(
     items = []
     for item in overrides:
         if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form KEY=VALUE{_suggest(item, [])}")
+            raise ConfigError(f"override {item!r} is not of the form KEY=VALUE{suggest(item, [])}")
         key, _, value = item.partition("=")
         items.append(f"task.name={value}" if key == "task" else item)
     if settings_of is None:
@@ -320,20 +305,23 @@ def load_config(
     known = [k for k, _, _ in describe_keys(defaults)]
     merged = OmegaConf.structured(defaults)
     if layer is not None:
+        check_sections(OmegaConf.to_container(layer), defaults, str(path))
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
             _raise_config_error(err, str(path), known)
     for item in items:
+        check_not_a_section(item.partition("=")[0], known)
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except ConfigKeyError as err:
             # OmegaConf names only the first unknown part (`trian`); the key as typed says more.
             typed = item.partition("=")[0]
-            raise ConfigError(f"unknown config key '{typed}' in the command line{_suggest(typed, known)}") from err
+            raise ConfigError(f"unknown config key '{typed}' in the command line{suggest(typed, known)}") from err
         except OmegaConfBaseException as err:
             _raise_config_error(err, "the command line", known)
     try:
+        check_floats(OmegaConf.to_container(merged), defaults)
         cfg = OmegaConf.to_object(merged)  # instantiates the dataclasses: runs every __post_init__
     except OmegaConfBaseException as err:
         if isinstance(err.__cause__, ConfigError):

@@ -1,21 +1,26 @@
-"""What the training data was: its length and a fingerprint of its content.
+"""What the training data was: its length and a fingerprint of its whole content, in order.
 
 A checkpoint records both, so that resuming on changed data (a training file that lost lines, a
-cache prepared with other settings) is refused instead of continuing silently on other examples;
-and every rank compares them at start, because nodes whose `data.train` differ at the same path
-would otherwise train on different data and hang at the end of the shorter epoch.
+relabelled or reordered file of the same length, a cache prepared with other settings) is refused
+instead of continuing silently on other examples; and every rank compares them at start, because
+nodes whose `data.train` differ at the same path would otherwise train on different data (or hang
+at the end of the shorter epoch). Each node hashes the copy it reads (`agreed_identity`).
 
-The default fingerprint hashes the length and `SAMPLES` evenly spaced items, so it costs
-milliseconds on any dataset (hashing a 17 GB file at every start would not). It sees any change of
-length and any change of a sampled item; a change that keeps both passes. A task with a cheaper
-exact identity (a content hash it already has) can override `Task.data_fingerprint`.
+The fingerprint covers every example: a sample would pass a same-length file whose unsampled rows
+changed. A plain dataset is hashed item by item (`fingerprint`); an Arrow-backed `datasets.Dataset`
+column by column straight from its memory-mapped buffers (`arrow_fingerprint`), which reads the
+data once at memory speed (docs/benchmarks.md, "Data fingerprint cost"). A task whose data is a
+pure function of a few settings may override `Task.data_fingerprint` with those settings.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
+import sys
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,70 +30,223 @@ from torch.utils.data import Dataset
 from distqa.dist import DistInfo, all_gather_objects
 from distqa.errors import DistqaError
 
-SAMPLES = 64
+DIGEST_CHARS = 32  # 128 bits; fingerprints of the earlier, sampling scheme had 16
+LEAF_ROWS = 16_384  # rows per block that `arrow_fingerprint` hashes on one thread
 
 
 def _feed(h: Any, obj: Any) -> None:
-    """Hash `obj` canonically: the same value gives the same bytes whatever its container types."""
+    """Hash `obj` canonically and self-delimited: the same value gives the same bytes whatever its
+    container types, and no two different sequences of values give the same bytes."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
     elif isinstance(obj, np.ndarray):
         h.update(f"A{obj.dtype}{obj.shape}".encode())
-        h.update(np.ascontiguousarray(obj).tobytes())
+        if obj.dtype.hasobject:  # its bytes would be pointers: hash the values
+            _feed(h, obj.tolist())
+        else:
+            h.update(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
     elif isinstance(obj, Mapping):
-        h.update(b"{")
+        h.update(f"{{{len(obj)}".encode())
         for key in sorted(obj, key=str):
             _feed(h, str(key))
             _feed(h, obj[key])
-        h.update(b"}")
     elif isinstance(obj, (list, tuple)):
         h.update(f"[{len(obj)}".encode())
+        ints = _as_int64(obj)
+        if ints is not None:  # token ids: one buffer, ~100x faster than an item each
+            h.update(b"I")
+            h.update(ints)
+            return
         for item in obj:
             _feed(h, item)
     elif isinstance(obj, str):
-        data = obj.encode("utf-8", errors="surrogatepass")
-        h.update(b"s" + struct.pack("<Q", len(data)) + data)
+        _feed_bytes(h, b"s", obj.encode("utf-8", errors="surrogatepass"))
     elif isinstance(obj, bytes):
-        h.update(b"b" + struct.pack("<Q", len(obj)) + obj)
+        _feed_bytes(h, b"b", obj)
     elif isinstance(obj, (bool, int, float, type(None), np.generic)):
-        h.update(f"n{type(obj).__name__}:{obj!r}".encode())
+        h.update(f"n{type(obj).__name__}:{obj!r};".encode())
     else:
-        h.update(f"o{type(obj).__qualname__}:{obj!r}".encode())
+        _feed_bytes(h, b"o", f"{type(obj).__qualname__}:{obj!r}".encode("utf-8", errors="surrogatepass"))
 
 
-def sample_indices(length: int, samples: int = SAMPLES) -> list[int]:
-    """`samples` indices spread evenly over [0, length), first and last included."""
-    if length <= samples:
-        return list(range(length))
-    return sorted({round(i * (length - 1) / (samples - 1)) for i in range(samples)})
+def _as_int64(items: list | tuple) -> np.ndarray | None:
+    """`items` as int64s when every one is a plain int that fits, else None (then each is fed)."""
+    if not items or not all(type(item) is int for item in items):  # bools are not ints here
+        return None
+    try:
+        return np.array(items, dtype=np.int64)
+    except OverflowError:
+        return None
 
 
-def fingerprint(dataset: Dataset, samples: int = SAMPLES) -> str:
-    """A short hex digest of the dataset's length and of evenly spaced items."""
+def _feed_bytes(h: Any, tag: bytes, data: bytes) -> None:
+    h.update(tag + struct.pack("<Q", len(data)))
+    h.update(data)
+
+
+def digest_of(*values: Any) -> str:
+    """A fingerprint of a few values (the settings a synthetic dataset is a function of), hashed
+    as `fingerprint` hashes items."""
+    h = hashlib.sha256(b"values")
+    _feed(h, list(values))
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+def fingerprint(dataset: Dataset) -> str:
+    """A hex digest of every item of `dataset`, in order (an Arrow-backed `datasets.Dataset`
+    goes through `arrow_fingerprint`, which gives the same guarantee far faster)."""
+    hf = sys.modules.get("datasets")  # never imported here: runs without `datasets` stay light
+    if hf is not None and isinstance(dataset, hf.Dataset):
+        return arrow_fingerprint(dataset)
     length = len(dataset)  # type: ignore[arg-type]
     h = hashlib.sha256(f"len={length}".encode())
-    for index in sample_indices(length, samples):
-        _feed(h, index)
+    for index in range(length):
         _feed(h, dataset[index])
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+def arrow_fingerprint(dataset: Any, threads: int | None = None) -> str:
+    """A hex digest of every value of every column of a `datasets.Dataset`, in row order.
+
+    Read straight from the Arrow buffers (memory-mapped for a dataset saved to disk), without
+    building Python rows: the cost is reading the data once. The rows are cut into blocks of
+    `LEAF_ROWS`, hashed on `threads` threads (default: every CPU this process may use; xxhash and
+    pyarrow release the GIL) and their digests hashed in order. Within a block each column is
+    hashed as separate streams of its values, its list lengths and its null positions, so how Arrow cut
+    the table into chunks or files (`prepare --num-proc`) and the thread count do not change the
+    digest, while any changed, moved, added or removed value does. A dataset with an indices
+    mapping (after `select` or `shuffle`) adds the mapping, which sets the order rows are read in.
+    """
+    table = dataset.data.table  # the pyarrow.Table behind the dataset (only its selected columns)
+    h = hashlib.sha256(f"len={len(dataset)}".encode())
+    for field in table.schema:
+        h.update(f"column {field.name!r}: {field.type};".encode())
+    parts = [table.slice(start, LEAF_ROWS) for start in range(0, table.num_rows, LEAF_ROWS)]
+    with ThreadPoolExecutor(max(1, min(threads or usable_cpus(), len(parts)))) as pool:
+        for digest in pool.map(_leaf_digest, parts):
+            h.update(digest.encode())
+    indices = getattr(dataset, "_indices", None)  # datasets keeps the mapping as a private Table
+    if indices is not None:
+        h.update(f"indices:{_leaf_digest(indices.table)}".encode())
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which containers and launchers set)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _leaf_digest(table: Any) -> str:
+    """The digest of one block of rows: one stream per (column path, role), in a fixed order."""
+    streams = _Streams()
+    for name in table.column_names:
+        for chunk in table.column(name).chunks:
+            _feed_arrow(streams, (name,), chunk)
+    return streams.digest()
+
+
+class _Streams:
+    """Hashers by (column path, role), and how many values each path has had so far: the same
+    values give the same digests however they are cut into chunks."""
+
+    def __init__(self) -> None:
+        self.hashers: dict[tuple[str, ...], Any] = {}
+        self.seen: dict[tuple[str, ...], int] = {}
+
+    def __call__(self, key: tuple[str, ...]) -> Any:
+        import xxhash  # a dependency of `datasets`: present wherever an Arrow dataset is
+
+        # xxh3-128: tens of GB/s on one core, so reading the memory, not hashing, bounds the cost.
+        return self.hashers.setdefault(key, xxhash.xxh3_128())
+
+    def digest(self) -> str:
+        return "".join(f"{key!r}={self.hashers[key].hexdigest()};" for key in sorted(self.hashers)) + "|"
+
+
+def _feed_arrow(stream: _Streams, path: tuple[str, ...], array: Any) -> None:
+    """Feed one Arrow array (a chunk) into the streams of `path` (column name, then "[]" per list
+    level), one per role: values, lengths, null positions. Nested lists recurse."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    first = stream.seen.get(path, 0)  # this chunk's first value's position along the path
+    stream.seen[path] = first + len(array)
+    if array.null_count:
+        valid = array.is_valid().to_numpy(zero_copy_only=False)
+        stream((*path, "nulls")).update(np.flatnonzero(~valid).astype(np.int64) + first)
+        array = array.drop_null()  # a null's slot holds arbitrary bytes: only valid values count
+    if len(array) == 0:
+        return
+    kind = array.type
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        stream((*path, "lengths")).update(pc.list_value_length(array).to_numpy().astype(np.int64))
+        _feed_arrow(stream, (*path, "[]"), array.flatten())  # flatten() honours the chunk's slice offset
+    elif (
+        pa.types.is_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_large_binary(kind)
+    ):
+        large = pa.types.is_large_string(kind) or pa.types.is_large_binary(kind)
+        _, offsets_buffer, data_buffer = array.buffers()
+        offsets = np.frombuffer(offsets_buffer, dtype=np.int64 if large else np.int32)
+        offsets = offsets[array.offset : array.offset + len(array) + 1]
+        stream((*path, "lengths")).update(np.diff(offsets).astype(np.int64))
+        if data_buffer is not None:
+            stream((*path, "values")).update(memoryview(data_buffer)[int(offsets[0]) : int(offsets[-1])])
+    elif pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+        stream((*path, "values")).update(np.ascontiguousarray(array.to_numpy(zero_copy_only=False)).view(np.uint8))
+    else:  # structs, dictionaries, dates...: rare in training data, hashed through Python values
+        h = stream((*path, "python"))
+        for value in array.to_pylist():
+            _feed(h, value)
 
 
 def agreed_identity(
     fingerprint_of: Callable[[Dataset], str], dataset: Dataset, info: DistInfo, data_train: str
 ) -> dict[str, Any]:
     """This dataset's identity, checked to be the same on every rank (one line on every rank if
-    not, before any step: a rank with fewer batches would leave the others waiting forever)."""
-    mine = {"examples": len(dataset), "fingerprint": fingerprint_of(dataset)}  # type: ignore[arg-type]
-    views = all_gather_objects(mine, info)
-    if any(view != mine for view in views):
-        seen = ", ".join(
-            f"rank {rank}: {view['examples']} examples ({view['fingerprint']})"  # type: ignore[index]
-            for rank, view in enumerate(views)
+    not, before any step: a rank with fewer batches would leave the others waiting forever).
+
+    Under torchrun one process per node (local rank 0) computes the fingerprint and the node's
+    other ranks take its result: they read the same files, so hashing them once per node costs the
+    node one read instead of one per GPU, and a node whose copy differs still shows it. Without
+    torchrun's node rank (`GROUP_RANK`) every rank hashes its own view.
+    """
+    node = os.environ.get("GROUP_RANK")
+    hashes = node is None or info.local_rank == 0
+    mine = {
+        "node": node,
+        "examples": len(dataset),  # type: ignore[arg-type]
+        "fingerprint": fingerprint_of(dataset) if hashes else None,
+    }
+    views: list[dict[str, Any]] = all_gather_objects(mine, info)  # type: ignore[assignment]
+    # Filled in from the gathered views alone, so every rank reaches the same verdict (a rank
+    # that stopped alone would leave the others waiting).
+    by_node = {view["node"]: view["fingerprint"] for view in views if view["fingerprint"] is not None}
+    seen = [(view["examples"], view["fingerprint"] or by_node.get(view["node"])) for view in views]
+    if len(set(seen)) > 1:
+        groups: dict[tuple[int, str | None], list[int]] = {}
+        for rank, identity in enumerate(seen):
+            groups.setdefault(identity, []).append(rank)
+        described = "; ".join(
+            f"{_ranks(ranks)}: {examples} examples, fingerprint {digest}"
+            for (examples, digest), ranks in groups.items()
         )
         raise DistqaError(
-            f"the ranks do not see the same training data ({seen}): data.train={data_train!r} "
+            f"the ranks do not see the same training data ({described}): data.train={data_train!r} "
             "must be the same data on every node"
         )
-    return {**mine, "train": data_train}
+    examples, digest = seen[info.rank]
+    return {"examples": examples, "fingerprint": digest, "train": data_train}
+
+
+def _ranks(ranks: list[int]) -> str:
+    """`rank 3` or `ranks 0-7`, `ranks 0,2,5`: short even for many GPUs."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ",".join(map(str, ranks))

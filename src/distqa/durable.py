@@ -1,9 +1,16 @@
-"""fsync, in a module that imports no torch, so that commands which only move files (`distqa split`)
-can make their writes durable without loading the training stack."""
+"""Durable writes that follow no symbolic link, in a module that imports no torch, so that commands
+which only move files (`distqa split`) can use them without loading the training stack.
+
+A link planted in output_dir (`config.yaml` -> some file of the user's) must not turn a run's
+writes into writes elsewhere: new files are created with O_EXCL (which never follows a link) under
+a fresh name and renamed over the old name (a rename replaces a link, it does not write through
+it); files that are appended to are opened with O_NOFOLLOW.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 
@@ -15,3 +22,33 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` by a file holding `data`: written beside it under a fresh name, fsynced and
+    renamed over it, so readers see the old file or the new one, never a part, and a link at
+    `path` is replaced, never followed. Raises OSError."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def open_append(path: Path) -> int:
+    """A descriptor to append to `path` (created if missing), refusing a link (OSError ELOOP)."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+
+
+def read_no_link(path: Path) -> bytes:
+    """The bytes of `path`, refusing a link (OSError ELOOP): what is read is this folder's own file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()

@@ -1,10 +1,15 @@
-"""Guards the trainer runs every step: a collective answer to "were we told to stop?" and an
-optional check that data-parallel replicas still hold the same weights.
+"""Guards the trainer runs every step: a collective answer to "may this step's results be
+written, and were we told to stop?" and an optional check that data-parallel replicas still hold
+the same weights.
 
 Preemption: a platform stops a job with SIGTERM, to torchrun and through it to every worker,
 rarely at the same instant. The handler only records the signal; at the end of each step all
 ranks agree (one all-reduce of one number) whether any rank has seen it, so they all stop after the
 same step, write one checkpoint together, and exit as "preempted".
+
+The same all-reduce carries the two findings that must stop a run before it writes anything of the
+step: rank 0 no longer holds output_dir (another run took it over), and non-finite weights (a
+diverged run must never be checkpointed, exported, or picked for a resume).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from types import FrameType
 
 import torch
@@ -23,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from distqa.dist import DistInfo
-from distqa.errors import DistqaError
+from distqa.errors import DistqaError, Preempted
+from distqa.parallel import all_finite
 from distqa.runlock import RunLock
 
 
@@ -96,10 +103,8 @@ def watch_parent(grace_s: float = 10.0) -> None:
 
 
 class StopSignal:
-    """Records SIGTERM; `should_stop()` is the all-ranks verdict. Every rank must create and poll it.
-
-    The same all-reduce carries rank 0's run lock: if another run took output_dir over, every rank
-    stops at once with an error instead of going on writing beside it."""
+    """Records SIGTERM; `should_stop()` is the all-ranks verdict after a step. Every rank must
+    create and poll it, at the same points."""
 
     def __init__(self, info: DistInfo, lock: RunLock | None = None) -> None:
         self.info = info
@@ -116,19 +121,46 @@ class StopSignal:
         if self.received_at is None:
             self.received_at = time.monotonic()
 
-    def should_stop(self) -> bool:
-        lost = self.lock is not None and self.lock.lost is not None
-        flag = torch.tensor([2 if lost else 1 if self.received_at is not None else 0], dtype=torch.int32)
+    def should_stop(self, step: int, weights: Iterable[torch.Tensor] | None = None, hint: str = "") -> bool:
+        """Called after each step, before anything of it is written. One all-reduce of three flags:
+        - rank 0 lost output_dir: its lock is read now (`RunLock.verify`), not at the last heartbeat,
+          so a holder that was paused across a takeover writes nothing once it runs again; raises;
+        - `weights` (this rank's parameters, given on the steps that write) hold NaN or inf; raises,
+          with `hint` saying which settings to lower;
+        - some rank got SIGTERM: returns True (checkpoint, then exit)."""
+        lost = self.lock.verify() if self.lock is not None else None
+        bad = weights is not None and not all_finite(weights)
+        flags = torch.tensor([lost is not None, bad, self.received_at is not None], dtype=torch.int32)
         if self.info.is_distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if flag.item() == 2:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        took_over, diverged, stop = (bool(f) for f in flags.tolist())
+        if took_over:
             raise DistqaError(
-                (self.lock.lost if lost and self.lock is not None else "rank 0 lost the hold of output_dir")
+                (lost or "rank 0 lost the hold of output_dir")
                 + ": stopping so that two runs never write into one folder"
             )
-        if flag.item() and self.received_at is None:
+        if diverged:
+            raise DistqaError(f"the weights hold NaN or inf after step {step}: nothing of that step is saved; {hint}")
+        if stop and self.received_at is None:
             self.received_at = time.monotonic()  # another rank got it: count the grace from now
-        return bool(flag.item())
+        return stop
+
+    def check_finite(self, step: int, weights: Iterable[torch.Tensor], hint: str) -> None:
+        """The weights check alone (collective), for a save the verdict did not expect."""
+        bad = torch.tensor([not all_finite(weights)], dtype=torch.int32)
+        if self.info.is_distributed:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group)
+        if bad.item():
+            raise DistqaError(f"the weights hold NaN or inf after step {step}: nothing of that step is saved; {hint}")
+
+    def preempted(self, step: int, total_steps: int, checkpoint: Path, grace_s: float) -> Preempted:
+        """The "checkpointed, now exit" outcome, raised once the checkpoint is written."""
+        waited = self.seconds_since()
+        late = f" (later than train.term_grace_s={grace_s:g} s: raise it)" if waited > grace_s else ""
+        return Preempted(
+            f"stopped by SIGTERM at step {step} of {total_steps}; checkpoint {checkpoint} written "
+            f"{waited:.1f} s after the signal{late}; run the same command again to resume"
+        )
 
     def seconds_since(self) -> float:
         return 0.0 if self.received_at is None else time.monotonic() - self.received_at

@@ -7,6 +7,7 @@ branches on the rank.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -18,6 +19,8 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from distqa.dist import DistInfo, all_reduce_sum
+from distqa.durable import open_append, write_atomically
+from distqa.errors import DistqaError
 
 
 class ThroughputMeter:
@@ -115,17 +118,30 @@ class MetricsWriter:
         if len(kept) == len(lines) and not damaged and self.path.read_bytes().endswith(b"\n"):
             return  # nothing to drop: leave the file alone
         # Written aside and renamed over: a crash during the rewrite keeps the old file whole.
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_bytes(b"".join(raw + b"\n" for raw in kept))
-        os.replace(tmp, self.path)
+        write_atomically(self.path, b"".join(raw + b"\n" for raw in kept))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         # JSON has no infinity: a threshold that keeps nothing is written as null.
         clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
+        line = (json.dumps(clean) + "\n").encode("utf-8")
+        try:
+            # O_NOFOLLOW: a link planted as metrics.jsonl after the run claimed the folder is refused,
+            # not appended through.
+            fd = open_append(self.path)
+            try:
+                view = memoryview(line)
+                while view:  # a short write (a filling disk) goes on where it stopped, or raises
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+        except OSError as err:
+            why = "it is a symbolic link" if self.path.is_symlink() else (err.strerror or str(err))
+            raise DistqaError(
+                f"cannot append to {self.path} ({why}): free space in output_dir (or remove the link) "
+                "and run the same command again to resume"
+            ) from None
         assert self._tb is not None
         step = int(record["step"])
         for key, value in record.items():
@@ -183,5 +199,8 @@ def plot_metrics(metrics_path: Path, png_path: Path, *, title: str | None = None
     title = title or str(metrics_path.parent)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100, metadata={"Title": title})
+    # Rendered in memory, then written without following a link planted at png_path.
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, metadata={"Title": title})
+    write_atomically(png_path, buffer.getvalue())
     return True

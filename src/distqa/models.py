@@ -47,13 +47,20 @@ def set_dropout(config: PretrainedConfig, rate: float) -> None:
 
 
 def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
-    """One line for a model or tokenizer that cannot be loaded: which, why, and what to do."""
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    """One line for a model or tokenizer that cannot be loaded: which, why, and what to do.
+    (transformers' own error is a traceback of a hundred lines when the hub cannot be reached.)"""
+    from huggingface_hub import constants
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "")
+    if offline.upper() in ("1", "ON", "YES", "TRUE"):
+        where = (
+            f"HF_HUB_OFFLINE={offline} is set, so nothing is downloaded: download it once where the hub is reachable"
+        )
+    else:
+        where = f"Check the network: the Hugging Face hub ({constants.ENDPOINT}, HF_ENDPOINT) must be reachable"
     return DistqaError(
-        f"cannot load {what} {name!r} ({type(err).__name__}: {str(err).splitlines()[0]}). "
-        + ("HF_HUB_OFFLINE=1 is set: " if offline else "")
-        + "download it once where the Hugging Face hub is reachable (it is cached in HF_HOME), "
-        f"or set {key} to a local folder"
+        f"cannot load {what} {name!r} ({type(err).__name__}: {str(err).splitlines()[0]}). {where}; "
+        f"or set HF_HOME to a cache that holds it (now {constants.HF_HOME}); or set {key} to a local folder"
     )
 
 

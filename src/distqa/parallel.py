@@ -16,6 +16,7 @@ instead of kept, which trades a forward pass per step for most of the activation
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,6 +33,16 @@ from torch.distributed.tensor import DTensor
 
 from distqa.config import TrainConfig
 from distqa.dist import AUTOCAST_DTYPES, DistInfo
+
+
+def configure_backends(train: TrainConfig, device: torch.device) -> None:
+    """Kernel settings, once and before the first kernel runs."""
+    if train.deterministic:
+        # cuBLAS is only deterministic with a fixed workspace; it must be set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    elif device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls for the fp32 parts
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -163,6 +174,18 @@ def whole_model(model: nn.Module, weights: dict[str, torch.Tensor] | None, build
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether this rank's tensors (its local shards, under FSDP) hold only finite values.
+
+    One fused max-abs over all of them: NaN propagates through a max, and a max cannot overflow
+    (a sum or a 2-norm of large but finite weights would read as inf). One host sync."""
+    local = [_local(t).detach() for t in tensors]
+    local = [t for t in local if t.numel()]  # an FSDP rank may hold an empty shard
+    if not local:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(local, norm_type=float("inf"))))
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:

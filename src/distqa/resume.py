@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from distqa.agreement import flatten
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
 from distqa.config import Config
 from distqa.dist import DistInfo, broadcast_object, print0
@@ -79,16 +80,6 @@ def resume_kind(cfg: Config, key: str) -> str:
         if kind in ("silent", "applied"):
             return kind
     return "refused"
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def set_aside_earlier_run(output_dir: Path) -> Path | None:
@@ -154,8 +145,11 @@ def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:
     return None
 
 
-def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_steps: int, data: dict[str, Any]) -> None:
-    """Refuse a checkpoint this run cannot continue; warn about settings that take effect now."""
+def check_resumable(directory: Path, cfg: Config, *, global_batch: int) -> dict[str, Any]:
+    """Refuse a checkpoint whose settings this run cannot continue; return its trainer state.
+
+    Called before the data is built (preparing features can take hours), so a refusal costs
+    nothing and writes nothing; the data and the step count are checked by `check_continuation`."""
     state = read_trainer_state(directory)
     if state["global_batch"] != global_batch:
         raise ConfigError(
@@ -163,15 +157,8 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_st
             f"this run has {global_batch} (train.batch_size x train.grad_accum x processes): resume "
             "with the same global batch, or start afresh in another output_dir"
         )
-    if state["step"] > total_steps:
-        raise ConfigError(
-            f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps: raise "
-            "train.max_steps (or train.epochs), or start afresh with train.resume=never"
-        )
-    saved, now = _flatten(state["config"]), _flatten(dataclasses.asdict(cfg))
-    # Keys the checkpoint's version did not have yet (or that were removed since) are not compared.
-    changed = sorted(k for k in now if k in saved and saved[k] != now[k])
-    refused = [k for k in changed if resume_kind(cfg, k) == "refused"]
+    saved, now = changed_settings(state, cfg)
+    refused = [k for k in saved if resume_kind(cfg, k) == "refused"]
     if "train.parallel" in refused:
         raise ConfigError(
             f"cannot resume {directory} with changed train.parallel ({saved['train.parallel']!r} -> "
@@ -180,18 +167,53 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int, total_st
             + f"; resume with train.parallel={saved['train.parallel']}, or start afresh with train.resume=never"
         )
     if refused:
-        detail = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in refused)
         raise ConfigError(
-            f"cannot resume {directory} with changed {detail}: it changes the model, the data or the "
-            "optimizer the checkpoint holds; set it back, or start afresh with train.resume=never"
+            f"cannot resume {directory} with changed {_shown(refused, saved, now)}: it changes the model, the "
+            "data or the optimizer the checkpoint holds; set it back, or start afresh with train.resume=never"
+        )
+    return state
+
+
+def changed_settings(state: dict[str, Any], cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(checkpoint's value, this run's value) of every key that differs, by key."""
+    saved, now = flatten(state["config"]), flatten(dataclasses.asdict(cfg))
+    # Keys the checkpoint's version did not have yet (or that were removed since) are not compared.
+    changed = sorted(k for k in now if k in saved and saved[k] != now[k])
+    return {k: saved[k] for k in changed}, {k: now[k] for k in changed}
+
+
+def _shown(keys: list[str], saved: dict[str, Any], now: dict[str, Any]) -> str:
+    return ", ".join(f"{k} ({saved[k]!r} -> {now[k]!r})" for k in keys)
+
+
+def check_continuation(
+    directory: Path, state: dict[str, Any], cfg: Config, *, total_steps: int, data: dict[str, Any]
+) -> bool:
+    """Once the data is built: refuse other data or too few steps; True when the checkpoint is the
+    end of this run already (nothing to train). Warns about settings applied from the resume step."""
+    if state["step"] > total_steps:
+        raise ConfigError(
+            f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps: raise "
+            "train.max_steps (or train.epochs), or start afresh with train.resume=never"
         )
     _check_data(directory, state.get("data"), data, cfg)
-    applied = [k for k in changed if resume_kind(cfg, k) == "applied"]
+    saved, now = changed_settings(state, cfg)
+    applied = [k for k in saved if resume_kind(cfg, k) == "applied"]
+    if state["step"] == total_steps:
+        if applied:
+            # Nothing would train with the new settings, yet config.yaml and the plot would claim them.
+            raise ConfigError(
+                f"the run in {cfg.output_dir} finished at step {total_steps} with other settings "
+                f"({_shown(applied, saved, now)}): nothing to train; to train with these settings use another "
+                "output_dir, or train.resume=never (the finished run is moved aside, not deleted)"
+            )
+        return True
     if applied:
         print0(
             f"warning: resuming {directory} with changed settings, applied from step {state['step']} on: "
-            + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in applied)
+            + _shown(applied, saved, now)
         )
+    return False
 
 
 def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -> None:
@@ -199,6 +221,17 @@ def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -
         return  # a checkpoint from before data identities were recorded
     if (saved.get("examples"), saved.get("fingerprint")) == (now["examples"], now["fingerprint"]):
         return
+    old = str(saved.get("fingerprint", ""))
+    if saved.get("examples") == now["examples"] and len(old) != len(str(now["fingerprint"])):
+        # Written by a distqa whose fingerprint sampled 64 examples: the two cannot be compared.
+        what = (
+            f"checkpoint {directory} recorded its data with an older kind of fingerprint ({old}), which "
+            f"cannot be compared with this one (data.train={cfg.data.train!r}, {now['examples']} examples)"
+        )
+        if cfg.train.allow_data_change:
+            print0(f"warning: {what}; continuing (train.allow_data_change=true)")
+            return
+        raise ConfigError(f"{what}: if data.train is unchanged, set train.allow_data_change=true once to resume")
     what = (
         f"data.train={cfg.data.train!r} is not the data checkpoint {directory} was trained on "
         f"({saved.get('examples')} examples, fingerprint {saved.get('fingerprint')}; now {now['examples']} "

@@ -12,10 +12,13 @@ A lock whose holder is gone is recognised without anyone deleting files:
 - elsewhere, when its heartbeat is older than `LEASE_S`. Ages are measured against the clock of
   the filesystem that holds the folder (the mtime of a file written just now), so nodes whose
   clocks disagree still agree on the age. A lock younger than that is watched until its heartbeat
-  moves (a live holder: refuse) or it grows older than the lease (a dead one: take it over).
+  moves (a live holder: refuse) or it stays still for the rest of the lease (a dead one: take it
+  over). A lock dated in the future (a skewed clock, a copied folder) has no age to trust: it is
+  watched for one lease, never longer.
 
-The holder re-reads the lock at every heartbeat; if another run has taken it (it was wrongly
-judged dead), the holder learns it at its next step and stops, so two runs never go on together.
+The holder re-reads the lock at every heartbeat, and `verify()` re-reads it at once: the trainer
+calls it before every write of a step, so a holder whose lock was taken over (it was wrongly judged
+dead, or it was paused for longer than the lease) writes nothing more into the folder.
 """
 
 from __future__ import annotations
@@ -51,6 +54,15 @@ def _read(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
+def _parse(raw: str) -> dict[str, Any] | None:
+    """The holder record in a lock file's text, or None when it is not one."""
+    try:
+        holder = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
 def _identity() -> dict[str, Any]:
     """What makes a process unique on a machine: pid, its start time, the pid namespace, the boot."""
 
@@ -83,7 +95,7 @@ def describe(holder: dict[str, Any] | None) -> str:
 
 class RunLock:
     """Held by rank 0 from the start of a run to its end. `lost` becomes a message if another
-    run took the lock over; the trainer polls it every step."""
+    run took the lock over (seen by the heartbeat, or by `verify()` before each write of a step)."""
 
     def __init__(self, output_dir: Path) -> None:
         self.output_dir = output_dir
@@ -118,11 +130,7 @@ class RunLock:
 
     def _holder(self) -> tuple[str, dict[str, Any] | None]:
         raw = _read(self.path)
-        try:
-            holder = json.loads(raw)
-        except ValueError:
-            holder = None
-        return raw, holder if isinstance(holder, dict) else None
+        return raw, _parse(raw)
 
     def _fs_now(self) -> float:
         """The filesystem's idea of now: the mtime of a file written just now in output_dir."""
@@ -152,8 +160,12 @@ class RunLock:
                 raise self._held(holder)
             self._remove_stale(raw, holder, "its process no longer exists")
             return
-        # Another machine (or namespace): judge by the heartbeat.
+        # Another machine (or namespace): judge by the heartbeat. It has been still for at least
+        # the time we watched it (our own monotonic clock) and, when its mtime is in the past, for
+        # its age on the filesystem's clock. A future mtime gives a negative age, which must not
+        # lengthen the wait: then only the watching counts.
         announced = False
+        watched_since = time.monotonic()
         while True:
             try:
                 mtime = self.path.stat().st_mtime
@@ -165,12 +177,14 @@ class RunLock:
             if mtime != first_mtime:
                 raise self._held(holder)  # the heartbeat moved: its holder is alive
             age = self._fs_now() - mtime
-            if age > LEASE_S:
-                self._remove_stale(raw, holder, f"its heartbeat stopped {age:.0f} s ago")
+            still = max(age, time.monotonic() - watched_since)
+            if still > LEASE_S:
+                ahead = f" (its mtime is {-age:.0f} s in the future)" if age < 0 else ""
+                self._remove_stale(raw, holder, f"its heartbeat stopped {still:.0f} s ago{ahead}")
                 return
             if not announced:
                 print(
-                    f"distqa: {self.path} is held by {describe(holder)}; waiting up to {LEASE_S - age:.0f} s "
+                    f"distqa: {self.path} is held by {describe(holder)}; waiting up to {LEASE_S - still:.0f} s "
                     "for its heartbeat to tell whether that run is alive",
                     flush=True,
                 )
@@ -216,20 +230,32 @@ class RunLock:
         print(f"distqa: taking over {self.output_dir} from a run that is gone ({describe(holder)}: {why})", flush=True)
 
     # ------------------------------------------------------------------ holding it
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+    def verify(self) -> str | None:
+        """Whether this run still holds the lock, checked now (one small read): None, or the
+        message of `lost`, which it also sets. Rank 0 calls it before each write of a step; the
+        heartbeat thread alone would notice a takeover only at its next beat, and a holder paused
+        across the takeover (a stopped container, a swapped-out host) resumes before that beat."""
+        if self.lost is None:
             try:
                 raw = _read(self.path)
-                if self.token not in raw:
-                    _, holder = self._holder()
-                    self.lost = f"another run took over output_dir {self.output_dir} ({describe(holder)})"
-                    return
-                os.utime(self.path)
             except FileNotFoundError:
                 self.lost = f"the lock {self.path} was deleted while this run held it"
-                return
             except OSError:
-                continue  # a passing storage hiccup: the lease allows for many missed beats
+                return None  # a passing storage hiccup: the heartbeat tells a lost lock from it
+            else:
+                if self.token not in raw:
+                    self.lost = f"another run took over output_dir {self.output_dir} ({describe(_parse(raw))})"
+        return self.lost
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if self.verify() is not None:
+                return
+            try:
+                # Not through a link: claim refused a linked run.lock, and one planted later is not ours.
+                os.utime(self.path, follow_symlinks=False)
+            except OSError:
+                continue  # a passing storage hiccup (or deleted just now: the next beat says so)
 
     def release(self) -> None:
         self._stop.set()

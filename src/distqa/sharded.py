@@ -13,13 +13,21 @@ instead of a checkpoint with missing shards.
 Loading unpickles nothing but DCP's own index classes and tensors: DCP's reader unpickles
 `.metadata` and non-tensor entries (the optimizer's settings) without restriction, so both go
 through a reader and planner that allow only what a checkpoint of ours contains.
+
+Whether the weights are finite (resume never picks a checkpoint holding NaN/inf) is read from the
+shards themselves, on the one process that verifies checkpoints, through that same reader: the
+model's tensors only (not the optimizer's), a few hundred MB at a time. That costs one more read
+of the weights, which the manifest's hashes read anyway; a flag the writer recorded would cost
+nothing but would vouch for shards changed after it was written.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import re
 import secrets
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distqa.dist import DistInfo, all_gather_objects, broadcast_object
@@ -71,13 +79,48 @@ def require_shared(folder: Path, info: DistInfo) -> None:
         )
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Lines of torch.load's refusal that advise loading the file unsafely or allow-listing what it names.
+_ADVICE = ("weights_only", "weights only", "trust", "safe_globals", "file an issue", "documentation of torch.load")
+
+
+def error_line(err: BaseException) -> str:
+    """One line saying why a file could not be loaded. torch.load's refusal of a pickle that is
+    not tensors and plain values advises retrying with `weights_only=False` (how a crafted file's
+    code would run) or allow-listing what it names: that advice is never passed on."""
+    if isinstance(err, KeyError) and err.args:  # its text is the bare key
+        return f"it has no entry {_ANSI.sub('', repr(err.args[0]))[:100]}"
+    text = _ANSI.sub("", str(err))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    kept = [line for line in lines if not any(word in line.lower() for word in _ADVICE)]
+    if "Weights only load failed" not in text and "WeightsUnpickler" not in text:
+        return (kept or [type(err).__name__])[0][:300]
+    named = re.search(r"GLOBAL (\S+?)(?: was not an allowed global| whose module)", text)
+    if named:
+        return f"it names {named.group(1)}, which a checkpoint never holds; refused unread"
+    reason = kept[0].removeprefix("WeightsUnpickler error:").strip()[:200] if kept else ""
+    return (
+        f"not tensors and plain values ({reason}); refused unread"
+        if reason
+        else "not tensors and plain values; refused unread"
+    )
+
+
 def first_failure(err: CheckpointException) -> str:
     """DCP gathers every rank's exception into one whose message is a list of tracebacks: the
     first failure's own first line says more."""
     for exc, _ in err.failures.values():
-        text = str(exc).strip()
-        return text.splitlines()[0] if text else type(exc).__name__
-    return str(err).splitlines()[0]
+        return error_line(exc)
+    return error_line(err)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or inf in a tensor (integers always); float8 and other rare types via float32."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and not tensor.is_complex():
+        tensor = tensor.float()
+    return bool(torch.isfinite(tensor).all())
 
 
 def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> list[Path]:
@@ -157,6 +200,37 @@ class _Planner(dcp.DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def first_nonfinite_weight(directory: Path, batch_bytes: int = 256 << 20) -> str | None:
+    """The name of the first model tensor of a sharded checkpoint holding NaN/inf, or None. Read in
+    this process alone (`no_dist`: rank 0 verifies while the others wait), `batch_bytes` at a time,
+    through the restricted reader; raises ValueError or OSError on shards that cannot be read."""
+    metadata = _Reader(directory).read_metadata()
+    wanted = [
+        (fqn, entry)
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if fqn.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    ]
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+    for number, (fqn, entry) in enumerate(wanted):
+        tensor = torch.empty(entry.size, dtype=entry.properties.dtype)
+        batch[fqn] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size < batch_bytes and number < len(wanted) - 1:
+            continue
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(batch, storage_reader=_Reader(directory), planner=_Planner(), no_dist=True)
+        except CheckpointException as err:
+            raise ValueError(first_failure(err)) from err
+        bad = next((name for name, loaded in batch.items() if not all_finite(loaded)), None)
+        if bad is not None:
+            return bad.removeprefix("model.")
+        batch, size = {}, 0
+    return None
 
 
 def read_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -8,19 +8,28 @@ model or task, subclass `Task` in your own module and run `distqa train task.nam
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import json
+import math
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distqa.config import Config as RunConfig
+from distqa.config import DataConfig
 from distqa.data_identity import fingerprint
 from distqa.dist import DistInfo
+from distqa.errors import ConfigError, DistqaError
 from distqa.evaluation import evaluate_dataset
 from distqa.flops import ModelShape, model_shape
 from distqa.tasks import task_class
@@ -87,8 +96,8 @@ class Task(ABC):
 
     def data_fingerprint(self, dataset: Dataset) -> str:
         """An identity of the training data's content: stored in checkpoints, compared on resume
-        and across ranks. The default hashes the length and evenly spaced items (cheap on any
-        dataset; see `distqa.data_identity`); override it with an exact identity if you have one."""
+        and across ranks. The default hashes every item in order (an Arrow dataset column by column;
+        see `distqa.data_identity`); override it with a cheaper exact identity if you have one."""
         return fingerprint(dataset)
 
     def model_shape(self, model: nn.Module) -> ModelShape:
@@ -146,9 +155,180 @@ class Task(ABC):
 
     @abstractmethod
     def save_model(self, model: nn.Module, directory: Path) -> None:
-        """Export the trained (unwrapped) model to `directory`. Called on rank 0 only."""
+        """Export the trained (unwrapped) model to `directory`. Called on rank 0 only; the trainer
+        then adds the task's settings (`save_settings`), so that the task's own commands
+        (`distqa predict`) read the settings the model was trained with (`with_trained_settings`)."""
+
+    def save_settings(self, directory: Path) -> Path:
+        """Write the `task.*` settings beside the exported model (SETTINGS_FILE): the folder then
+        says how its inputs must be built, wherever it is copied."""
+        return write_task_settings(self.cfg.task, directory)
 
 
 def load_task(cfg: RunConfig) -> Task:
     """Instantiate the task named by `cfg.task.name` ("nq", "textcls" or "package.module:ClassName")."""
     return task_class(cfg.task.name)(cfg)
+
+
+# The task settings a model was trained with travel in its export: a command that runs the model
+# (`distqa predict`) must build its inputs the same way (windows of task.max_seq_len tokens, ...),
+# and a wrong window length gives a plausible, wrong result rather than an error.
+SETTINGS_FILE = "distqa_task.json"
+SETTINGS_FORMAT = 1
+_FIX = f"copy {SETTINGS_FILE} again from the training run's model/ folder"
+
+
+def _plain(value: Any) -> Any:
+    """`value` as strict JSON holds it: a non-finite float as the string OmegaConf reads back into a
+    float field ("inf", "-inf", "nan"), an enum by name, dataclasses and containers item by item."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A value as one would type it after `task.KEY=`."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(_plain(value))
+
+
+def _warn(line: str) -> None:
+    print(f"distqa: warning: {line}", file=sys.stderr, flush=True)
+
+
+def write_task_settings(settings: Any, directory: Path) -> Path:
+    """Write a task's settings (the `task.*` dataclass, `task.name` included) to directory/SETTINGS_FILE."""
+    path = Path(directory) / SETTINGS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"format": SETTINGS_FORMAT, "task": _plain(settings)}
+    # allow_nan=False: JSON has no Infinity or NaN; a value `_plain` missed fails here, not in a reader.
+    path.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return path
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_task_settings(directory: Path) -> dict[str, Any] | None:
+    """The `task.*` settings saved with an exported model; None for an export without them (an older distqa)."""
+    path = Path(directory) / SETTINGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constants)
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DistqaError(f"{path} cannot be read ({str(err).splitlines()[0]}): {_FIX}") from err
+    if not isinstance(record, dict) or not isinstance(record.get("task"), dict):
+        raise DistqaError(f"{path} holds no 'task' mapping of settings: {_FIX}")
+    if record.get("format") != SETTINGS_FORMAT:
+        raise DistqaError(
+            f"{path} is of format {record.get('format')!r}, this distqa reads format {SETTINGS_FORMAT}: "
+            "run the model with the distqa version that exported it"
+        )
+    return record["task"]
+
+
+def given_task_keys(config_path: str | None, overrides: Collection[str], task_keys: Collection[str]) -> set[str]:
+    """The `task.*` keys (without the prefix) that a command's --config file and KEY=VALUE overrides
+    set, `task=NAME` and the old `data.KEY` names of task keys included (see
+    `distqa.tasks.moved_to_task`). Call it after `load_config` has accepted both."""
+    moved = set(task_keys) - {f.name for f in dataclasses.fields(DataConfig)}
+    given: set[str] = set()
+    layer = OmegaConf.load(config_path) if config_path is not None else None
+    if isinstance(layer, DictConfig):
+        task, data = layer.get("task"), layer.get("data")
+        if isinstance(task, str):  # the shorthand `task: NAME`
+            given.add("name")
+        elif isinstance(task, DictConfig):
+            given.update(str(key) for key in task)
+        if isinstance(data, DictConfig):
+            given.update(str(key) for key in data if key in moved)
+    for item in overrides:
+        key = item.partition("=")[0]
+        if key == "task":
+            given.add("name")
+        elif key.startswith("task."):
+            given.add(key[5:].split(".")[0])
+        elif key.startswith("data.") and key[5:] in moved:
+            given.add(key[5:])
+    return given
+
+
+def _check_float(key: str, value: Any, field: dataclasses.Field) -> None:
+    """A float from the file is a number, as on the command line: never nan, and +-inf only for a
+    setting declared `setting(..., finite=False)`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value) or field.metadata.get("finite") is not False:
+            raise ConfigError(f"task.{key}={value} is not a finite number")
+
+
+def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str] = ()) -> RunConfig:
+    """`cfg` (changed in place) with the `task.*` settings the model in `directory` was trained with,
+    for a command that runs an exported model. A key in `given` (set by the user: `given_task_keys`)
+    keeps its value, with one warning line when it differs from the trained one. Settings that may
+    change on resume (field metadata `resume`: a cache folder, skipping bad lines) are choices of
+    this run, not properties of the model: never taken from the file. Without the file (an export
+    of an older distqa) `cfg` stays as it is, and one line says so."""
+    directory = Path(directory)
+    path = directory / SETTINGS_FILE
+    fields = {f.name: f for f in dataclasses.fields(cfg.task)}
+    model_keys = [name for name, f in fields.items() if name != "name" and "resume" not in f.metadata]
+    saved = read_task_settings(directory)
+    if saved is None:
+        shown = ", ".join(f"task.{key}={_shown(getattr(cfg.task, key))}" for key in model_keys)
+        _warn(
+            f"{directory} has no {SETTINGS_FILE} (exported by an older distqa): using the given and default "
+            f"settings {shown}; give the ones the model was trained with"
+        )
+        return cfg
+    trained_name = saved.get("name", cfg.task.name)
+    if trained_name != cfg.task.name:
+        if "name" not in given:
+            raise DistqaError(
+                f"{path}: the model was trained with task.name={trained_name}, not {cfg.task.name}: "
+                f"give task.name={trained_name}"
+            )
+        _warn(f"task.name={cfg.task.name} was given but the model was trained with task.name={trained_name}")
+    taken: dict[str, Any] = {}
+    for key, value in saved.items():
+        if key == "name":
+            continue
+        if key not in fields:
+            _warn(f"{path} holds task.{key}, which task.name={cfg.task.name} does not know: ignored")
+        elif key not in model_keys:
+            continue
+        elif key not in given:
+            taken[key] = value
+        elif _plain(getattr(cfg.task, key)) != value:
+            mine = _shown(getattr(cfg.task, key))
+            _warn(
+                f"task.{key}={mine} was given but the model in {directory} was trained with "
+                f"task.{key}={_shown(value)}: using {mine} (leave task.{key} out to use the trained value)"
+            )
+    before = cfg.task
+    try:  # OmegaConf types the file's values like the command line's ("inf" in a float field)
+        merged = OmegaConf.merge(OmegaConf.structured(cfg.task), taken)
+        for key in taken:  # before __post_init__, whose range checks nan would pass
+            _check_float(key, merged[key], fields[key])
+        cfg.task = OmegaConf.to_object(merged)
+    except ConfigError as err:  # a range check of the settings' __post_init__: it names the key
+        raise ConfigError(f"{path}: {err}: {_FIX}") from err
+    except OmegaConfBaseException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise ConfigError(f"{path}: {err.__cause__}: {_FIX}") from err
+        where = f"task.{err.full_key}: " if getattr(err, "full_key", None) else ""
+        raise ConfigError(f"{path}: {where}{str(err).splitlines()[0]}: {_FIX}") from err
+    changed = [key for key in taken if getattr(cfg.task, key) != getattr(before, key)]
+    if changed:  # what the file changed, for a log that explains the run's windows
+        print(
+            f"trained settings from {path}: " + ", ".join(f"task.{k}={_shown(getattr(cfg.task, k))}" for k in changed)
+        )
+    return cfg

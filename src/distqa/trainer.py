@@ -8,19 +8,21 @@ code; rank 0 alone prints, writes metrics and the final model, and all but shard
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
-from distqa import checkpoint as ckpt
-from distqa import parallel
+from distqa import outcome, parallel
+from distqa.agreement import check_same_settings
+from distqa.checkpoint_manager import CheckpointManager, Parts
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, outputs_summary, quiet_libraries, run_title
+from distqa.control import after_step, diverged_hint
 from distqa.data_identity import agreed_identity
 from distqa.dist import (
     DistInfo,
@@ -33,15 +35,15 @@ from distqa.dist import (
     local_main_first,
     print0,
 )
-from distqa.errors import DistqaError, Preempted
+from distqa.errors import DistqaError
 from distqa.evaluation import run_evaluation, to_device
 from distqa.guards import StopSignal, check_replicas, watch_parent
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
-from distqa.optim import apply_settings, build_optimizer, build_scheduler
-from distqa.outdir import claim, export_atomically, write_text
-from distqa.resume import check_resumable, choose_checkpoint
+from distqa.optim import build_optimizer, build_scheduler
+from distqa.outdir import archive_config, claim, export_atomically, write_text
+from distqa.resume import changed_settings, check_continuation, check_resumable, choose_checkpoint
 from distqa.rounds import as_peer_loss
-from distqa.sampler import derive_seed, seed_everything, steps_per_epoch, training_batches
+from distqa.sampler import seed_everything, steps_per_epoch, training_batches
 from distqa.sharded import require_shared
 from distqa.steptimer import StepTimer
 from distqa.task import Batch, Task, load_task
@@ -59,14 +61,17 @@ class Trainer:
         *,
         timer: StepTimer | None = None,
         save_outputs: bool = True,
+        keep_sigterm_handler: bool = False,
     ) -> None:
         self.cfg, self.task, self.info = cfg, task, info
-        cfg.train.resolve_global_batch(info.world_size)
         self.timer = timer or StepTimer.off(info.device)
         self.save_outputs = save_outputs
+        # The CLI's process keeps the SIGTERM handler (record only) once the run is done: a SIGTERM
+        # after the last step is no failure. In-process callers (tests, bench) get theirs back.
+        self.keep_sigterm_handler = keep_sigterm_handler
+        self.stop: StopSignal | None = None
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
-        self.global_batch = cfg.train.batch_size * cfg.train.grad_accum * info.world_size
         self.sharded = cfg.train.parallel == "fsdp"
         # FSDP casts the gathered weights itself (its mixed-precision policy): no autocast on top.
         self.autocast_dtype = None if self.sharded else autocast_dtype(cfg.train.precision)
@@ -150,41 +155,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         timer.mark("other")  # logging, checkpoints, signal checks: until the next step begins
 
-    def _save(self, step: int, epoch_steps: int) -> None:
-        state = {
-            "step": step,
-            "epoch": step // epoch_steps,
-            "step_in_epoch": step % epoch_steps,
-            "global_batch": self.global_batch,
-            "world_size": self.info.world_size,
-            "config": dataclasses.asdict(self.cfg),
-            "data": self.data_identity,
-            "task": self.task.state_dict() if self.info.is_main else {},
-        }
-        ckpt.save_checkpoint(
-            self.ckpt_root,
-            keep=self.cfg.train.keep_checkpoints,
-            model=self.raw_model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            trainer_state=state,
-            info=self.info,
-            sharded=self.sharded,
-        )
-
-    def _preempt(self, step: int, total_steps: int, epoch_steps: int, saved: bool, stop: StopSignal) -> None:
-        if not saved:
-            self._save(step, epoch_steps)
-        waited, grace = stop.seconds_since(), self.cfg.train.term_grace_s
-        late = f" (later than train.term_grace_s={grace:g} s: raise it)" if waited > grace else ""
-        raise Preempted(
-            f"stopped by SIGTERM at step {step} of {total_steps}; checkpoint {self.ckpt_root / f'step-{step}'} "
-            f"written {waited:.1f} s after the signal{late}; run the same command again to resume"
-        )
-
     def fit(self) -> Path:
+        # Before output_dir is touched: nodes started with other settings must not write anything.
+        check_same_settings(self.cfg, self.info)
+        train = self.cfg.train
+        train.resolve_global_batch(self.info.world_size)  # the same on every rank, as the settings are
+        self.global_batch = train.batch_size * train.grad_accum * self.info.world_size
         self.lock = claim(self.out, self.info)
+        self.checkpoints = CheckpointManager(self.ckpt_root, self.cfg, self.info, sharded=self.sharded, lock=self.lock)
         try:
             return self._fit()
         except RuntimeError as err:  # torch.distributed's errors are RuntimeErrors
@@ -193,23 +171,14 @@ class Trainer:
                 raise
             raise lost from err
         finally:
+            if self.stop is not None and not self.keep_sigterm_handler:
+                self.stop.close()
             if self.lock is not None:
                 self.lock.release()
 
-    def _fit(self) -> Path:
+    def _build(self) -> tuple[Dataset, int, int]:
+        """The model (not yet wrapped) and the training data: (dataset, steps per epoch, total steps)."""
         cfg, info = self.cfg, self.info
-        # Decided before anything is written: train.resume=never may move an earlier run aside.
-        resume_from = choose_checkpoint(self.out, cfg.train.resume, info)
-        write_text(self.out / "config.yaml", to_yaml(cfg), info)
-        if self.sharded:
-            require_shared(self.out, info)  # every rank writes its shards there
-        if cfg.train.deterministic:
-            # cuBLAS is only deterministic with a fixed workspace; it must be set before its first use.
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-        elif info.device.type == "cuda":
-            torch.set_float32_matmul_precision("high")  # TF32 matmuls for the fp32 parts
-
         # Same seed on every rank, so every rank builds identical weights (DDP would broadcast
         # rank 0's anyway, but identical construction keeps RNG streams aligned too).
         seed_everything(cfg.seed)
@@ -223,50 +192,63 @@ class Trainer:
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
         epoch_steps = steps_per_epoch(len(dataset), cfg.train.batch_size, cfg.train.grad_accum, info.world_size)  # type: ignore[arg-type]
         total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else cfg.train.epochs * epoch_steps
+        return dataset, epoch_steps, total_steps
+
+    def _fit(self) -> Path:
+        cfg, info = self.cfg, self.info
+        # Decided before anything is written: train.resume=never may move an earlier run aside.
+        resume_from = choose_checkpoint(self.out, cfg.train.resume, info)
+        # The settings first, then the data: a refused resume costs no data preparation.
+        saved = check_resumable(resume_from, cfg, global_batch=self.global_batch) if resume_from else None
+        if self.sharded:
+            require_shared(self.out, info)  # every rank writes its shards there
+        parallel.configure_backends(cfg.train, info.device)
+        dataset, epoch_steps, total_steps = self._build()
+        finished = saved is not None and check_continuation(
+            resume_from,
+            saved,
+            cfg,
+            total_steps=total_steps,
+            data=self.data_identity,  # type: ignore[arg-type]
+        )
+        exported = broadcast_object((self.out / "model").is_dir() if info.is_main else None)
+        if finished and (exported or not self.save_outputs):
+            print0(
+                f"the run in {self.out} already finished at step {total_steps}: nothing to train, nothing "
+                "written; to train again use another output_dir or train.resume=never"
+            )
+            return self.out / "model"
         self.model = self._wrap()  # first: FSDP replaces the parameters the optimizer must hold
         self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, total_steps)
         self.scaler = parallel.grad_scaler(cfg.train, info.device)
-
-        step = 0
-        if resume_from is not None:
-            check_resumable(
-                resume_from, cfg, global_batch=self.global_batch, total_steps=total_steps, data=self.data_identity
-            )
-            state = ckpt.load_checkpoint(
-                resume_from,
-                model=self.raw_model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                scaler=self.scaler,
-                info=info,
-                sharded=self.sharded,
-            )
-            apply_settings(self.optimizer, self.scheduler, cfg.train)
-            self.task.load_state_dict(state.get("task") or {})
-            step = state["step"]
-            if not state["rng_restored"]:
-                seed_everything(derive_seed(cfg.seed, info.rank, step))
-                print(
-                    f"warning: rank {info.rank} has no RNG state in {resume_from} (it was written by "
-                    f"{state['world_size']} processes): seeded afresh, so dropout differs from an "
-                    "uninterrupted run",
-                    flush=True,
-                )
-            print0(f"resumed from {resume_from} at step {step}")
-        else:
-            # Different dropout masks per rank: identical masks would correlate the ranks' noise.
-            seed_everything(derive_seed(cfg.seed, info.rank))
-
+        self.checkpoints.track(Parts(self.raw_model, self.optimizer, self.scheduler, self.scaler, self.task))
+        step = self.checkpoints.restore(resume_from)
+        # config.yaml says what trains from here on, written once every check has passed; a resume
+        # with other settings keeps the earlier one as config-history/<step>.yaml. (finished: only
+        # model/ was missing, and the same settings export it.)
+        if not finished:
+            if saved is not None and changed_settings(saved, cfg)[0]:
+                archive_config(self.out, step, info)
+            write_text(self.out / "config.yaml", to_yaml(cfg), info)
         n_params = sum(p.numel() for p in self.raw_model.parameters())
         print0(
             f"distqa: {info.world_size} process(es) on {info.device.type}, {n_params / 1e6:.1f}M parameters, "
-            f"{len(dataset)} examples, global batch {self.global_batch}, steps {step}->{total_steps}"
-        )  # type: ignore[arg-type]
-        metrics = MetricsWriter(self.out, info, resume_step=step)
-        meter = ThroughputMeter(info.device)
-        stop = StopSignal(info, self.lock)  # from here on, SIGTERM means "checkpoint, then exit"
-        progress = TrainProgress(total_steps, step, enabled=info.is_main)  # a bar, or a line per record
+            f"{len(dataset)} examples, global batch {self.global_batch}, steps {step}->{total_steps}"  # type: ignore[arg-type]
+        )
+        # From here on, SIGTERM means "checkpoint, then exit"; after the last step, nothing.
+        self.stop = StopSignal(info, self.lock)
+        if step < total_steps:
+            self._run_steps(dataset, epoch_steps, total_steps, step)
+        self._export(finished)
+        barrier()
+        return self.out / "model"
+
+    def _run_steps(self, dataset: Dataset, epoch_steps: int, total_steps: int, step: int) -> None:
+        cfg, info = self.cfg, self.info
+        self.metrics = MetricsWriter(self.out, info, resume_step=step)
+        meter = self.meter = ThroughputMeter(info.device)
+        progress = self.progress = TrainProgress(total_steps, step, enabled=info.is_main)  # a bar, or a line per record
         self.model.train()
         try:
             while step < total_steps:
@@ -277,62 +259,73 @@ class Trainer:
                     self._train_step(batches, meter)
                     step = self.step = step + 1
                     progress.advance()
-                    last = step == total_steps
-                    evaluate = last or (cfg.train.eval_every > 0 and step % cfg.train.eval_every == 0)
-                    if evaluate or last or step % cfg.train.log_every == 0:
-                        record = {
-                            "step": step,
-                            "epoch": round(step / epoch_steps, 4),
-                            "lr": lr,
-                            **meter.reduce_and_reset(),
-                        }
-                        if not math.isfinite(record["loss"]):
-                            raise DistqaError(f"loss is {record['loss']} at step {step}: lower train.lr or use bf16")
-                        if evaluate:
-                            record.update(
-                                run_evaluation(
-                                    self.task, self.raw_model, info, step=step, autocast_dtype=self.autocast_dtype
-                                )
-                            )
-                            meter.restart_clock()  # evaluation time is not training throughput
-                        metrics.log(record)
-                        progress.report(record)
-                    saved = step % cfg.train.checkpoint_every == 0 or (last and self.save_outputs)
-                    if saved:
-                        self._save(step, epoch_steps)
-                    if cfg.train.check_replicas:
-                        check_replicas(self.raw_model, info, step)
-                    if step < total_steps and stop.should_stop():
-                        self._preempt(step, total_steps, epoch_steps, saved, stop)
+                    self._after_step(step, epoch_steps, total_steps, lr)
             self.timer.finish()
         finally:
-            stop.close()
             progress.close()
-            metrics.close()
+            self.metrics.close()
 
+    def _after_step(self, step: int, epoch_steps: int, total_steps: int, lr: float) -> None:
+        """Log, evaluate, check, save, stop: in that order, and nothing written before the check."""
+        cfg, stop = self.cfg, self.stop
+        assert stop is not None
+        plan = after_step(step, total_steps, cfg.train, save_outputs=self.save_outputs)
+        hint = diverged_hint(cfg.train)
+        record = None
+        if plan.log:
+            record = {"step": step, "epoch": round(step / epoch_steps, 4), "lr": lr, **self.meter.reduce_and_reset()}
+            if not math.isfinite(record["loss"]):
+                raise DistqaError(f"loss is {record['loss']} at step {step}: {hint}")
+            if plan.evaluate:
+                record.update(
+                    run_evaluation(self.task, self.raw_model, self.info, step=step, autocast_dtype=self.autocast_dtype)
+                )
+                self.meter.restart_clock()  # evaluation time is not training throughput
+        weights = self.raw_model.parameters() if plan.check_weights else None
+        # A SIGTERM at the last step changes nothing: the run saves and exports as planned.
+        stopping = stop.should_stop(step, weights, hint) and step < total_steps
+        if record is not None:
+            self.metrics.log(record)
+            self.progress.report(record)
+        if cfg.train.check_replicas:
+            check_replicas(self.raw_model, self.info, step)
+        if plan.save or stopping:
+            if not plan.check_weights:
+                stop.check_finite(step, self.raw_model.parameters(), hint)
+            self.checkpoints.save(step, epoch_steps, global_batch=self.global_batch, data_identity=self.data_identity)
+        if stopping:
+            raise stop.preempted(step, total_steps, self.ckpt_root / f"step-{step}", self.cfg.train.term_grace_s)
+
+    def _export(self, finished: bool) -> None:
+        """model/ from the final weights, and the plot of the run (unless it only exports)."""
         # Rank 0 holds the lock; every rank must learn if it was lost (they all stop, none waits).
-        lost = broadcast_object(self.lock.lost if self.lock is not None else None)
+        lost = broadcast_object(self.lock.verify() if self.lock is not None else None)
         if lost:
             raise DistqaError(f"{lost}: the model is not exported")
-        if self.save_outputs:
-            plotted = False
-            if info.is_main and metrics.path.is_file():
-                title = run_title(cfg, self.global_batch)
-                plotted = plot_metrics(metrics.path, self.out / "metrics.png", title=title)
-            # A sharded model is gathered by every rank first; rank 0 then builds the whole one
-            # inside the export, whose failures every rank learns of.
-            weights = parallel.full_weights(self.raw_model) if self.sharded else None
-            whole = parallel.whole_model
-            export_atomically(
-                lambda folder: self.task.save_model(whole(self.raw_model, weights, self.task.build_model), folder),
-                self.out / "model",
-                info,
-                note="the final checkpoint holds the same weights: free space and run the same command "
-                "again (it only writes model/)",
-            )
-            print0(outputs_summary(self.out, plotted=plotted))
-        barrier()
-        return self.out / "model"
+        if not self.save_outputs:
+            return
+        plotted = False
+        metrics_path = self.out / "metrics.jsonl"
+        if self.info.is_main and not finished and metrics_path.is_file():
+            plotted = plot_metrics(metrics_path, self.out / "metrics.png", title=run_title(self.cfg, self.global_batch))
+        # A sharded model is gathered by every rank first; rank 0 then builds the whole one
+        # inside the export, whose failures every rank learns of.
+        weights = parallel.full_weights(self.raw_model) if self.sharded else None
+        whole = parallel.whole_model
+
+        def save(folder: Path) -> None:
+            self.task.save_model(whole(self.raw_model, weights, self.task.build_model), folder)
+            # The task.* settings travel with the model: `distqa predict` builds its inputs alike.
+            self.task.save_settings(folder)
+
+        export_atomically(
+            save,
+            self.out / "model",
+            self.info,
+            note="the final checkpoint holds the same weights: free space and run the same command "
+            "again (it only writes model/)",
+        )
+        print0(outputs_summary(self.out, plotted=plotted))
 
 
 def train(cfg: Config) -> Path:
@@ -343,6 +336,11 @@ def train(cfg: Config) -> Path:
     try:
         with local_main_first(info):  # the task may download a tokenizer
             task = load_task(cfg)
-        return Trainer(cfg, task, info).fit()
+        model = Trainer(cfg, task, info, keep_sigterm_handler=True).fit()
+        # The run is complete on every rank (fit's last barrier): a SIGTERM from now on (a platform
+        # stopping a job that is done) is not a failure, and the launcher learns the run finished.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        outcome.finished()
+        return model
     finally:
         cleanup()

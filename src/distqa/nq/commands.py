@@ -37,12 +37,14 @@ def add_commands(commands: Any, add_settings: Callable[..., None]) -> None:
         help="write a Kaggle submission.csv for an NQ JSONL file",
         description="Predict a long and a short answer for every example of an NQ JSONL file "
         "(test, dev or train format) with a trained model, applying the thresholds chosen on "
-        "data.valid during training. Keys as for train (task.max_seq_len, task.doc_stride, ...).",
+        "data.valid during training and the task settings it was trained with (task.max_seq_len, "
+        "task.doc_stride, ...: saved in its model/ folder). Keys as for train; a task key given here "
+        "that differs from the trained value is used, with a warning.",
     )
     predict.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL file")
     predict.add_argument("--checkpoint", required=True, metavar="DIR", help="a model/ folder, or its output_dir")
     predict.add_argument("--output", required=True, metavar="FILE", help="submission.csv to write")
-    add_settings(predict, example="task.max_seq_len=384 train.batch_size=64")
+    add_settings(predict, example="train.batch_size=64 task.cache_dir=features")
     predict.set_defaults(run=_predict)
 
     score = commands.add_parser(
@@ -117,10 +119,16 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def _predict(args: argparse.Namespace) -> None:
+    from dataclasses import fields
+
     from distqa.config import load_config
     from distqa.nq.predict import predict
+    from distqa.task import given_task_keys
 
-    counts = predict(load_config(args.config, args.overrides), args.input, args.checkpoint, args.output)
+    cfg = load_config(args.config, args.overrides)
+    # The model's saved task settings apply unless the user set a key (then with a warning if it differs).
+    given = given_task_keys(args.config, args.overrides, [f.name for f in fields(cfg.task)])
+    counts = predict(cfg, args.input, args.checkpoint, args.output, given=given)
     print(
         f"wrote {args.output}: {counts['examples']} examples, {counts['long']} long and {counts['short']} short answers"
     )

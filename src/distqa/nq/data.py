@@ -9,9 +9,11 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from distqa.config import Config
+from distqa.data_identity import arrow_fingerprint, fingerprint
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS
 from distqa.models import pad_collate as generic_pad_collate
+from distqa.nq.dummy import DummyDataset
 from distqa.nq.features import FeatureSettings
 
 # Pad values of the padded columns; every other column is a scalar per feature.
@@ -89,6 +91,21 @@ class FeatureDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.data[int(index)]
+
+    def fingerprint(self) -> str:
+        """Every value of the columns a step reads, in order, straight from the memory-mapped
+        Arrow files of this node (not the folder's name or stamp: a node whose copy differs must
+        show it). Not `datasets`' own fingerprint either: that one hashes how the set was made
+        (the generator and its arguments), so a reordered file at the same path keeps it."""
+        return arrow_fingerprint(self.data)
+
+
+def train_data_fingerprint(dataset: Dataset) -> str:
+    """`NQTask.data_fingerprint`: the prepared features' Arrow content, the DummyDataset's
+    settings, or (any other dataset) every item through the generic path."""
+    if isinstance(dataset, (FeatureDataset, DummyDataset)):
+        return dataset.fingerprint()
+    return fingerprint(dataset)
 
 
 def pad_collate(items: list[dict[str, Any]], pad_id: int, max_len: int, multiple: int = 8) -> dict[str, Any]:

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from distqa.data_identity import digest_of
+
 MAX_QUESTION_TOKENS = 64
 MAX_ANSWER_TOKENS = 8
 # Ids below 1000 in BERT vocabularies are special and [unusedN] tokens: keep ordinary text above.
@@ -46,6 +48,12 @@ class DummyDataset(Dataset):
 
     def __len__(self) -> int:
         return self.size
+
+    def fingerprint(self) -> str:
+        """The identity of every item at the cost of one: items are a pure function of these
+        settings, and item 0's content is added so that a change of the generator itself counts."""
+        settings = (self.size, self.max_seq_len, self.vocab_size, self.seed, self.cls_id, self.sep_id, self.pad_id)
+        return digest_of(type(self).__qualname__, *settings, self[0])
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.size:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from distqa.nq.postprocess import group_by_example
 from distqa.nq.reader import NQReader
 from distqa.nq.submission import write_submission
 from distqa.nq.task import THRESHOLDS_FILE, load_tokenizer
+from distqa.task import with_trained_settings
 
 
 def model_folder(path: str | Path) -> Path:
@@ -45,9 +47,15 @@ def check_tokenizer(tokenizer: object, vocab_size: int, name: str) -> None:
         )
 
 
-def predict(cfg: Config, input_path: str, checkpoint: str, output: str) -> dict[str, int]:
+def predict(
+    cfg: Config, input_path: str, checkpoint: str, output: str, *, given: Collection[str] = ()
+) -> dict[str, int]:
+    """Write a submission for `input_path`. The `task.*` settings are the model's (saved with its
+    export), except the keys in `given` (those the user set, `distqa.task.given_task_keys`)."""
     quiet_libraries(is_main=True)  # no progress bars of the model load and preparation in a log
     folder = model_folder(checkpoint)
+    # Windows of another length or stride than training's give a plausible, wrong submission.
+    cfg = with_trained_settings(cfg, folder, given)
     # The export carries its tokenizer (when training had one); an explicit model.tokenizer wins.
     if cfg.model.tokenizer is None and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise DistqaError(

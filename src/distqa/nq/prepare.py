@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 
 from distqa.durable import fsync_path
 from distqa.errors import DistqaError
+from distqa.models import load_error
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import NQReader, byte_ranges
 
@@ -125,7 +126,10 @@ def prepare_features(
     source, target = Path(input_path), Path(output_dir)
     if not source.is_file():
         raise DistqaError(f"{source} does not exist or is not a file")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    except (OSError, ValueError) as err:  # the hub unreachable, or a name neither cached nor a folder
+        raise load_error("tokenizer", tokenizer_name, err, "model.tokenizer") from None
     if not getattr(tokenizer, "is_fast", False):
         raise DistqaError(f"tokenizer {tokenizer_name!r} has no fast (Rust) version, which prepare needs")
     fp = fingerprint(source, tokenizer, settings)

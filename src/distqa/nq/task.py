@@ -15,7 +15,7 @@ from distqa.config import Config
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS, load_error
 from distqa.nq.commands import add_commands as add_nq_commands
-from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features
+from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features, train_data_fingerprint
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
 from distqa.nq.model import BertJointQA, bert_joint_loss
@@ -90,6 +90,11 @@ class NQTask(Task):
             )
         folder = resolve_features(self.cfg, data.train, self.tokenizer, training=True)
         return FeatureDataset(folder, TRAIN_COLUMNS)
+
+    def data_fingerprint(self, dataset: Dataset) -> str:
+        """Prepared features by their Arrow content, the DummyDataset by its settings: both cover
+        every example, at a fraction of hashing item by item (distqa.nq.data)."""
+        return train_data_fingerprint(dataset)
 
     def _special_ids(self) -> dict[str, int]:
         """The tokenizer's own [CLS]/[SEP]/[PAD] ids (DummyDataset's defaults are BERT's)."""

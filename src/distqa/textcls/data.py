@@ -26,8 +26,32 @@ class Example(NamedTuple):
     label: int
 
 
+def _not_utf8(path: Path, key: str) -> DistqaError:
+    """Where the first byte that is not UTF-8 is: the text reader decodes in blocks, so its own
+    error's position is within a block, not the file. Read again as bytes to find it."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        where = f" (line {line}, byte offset {err.start}: 0x{data[err.start]:02x})"
+    else:  # the file changed since: name no place
+        where = ""
+    return DistqaError(
+        f"{key}={str(path)!r} is not UTF-8 text{where}: save it as UTF-8, e.g. "
+        "`iconv -f cp1252 -t utf-8 IN > OUT` with the encoding it was written in"
+    )
+
+
 def _rows(path: Path, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, row) for each data row of a CSV or JSON-lines file."""
+    try:
+        yield from _decoded_rows(path, key)
+    except UnicodeDecodeError:
+        raise _not_utf8(path, key) from None
+
+
+def _decoded_rows(path: Path, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
     kind = FORMATS.get(path.suffix.lower())
     if kind is None:
         raise DistqaError(f"{key}={str(path)!r}: textcls reads .csv or .jsonl (JSON lines) files, not {path.suffix!r}")

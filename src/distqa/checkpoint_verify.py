@@ -1,0 +1,158 @@
+"""Whether a checkpoint folder can be used, and where a run's checkpoints are.
+
+A checkpoint is usable when its manifest (size and SHA-256 of every file, written last) lists the
+files every checkpoint has and every file matches it, its trainer state parses and agrees with the
+folder's step, and its model weights are finite. Resume tries the newest checkpoint first and falls
+back to the one before when this says why one cannot be used; the check survives any content of
+any file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from distqa import sharded as sharded_ckpt
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_entry(path: Path) -> dict[str, Any]:
+    """A manifest entry: size and SHA-256."""
+    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+
+
+# Files every checkpoint has; a manifest that does not list them is not one distqa wrote. The
+# model is in model.safetensors (ddp) or in DCP's shards, indexed by .metadata (fsdp).
+REQUIRED_FILES = ("training_state.pt", STATE_FILE, "rng-rank0.pt")
+MODEL_FILES = ("model.safetensors", sharded_ckpt.METADATA_FILE)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _shown(name: object) -> str:
+    """A name from a damaged file, safe to print on one line."""
+    text = ascii(name)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def verify_checkpoint(directory: Path) -> str | None:
+    """None when the checkpoint is whole; else what is wrong, in a few words.
+
+    Survives any content of any file: the manifest must be a JSON object that lists at least the
+    files every checkpoint has, each with its size and SHA-256, and every file must match; the
+    trainer state must parse and agree with the folder's step (a manifest of `{}` would
+    otherwise vouch for a folder of truncated files); the model's weights must be finite, read
+    last, and only from files that matched their hashes.
+    """
+    try:
+        return _verify(directory)
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+
+
+def _verify(directory: Path) -> str | None:
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return "no manifest"
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's limit
+        return f"{MANIFEST_FILE} is not valid JSON"
+    if not isinstance(manifest, dict):
+        return f"{MANIFEST_FILE} is not a JSON object"
+    for name in REQUIRED_FILES:
+        if name not in manifest:
+            return f"{MANIFEST_FILE} does not list {name}"
+    if not any(name in manifest for name in MODEL_FILES):
+        return f"{MANIFEST_FILE} lists no model ({' or '.join(MODEL_FILES)})"
+    for name, expected in manifest.items():
+        if not name or name != Path(name).name or name in (".", ".."):
+            return f"{MANIFEST_FILE} names a file outside the checkpoint: {_shown(name)}"
+        size = expected.get("bytes") if isinstance(expected, dict) else None
+        digest = expected.get("sha256") if isinstance(expected, dict) else None
+        if type(size) is not int or not isinstance(digest, str) or not _SHA256.match(digest):
+            return f"{MANIFEST_FILE} has a malformed entry for {_shown(name)}"
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if sha256(path) != digest:
+            return f"{name} does not match its hash in the manifest"
+    return _check_trainer_state(directory) or _check_weights(directory, manifest)
+
+
+def _check_weights(directory: Path, manifest: dict[str, Any]) -> str | None:
+    """A checkpoint whose weights hold NaN/inf (a run that diverged before it was stopped) is as
+    unusable as a damaged one: resuming it would only continue the divergence."""
+    sharded = "model.safetensors" not in manifest
+    name = sharded_ckpt.METADATA_FILE if sharded else "model.safetensors"
+    try:
+        bad = sharded_ckpt.first_nonfinite_weight(directory) if sharded else _first_nonfinite(directory / name)
+    except Exception as err:  # noqa: BLE001 - files that matched their hashes, yet crafted: report, never raise
+        return f"the model in {name} cannot be read ({sharded_ckpt.error_line(err)})"
+    return f"the model's weights hold NaN/inf (first: {_shown(bad)})" if bad is not None else None
+
+
+def _first_nonfinite(path: Path) -> str | None:
+    """The first tensor of a safetensors file holding NaN/inf, read one tensor at a time."""
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+            if not sharded_ckpt.all_finite(f.get_tensor(name)):
+                return name
+    return None
+
+
+def _check_trainer_state(directory: Path) -> str | None:
+    try:
+        state = read_trainer_state(directory)
+    except (ValueError, RecursionError):
+        return f"{STATE_FILE} is not valid JSON"
+    if not isinstance(state, dict):
+        return f"{STATE_FILE} is not a JSON object"
+    for key in ("step", "epoch", "step_in_epoch", "global_batch", "world_size"):
+        if type(state.get(key)) is not int or state[key] < 0:
+            return f"{STATE_FILE} has no valid {key!r}"
+    if not isinstance(state.get("config"), dict):
+        return f"{STATE_FILE} has no config"
+    match = _STEP_DIR.match(directory.name)
+    if match and int(match.group(1)) != state["step"]:
+        return f"{STATE_FILE} is for step {state['step']}, not {match.group(1)}"
+    return None
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir() and (path / STATE_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def read_trainer_state(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / STATE_FILE).read_bytes())
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Every `step-N` folder under `root`, complete or not (to tell "no run here" from "a run whose
+    checkpoints are all unusable")."""
+    return sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and p.is_dir()) if root.is_dir() else []

@@ -1,0 +1,95 @@
+"""The checks behind `load_config`: ranges and choices that the dataclasses call from
+`__post_init__`, and the checks of a whole layer (a YAML file, the command line) that OmegaConf's
+own errors would not name: a section that is not a mapping, a float that is not a number.
+
+Every failure is a `ConfigError`, one line naming the key and what to give it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any
+
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from distqa.errors import ConfigError
+
+
+def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+
+
+def check_finite(key: str, value: Any, default: Any = None) -> None:
+    """A float setting must be a number: nan passes every `<` test and inf every `>` one, so a
+    range check alone lets `train.lr=nan` train NaN weights to the end."""
+    if isinstance(value, float) and not math.isfinite(value):
+        shown = f" (default: {default})" if isinstance(default, int | float) and not isinstance(default, bool) else ""
+        raise ConfigError(f"{key}={value} is not a finite number: give {key} a finite value{shown}")
+
+
+def check_min(key: str, value: float, low: float, *, strict: bool = False) -> None:
+    check_finite(key, value)
+    if value < low or (strict and value == low):
+        raise ConfigError(f"{key}={value} must be {'>' if strict else '>='} {low}")
+
+
+def check_sections(values: Any, schema: Any, source: str, prefix: str = "") -> None:
+    """A section (`train:`, `model:`, ...) given as something other than a mapping: OmegaConf's
+    merge error names no key ('?'), so name it here. `values`: the layer as plain containers,
+    `schema`: the defaults (a dataclass instance)."""
+    if not isinstance(values, dict):
+        return
+    for f in dataclasses.fields(schema):
+        sub, value = getattr(schema, f.name), values.get(f.name)
+        if not dataclasses.is_dataclass(sub) or value is None:  # None: OmegaConf names the key
+            continue
+        key = f"{prefix}{f.name}"
+        if not isinstance(value, dict):
+            example = next((g.name for g in dataclasses.fields(sub) if g.name != "name"), "KEY")
+            raise ConfigError(
+                f"'{key}' in {source} must be a mapping of settings ({key}: followed by indented lines "
+                f"such as `{example}: VALUE`), not {value!r}"
+            )
+        check_sections(value, sub, source, f"{key}.")
+
+
+def check_floats(values: Any, schema: Any, prefix: str = "") -> None:
+    """Every float setting, a task's own too, is a finite number; a task's setting declared with
+    `setting(..., finite=False)` may be +-inf (never nan). Run on the merged layers before any
+    `__post_init__`, so a task's own range checks never see nan."""
+    if not isinstance(values, dict):
+        return
+    for f in dataclasses.fields(schema):
+        sub, value, key = getattr(schema, f.name), values.get(f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(sub):
+            check_floats(value, sub, f"{key}.")
+        elif not (f.metadata.get("finite") is False and isinstance(value, float) and math.isinf(value)):
+            check_finite(key, value, sub)
+
+
+def check_not_a_section(key: str, known: list[str]) -> None:
+    """`train=5` on the command line: a section given a value."""
+    if key in {k.rpartition(".")[0] for k in known}:
+        first = next((k for k in known if k.startswith(f"{key}.") and k != "task.name"), f"{key}.KEY")
+        raise ConfigError(f"{key} is a section, not a setting: give its keys, e.g. {first}=VALUE")
+
+
+def suggest(key: str, known: list[str]) -> str:
+    """The closest full key: first one with the same last part (`data.max_seq_len` ->
+    `task.max_seq_len` once it moved), else the closest spelling of the whole key."""
+    last = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == last]
+    close = same_leaf[:1] or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def raise_config_error(err: OmegaConfBaseException, source: str, known: list[str]) -> None:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        raise ConfigError(f"unknown config key '{key}' in {source}{suggest(key, known)}") from err
+    # OmegaConf's own message names the expected type and the value it got; keep its first line.
+    detail = str(err).splitlines()[0]
+    raise ConfigError(f"bad value for '{key}' in {source}: {detail}") from err

@@ -1,0 +1,46 @@
+"""What happens after a training step: a plain function of the step number and the settings.
+
+The trainer acts on the plan; deciding it here keeps the loop short and lets the rules (the last
+step always logs, evaluates and saves; weights are checked before anything of a step is written)
+be tested without training anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distqa.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class AfterStep:
+    log: bool  # reduce the meters and write a metrics line
+    evaluate: bool  # run the task's evaluation (into the same metrics line)
+    save: bool  # write a checkpoint
+    check_weights: bool  # check that the weights are finite before any of the above is written
+
+
+def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs: bool = True) -> AfterStep:
+    """The plan after `step` (1-based) of `total_steps`. `save_outputs=False` (speed runs) skips
+    the final checkpoint, which only exists to be exported and resumed from."""
+    last = step == total_steps
+    evaluate = last or (train.eval_every > 0 and step % train.eval_every == 0)
+    log = evaluate or step % train.log_every == 0
+    save = step % train.checkpoint_every == 0 or (last and save_outputs)
+    # Every step that writes (metrics, a checkpoint, and after the last one the export) is checked,
+    # so non-finite weights are never saved; train.check_finite checks every step, to name the first.
+    return AfterStep(log=log, evaluate=evaluate, save=save, check_weights=log or save or last or train.check_finite)
+
+
+def diverged_hint(train: TrainConfig) -> str:
+    """What to change when the loss or the weights stop being finite."""
+    clip = (
+        "set train.max_grad_norm"
+        if train.max_grad_norm == 0
+        else f"lower train.max_grad_norm (now {train.max_grad_norm:g})"
+    )
+    fp16 = ", or use bf16 instead of fp16" if train.precision == "fp16" else ""
+    return (
+        f"the run diverged: lower train.lr (now {train.lr:g}) or {clip}{fp16}; the newest checkpoint holds "
+        "the last finite weights"
+    )

@@ -1,0 +1,174 @@
+"""How each process of a node ended, said once per node: one file per node that every rank appends
+its last line to, under a lock.
+
+Under torchrun every rank of a node meets the same mistake (a batch larger than the data, a
+missing file) and would print the same line, once per process. Each rank appends its line to the
+node's file instead, and prints it only when no rank of the node printed the same message before:
+identical lines appear once per node, a different error on one rank still appears.
+
+The file is the launcher's when it set `DISTQA_ERROR_FILE` (scripts/worker.sh, `python -m
+distqa.torchrun`): the launcher reads it after torchrun ends, to leave out torchrun's own failure
+report when distqa explained the failure, and to tell a finished run from a failed one when a
+SIGTERM arrived after the last step (every rank appends `distqa: finished: ...` when `train`
+returned). Without a launcher the file is one under the temp folder, named after this torchrun
+(its run id, restart round and process), used for the deduplication only.
+
+Lines, one per rank and event (and `# printed: ...` for what this node printed):
+    distqa [rank R]: error: MESSAGE      (`distqa: error: ...` for a single process)
+    distqa: preempted: MESSAGE
+    distqa: finished: local rank L of N
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+ERROR = re.compile(r"^distqa(?: \[rank (\d+)\])?: error: (.*)$")
+PREEMPTED = "distqa: preempted: "
+FINISHED = re.compile(r"^distqa: finished: local rank (\d+) of (\d+)$")
+# Marks a message printed on this node (a rank that does not show its line, as a lost peer's other
+# local ranks, still writes it, and must not keep local rank 0 from printing it). Readers skip it.
+PRINTED = "# printed: "
+
+
+def launcher_file() -> Path | None:
+    """The file a launcher asked for (and reads after torchrun ends), if any."""
+    path = os.environ.get("DISTQA_ERROR_FILE")
+    return Path(path) if path else None
+
+
+def _node_file() -> Path | None:
+    """The launcher's file; else, under torchrun, one per torchrun process and restart round (the
+    parent of every local rank is that torchrun); else none (a single process has no one to meet)."""
+    path = launcher_file()
+    if path is not None or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return path
+    agent = os.getppid()
+    try:  # the agent's start time: a later process with a reused pid gets another file
+        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = ""
+    key = "|".join([os.environ["TORCHELASTIC_RUN_ID"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), str(agent)])
+    digest = hashlib.sha256(f"{key}|{started}".encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir())
+    _forget_old(folder)
+    return folder / f"distqa-node-{os.getuid()}-{digest}.txt"
+
+
+def _forget_old(folder: Path, age_s: float = 86400) -> None:
+    """Nobody knows when the last rank of a torchrun is done with its file: files of this user's
+    runs a day old go when a later run has something to say."""
+    now = time.time()
+    for old in folder.glob(f"distqa-node-{os.getuid()}-*.txt"):
+        with contextlib.suppress(OSError):
+            if now - old.lstat().st_mtime > age_s:
+                old.unlink()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[IO[str]]:
+    """`path` opened for reading and appending, held under an exclusive lock. Never through a
+    symlink, and only a file of this user: the temp folder is shared."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "r+") as f:
+        if os.fstat(fd).st_uid != os.getuid():
+            raise OSError(f"{path} belongs to another user")
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
+        f.seek(0)
+        yield f
+
+
+def _message(line: str) -> str:
+    """What two ranks' lines say, without the rank that said it."""
+    found = ERROR.match(line)
+    return f"error: {found.group(2)}" if found else line
+
+
+def report(line: str, *, show: bool = True) -> None:
+    """Append `line` to the node's file; print it (`show`) unless a rank of this node printed the
+    same message already. Printed under the lock, in one write: ranks never interleave a line."""
+    path, printed = _node_file(), False
+    if path is not None:
+        try:
+            with _locked(path) as f:
+                shown = {earlier[len(PRINTED) :] for earlier in f.read().splitlines() if earlier.startswith(PRINTED)}
+                if show and _message(line) in shown:
+                    show = False  # a rank of this node printed it
+                elif show:
+                    _print(line)
+                    printed = True
+                    f.write(f"{PRINTED}{_message(line)}\n")
+                f.write(line + "\n")
+        except OSError:
+            pass  # the file is a convenience; the message is not
+    if show and not printed:
+        _print(line)
+
+
+_said_finished = False
+
+
+def finished() -> None:
+    """This rank's training is complete (its last barrier passed on every rank), whatever torchrun's
+    status after a late SIGTERM. Only for a launcher that reads it; once per process, so the trainer
+    may say it while it still holds SIGTERM and the CLI again after `train` returned."""
+    global _said_finished
+    path = launcher_file()
+    if path is None or _said_finished:
+        return
+    _said_finished = True
+    local_rank, local_size = os.environ.get("LOCAL_RANK", "0"), os.environ.get("LOCAL_WORLD_SIZE", "1")
+    with contextlib.suppress(OSError), _locked(path) as f:
+        f.write(f"distqa: finished: local rank {local_rank} of {local_size}\n")
+
+
+def _print(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What the ranks of a node wrote to its file."""
+
+    error_ranks: set[int]  # ranks with an error line (a single process's line counts as rank 0)
+    preempted: bool
+    finished: set[int]  # local ranks that finished
+    local_size: int  # the local world size the finished lines name (0: none)
+
+    @property
+    def all_finished(self) -> bool:
+        return self.local_size > 0 and self.finished == set(range(self.local_size))
+
+    def explains(self, failures: dict[int, int]) -> bool:
+        """Every failed rank ({global rank: exit code}) said why: an error line of its own, or the
+        preemption (exit 143) that every rank says alike. A rank that crashed wrote nothing."""
+        return bool(failures) and all(
+            rank in self.error_ranks or (code == 143 and self.preempted) for rank, code in failures.items()
+        )
+
+
+def read(path: Path) -> Outcome:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    errors, finished, local_size = set(), set(), 0
+    for line in lines:
+        if found := ERROR.match(line):
+            errors.add(int(found.group(1) or 0))
+        elif found := FINISHED.match(line):
+            finished.add(int(found.group(1)))
+            local_size = int(found.group(2))
+    return Outcome(errors, any(line.startswith(PREEMPTED) for line in lines), finished, local_size)

@@ -1,0 +1,91 @@
+"""`python -m distqa.torchrun ARGS`: torchrun itself (the same function, in this process), without
+its failure report once distqa has said why the run stopped. scripts/worker.sh and
+scripts/run_local.sh start torchrun this way.
+
+When a worker fails, torchrun ends with a traceback of its own and a "Failures:" box after the
+workers' output, so the last thing a user reads is a report of exit codes, not distqa's one line
+saying what to do. Here torchrun runs unchanged (its arguments, signal handling, rendezvous and
+exit status are torchrun's), and only at its end is its exception judged by what the workers wrote
+to the node's file (distqa.outcome, `DISTQA_ERROR_FILE`, made here when no launcher set one):
+
+- every local rank finished: the run completed, and a SIGTERM that reached torchrun after that
+  is no failure: exit 0, silently;
+- every failed rank wrote its own error line, or the preempted line: distqa has said it; torchrun's
+  report is left out (with its "failed (exitcode ...)" and "Sending process ... closing signal"
+  log lines) and the exit status is torchrun's (1);
+- otherwise (a crash: a worker that wrote nothing): torchrun's report, as ever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from distqa import outcome
+
+# torchrun's own log records that belong to its failure report.
+_REPORT_RECORDS = ("failed (exitcode", "Sending process")
+
+
+class _QuietOnceExplained(logging.Filter):
+    """Drops torchrun's failure log lines while the node's file holds an error line: they would
+    come after distqa's own line and say only which exit codes the workers had."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(_REPORT_RECORDS):
+            return True
+        return not outcome.read(self.path).error_ranks
+
+
+def _failures(err: BaseException) -> dict[int, int] | None:
+    """{global rank: exit code} of a ChildFailedError; None for another exception (a signal)."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        return None
+    return {int(rank): int(getattr(failure, "exitcode", 1)) for rank, failure in failures.items()}
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    sys.argv[0] = "torchrun"  # its usage and error messages name the command users know
+    made = None
+    if not os.environ.get("DISTQA_ERROR_FILE"):
+        try:
+            fd, made = tempfile.mkstemp(prefix="distqa-outcome.", suffix=".txt")
+        except OSError:  # no writable temp folder: plain torchrun, report and all
+            torchrun_main(argv)
+            return 0
+        os.close(fd)
+        os.environ["DISTQA_ERROR_FILE"] = made  # the workers inherit it
+    path = Path(os.environ["DISTQA_ERROR_FILE"])
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietOnceExplained(path))
+    try:
+        torchrun_main(argv)
+        return 0
+    except (ChildFailedError, SignalException) as err:
+        said = outcome.read(path)
+        if said.all_finished:
+            return 0
+        failures = _failures(err)
+        if failures is None and said.preempted or failures is not None and said.explains(failures):
+            return 1  # torchrun's status for either exception
+        raise
+    finally:
+        if made is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(made)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,102 @@
+"""The trainer's decisions that need no training: what follows a step, whether ranks agree on their
+settings, whether weights are finite, and what a resume of a finished run may do."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from distqa.agreement import PER_NODE, compared_settings, differences, settings_hash
+from distqa.config import load_config
+from distqa.control import after_step, diverged_hint
+from distqa.dist import DistInfo
+from distqa.errors import ConfigError, DistqaError
+from distqa.guards import StopSignal
+from distqa.parallel import all_finite
+from distqa.resume import check_continuation
+
+ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def test_after_step_plan():
+    train = load_config(None, ["train.log_every=5", "train.checkpoint_every=4", "train.eval_every=3"]).train
+    plans = {step: after_step(step, 10, train) for step in range(1, 11)}
+    assert [s for s, p in plans.items() if p.log] == [3, 5, 6, 9, 10]  # every evaluation is logged
+    assert [s for s, p in plans.items() if p.evaluate] == [3, 6, 9, 10]
+    assert [s for s, p in plans.items() if p.save] == [4, 8, 10]
+    # Every step that writes anything is checked first; the others are not (a pass over the weights).
+    assert [s for s, p in plans.items() if p.check_weights] == [3, 4, 5, 6, 8, 9, 10]
+    assert not after_step(10, 10, train, save_outputs=False).save  # speed runs write no final checkpoint
+    every = load_config(None, ["train.check_finite=true", "train.log_every=5"]).train
+    assert all(after_step(step, 10, every).check_weights for step in range(1, 11))
+
+
+def test_diverged_hint_names_what_to_lower():
+    hint = diverged_hint(load_config(None, ["train.lr=0.5", "train.max_grad_norm=0", "train.precision=fp16"]).train)
+    assert "train.lr (now 0.5)" in hint and "set train.max_grad_norm" in hint and "bf16" in hint
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_all_finite_sees_nan_and_inf_anywhere(bad):
+    tensors = [torch.zeros(3), torch.ones(2, 2), torch.empty(0)]
+    assert all_finite(tensors)
+    tensors[1][1, 0] = bad
+    assert not all_finite(tensors)
+
+
+def test_all_finite_large_weights_are_finite():
+    # A sum or a 2-norm of these overflows float32; they are finite all the same.
+    assert all_finite([torch.full((1000,), 3e38)])
+    assert all_finite([])
+
+
+def test_stop_signal_refuses_non_finite_weights_and_a_lost_lock():
+    class Lock:
+        lost: str | None = None
+
+        def verify(self) -> str | None:
+            return self.lost
+
+    lock = Lock()
+    stop = StopSignal(ONE, lock)  # type: ignore[arg-type]
+    try:
+        assert stop.should_stop(1, [torch.ones(2)]) is False
+        with pytest.raises(DistqaError, match=r"NaN or inf after step 2: .*LOWER"):
+            stop.should_stop(2, [torch.tensor([1.0, math.nan])], "LOWER")
+        stop.should_stop(2, None)  # not asked to check: nothing checked
+        lock.lost = "another run took over output_dir x"
+        with pytest.raises(DistqaError, match="another run took over output_dir x: stopping"):
+            stop.should_stop(3, [torch.ones(2)])
+    finally:
+        stop.close()
+
+
+def test_settings_compared_across_ranks_leave_out_per_node_keys():
+    a = load_config(None, ["data.num_workers=1"])
+    b = load_config(None, ["data.num_workers=3", "output_dir=/elsewhere"])
+    assert settings_hash(compared_settings(a)) == settings_hash(compared_settings(b))
+    assert not PER_NODE & compared_settings(a).keys()
+    c = load_config(None, ["train.lr=0.5", "train.max_steps=4"])
+    assert settings_hash(compared_settings(a)) != settings_hash(compared_settings(c))
+    line = differences([compared_settings(a), compared_settings(c)])
+    assert line == "train.lr (rank 0: 3e-05, rank 1: 0.5); train.max_steps (rank 0: -1, rank 1: 4)"
+
+
+def _state(cfg, step: int) -> dict:
+    return {"step": step, "config": dataclasses.asdict(cfg), "data": None}
+
+
+def test_a_finished_run_trains_nothing_and_refuses_other_settings(tmp_path):
+    done = load_config(None, ["train.max_steps=4", f"output_dir={tmp_path}"])
+    assert check_continuation(tmp_path, _state(done, 4), done, total_steps=4, data={}) is True
+    other = load_config(None, ["train.max_steps=4", "train.lr=1e-4", f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"finished at step 4 with other settings \(train.lr .*train.resume=never"):
+        check_continuation(tmp_path, _state(done, 4), other, total_steps=4, data={})
+    # Not finished: the new rate applies from the resume step on.
+    assert check_continuation(tmp_path, _state(done, 2), other, total_steps=4, data={}) is False
+    # Operational keys (silent) do not count as other settings.
+    quiet = load_config(None, ["train.max_steps=4", "train.log_every=1", f"output_dir={tmp_path}"])
+    assert check_continuation(tmp_path, _state(done, 4), quiet, total_steps=4, data={}) is True

@@ -1,0 +1,227 @@
+"""The training data's fingerprint covers every example, in order (issue 24, "Must work" 3 and M1).
+
+The earlier fingerprint hashed the length and 64 evenly spaced items, so a same-length file whose
+other rows were relabelled or reordered resumed silently. Every change below touches only rows
+between two of those samples (`between_samples`): these tests fail if the fingerprint samples again.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import distqa.data_identity as identity
+from distqa.data_identity import agreed_identity, arrow_fingerprint, fingerprint
+from distqa.dist import DistInfo
+from distqa.errors import DistqaError
+from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, train_data_fingerprint
+from distqa.nq.dummy import DummyDataset
+from distqa.nq.features import FeatureSettings
+from distqa.nq.prepare import FINGERPRINT_FILE, prepare_features
+from distqa.textcls.data import Example, ExampleDataset
+from test_resume_safety import run
+
+NQ_SAMPLE = Path(__file__).parent / "fixtures" / "nq"
+
+
+def between_samples(length: int) -> int:
+    """A row that 64 evenly spaced samples never read: the one after the middle sample (its
+    neighbour after it is unread too, given at least 3 rows between samples)."""
+    assert length >= 200
+    return round(31 * (length - 1) / 63) + 1
+
+
+def relabelled(items: list, index: int, relabel) -> list:  # noqa: ANN001 - a small test helper
+    changed = list(items)
+    changed[index] = relabel(changed[index])
+    return changed
+
+
+def swapped(items: list, index: int) -> list:
+    changed = list(items)
+    changed[index], changed[index + 1] = changed[index + 1], changed[index]
+    return changed
+
+
+# ---------------------------------------------------------------------------- plain datasets
+def text_examples(n: int) -> tuple[list, object]:
+    """textcls's rows (it has no path of its own: the generic one) and how to relabel one."""
+    return [Example(f"text {i}", None, i % 3) for i in range(n)], lambda e: e._replace(label=(e.label + 1) % 3)
+
+
+def token_rows(n: int) -> tuple[list, object]:
+    """Tokenized rows as plain lists, as many forks' datasets return them."""
+    rows = [{"input_ids": [101, 1000 + i, 102], "label": i % 2} for i in range(n)]
+    return rows, lambda r: {**r, "label": 1 - r["label"]}
+
+
+def tensor_rows(n: int) -> tuple[list, object]:
+    """Tensors, as the DummyDataset and the toy task return them."""
+    rows = [{"input_ids": torch.arange(i, i + 8), "answer_type": torch.tensor(i % 5)} for i in range(n)]
+    return rows, lambda r: {**r, "answer_type": (r["answer_type"] + 1) % 5}
+
+
+@pytest.mark.parametrize("make", [text_examples, token_rows, tensor_rows])
+def test_a_same_length_relabelled_or_reordered_dataset_changes_the_fingerprint(make):
+    rows, relabel = make(1000)
+    index = between_samples(len(rows))
+    original = fingerprint(ExampleDataset(rows))
+    assert fingerprint(ExampleDataset(list(rows))) == original  # a fresh copy: same content, same digest
+    assert fingerprint(ExampleDataset(relabelled(rows, index, relabel))) != original
+    assert fingerprint(ExampleDataset(swapped(rows, index))) != original
+
+
+def test_equal_values_in_other_containers_agree_and_nearby_values_do_not():
+    assert fingerprint([(1, [2, 3])]) == fingerprint([[1, (2, 3)]])  # type: ignore[arg-type]
+    different = [[[1, 2], 3]], [[1, [2, 3]]], [[1, 2, 3]], [[12, 3]], [[1, 23]], [["1", 2, 3]], [[True, 2, 3]]
+    assert len({fingerprint(rows) for rows in different}) == len(different)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- Arrow datasets
+def arrow_rows(n: int) -> datasets.Dataset:
+    rng = np.random.default_rng(0)
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": [rng.integers(0, 30000, size=rng.integers(4, 12)).tolist() for _ in range(n)],
+            "label": rng.integers(0, 5, size=n).tolist(),
+            "note": [None if i % 7 == 0 else f"row {i}" for i in range(n)],  # nulls and strings
+        }
+    )
+
+
+def as_dataset(table: pa.Table) -> datasets.Dataset:
+    return datasets.Dataset(datasets.table.InMemoryTable(table))
+
+
+def with_column(table: pa.Table, name: str, values: list) -> pa.Table:
+    column = pa.array(values, type=table.schema.field(name).type)
+    return table.set_column(table.column_names.index(name), name, column)
+
+
+def test_arrow_relabelled_or_reordered_rows_change_the_fingerprint_and_chunking_does_not(monkeypatch):
+    monkeypatch.setattr(identity, "LEAF_ROWS", 64)  # several blocks, hashed on several threads
+    data = arrow_rows(1000)
+    index = between_samples(len(data))
+    original = fingerprint(data)
+    rechunked = pa.Table.from_batches(data.data.table.to_batches(max_chunksize=37))
+    assert arrow_fingerprint(as_dataset(rechunked), threads=1) == original
+    table = data.data.table
+    relabel = relabelled(data["label"], index, lambda v: (v + 1) % 5)
+    assert fingerprint(as_dataset(with_column(table, "label", relabel))) != original
+    assert (
+        fingerprint(as_dataset(with_column(table, "note", relabelled(data["note"], index - 1, lambda v: None))))
+        != original
+    )
+    order = swapped(list(range(len(data))), index)
+    assert fingerprint(data.select(order)) != original  # an indices mapping: the order it sets counts
+    assert fingerprint(as_dataset(table.take(order))) != original
+
+
+# ---------------------------------------------------------------------------- Natural Questions
+@pytest.fixture(scope="module")
+def nq_features(tmp_path_factory, minilm_dir) -> Path:
+    """The fixture documents prepared with every window kept: about a thousand features."""
+    folder = tmp_path_factory.mktemp("nq") / "features"
+    source = tmp_path_factory.mktemp("nq-source") / "train.jsonl"
+    source.write_text((NQ_SAMPLE / "simplified-nq-sample.jsonl").read_text())
+    settings = FeatureSettings(max_seq_len=128, doc_stride=64, keep_unknown=1.0)
+    prepare_features(source, folder, tokenizer_name=str(minilm_dir), settings=settings)
+    return folder
+
+
+def rewritten(source: Path, dest: Path, change) -> FeatureDataset:  # noqa: ANN001 - a small test helper
+    """`source`'s features with `change` applied to its whole Arrow table, saved as `prepare` would."""
+    table = change(datasets.load_from_disk(str(source)).data.table)
+    as_dataset(table).save_to_disk(str(dest))
+    shutil.copy(source / FINGERPRINT_FILE, dest / FINGERPRINT_FILE)  # the stamp says nothing of content
+    return FeatureDataset(dest, TRAIN_COLUMNS)
+
+
+def test_nq_prepared_features_relabelled_or_reordered_change_the_fingerprint(nq_features, tmp_path):
+    original = FeatureDataset(nq_features, TRAIN_COLUMNS)
+    n = len(original)
+    index = between_samples(n)
+    assert train_data_fingerprint(original) == original.fingerprint()
+    assert rewritten(nq_features, tmp_path / "copy", lambda t: t).fingerprint() == original.fingerprint()
+
+    def relabel(table: pa.Table) -> pa.Table:
+        kinds = relabelled(table.column("answer_type").to_pylist(), index, lambda v: (v + 1) % 5)
+        return with_column(table, "answer_type", kinds)
+
+    def untrained(table: pa.Table) -> pa.Table:  # a column no step reads
+        return with_column(table, "example_id", relabelled(table["example_id"].to_pylist(), index, lambda v: v + "x"))
+
+    relabelled_set = rewritten(nq_features, tmp_path / "relabelled", relabel)
+    reordered_set = rewritten(nq_features, tmp_path / "reordered", lambda t: t.take(swapped(list(range(n)), index)))
+    assert len(relabelled_set) == len(reordered_set) == n
+    assert relabelled_set.fingerprint() != original.fingerprint()
+    assert reordered_set.fingerprint() != original.fingerprint()
+    assert rewritten(nq_features, tmp_path / "ids", untrained).fingerprint() == original.fingerprint()
+
+
+def test_nq_reordered_jsonl_is_prepared_anew_with_another_fingerprint(nq_features, tmp_path, minilm_dir):
+    lines = (NQ_SAMPLE / "simplified-nq-sample.jsonl").read_text().splitlines(keepends=True)
+    source = tmp_path / "train.jsonl"
+    source.write_text("".join(swapped(lines, len(lines) // 2)))
+    settings = FeatureSettings(max_seq_len=128, doc_stride=64, keep_unknown=1.0)
+    prepare_features(source, tmp_path / "features", tokenizer_name=str(minilm_dir), settings=settings)
+    reordered = FeatureDataset(tmp_path / "features", TRAIN_COLUMNS)
+    original = FeatureDataset(nq_features, TRAIN_COLUMNS)
+    assert len(reordered) == len(original) and reordered.fingerprint() != original.fingerprint()
+
+
+def test_the_dummy_dataset_is_identified_by_what_makes_its_items():
+    base = {"size": 300, "max_seq_len": 64, "vocab_size": 2000, "seed": 1}
+    same = train_data_fingerprint(DummyDataset(**base))  # type: ignore[arg-type]
+    assert train_data_fingerprint(DummyDataset(**base)) == same  # type: ignore[arg-type]
+    for key, value in (("seed", 2), ("size", 301), ("max_seq_len", 65), ("vocab_size", 2001)):
+        assert train_data_fingerprint(DummyDataset(**{**base, key: value})) != same  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- across ranks
+def test_one_rank_per_node_hashes_and_a_node_that_differs_is_named_in_one_line(monkeypatch):
+    """4 ranks on 2 nodes (torchrun sets GROUP_RANK): only local rank 0 hashes; node 1's files differ."""
+    others = [
+        {"node": "0", "examples": 5, "fingerprint": "aaa"},
+        {"node": "0", "examples": 5, "fingerprint": None},
+        {"node": "1", "examples": 5, "fingerprint": "bbb"},
+        {"node": "1", "examples": 5, "fingerprint": None},
+    ]
+    calls = []
+    monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: others)
+    monkeypatch.setenv("GROUP_RANK", "0")
+    info = DistInfo(rank=1, local_rank=1, world_size=4, device=torch.device("cpu"))
+    with pytest.raises(DistqaError) as stopped:
+        agreed_identity(lambda d: calls.append(d) or "aaa", [0] * 5, info, "train.jsonl")  # type: ignore[arg-type]
+    assert calls == []  # not local rank 0: its node's rank 0 hashed for it
+    message = str(stopped.value)
+    assert "\n" not in message and "data.train='train.jsonl'" in message
+    assert "ranks 0-1: 5 examples, fingerprint aaa; ranks 2-3: 5 examples, fingerprint bbb" in message
+
+    others[2]["fingerprint"] = "aaa"
+    assert agreed_identity(lambda d: "unused", [0] * 5, info, "t")["fingerprint"] == "aaa"  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- resume
+def test_resume_on_a_relabelled_or_reordered_file_of_the_same_length_is_refused_naming_data_train(tmp_path, minilm_dir):
+    rows = [f"text {i} {'good' if i % 2 else 'bad'},{i % 2}" for i in range(200)]
+    index = between_samples(len(rows))
+    data = tmp_path / "train.csv"
+    data.write_text("text,label\n" + "\n".join(rows) + "\n")
+    args = ["task.name=textcls", "task.labels=a,b", f"model.tokenizer={minilm_dir}", f"data.train={data}"]
+    args += ["train.optimizer=sgd", "train.checkpoint_every=1"]  # one cheap step makes the checkpoint
+    out = run(tmp_path / "run", *args, "train.max_steps=1")
+
+    for changed in (relabelled(rows, index, lambda r: r[:-1] + str(1 - int(r[-1]))), swapped(rows, index)):
+        data.write_text("text,label\n" + "\n".join(changed) + "\n")
+        with pytest.raises(DistqaError) as refused:
+            run(out, *args, "train.max_steps=2")
+        message = str(refused.value)
+        assert "\n" not in message and f"data.train='{data}' is not the data checkpoint" in message
+        assert "200 examples" in message and "train.allow_data_change=true" in message

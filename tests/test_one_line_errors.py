@@ -1,0 +1,244 @@
+"""Issue 24, must-work 8: what used to end in a traceback or a pile of repeated lines is one line,
+naming the file or key and the fix: a CSV that is not UTF-8, a Hugging Face hub out of reach in
+`distqa prepare`; an error every rank meets is printed once per node; and after distqa's own
+line the launch scripts add no torchrun failure report (but keep it for a crash that said nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TESTS, run_train, subprocess_env
+from distqa import outcome
+from distqa.config import load_config
+from distqa.errors import DistqaError
+
+NQ_SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+
+# Every rank meets it before training: 4 examples, a global batch of 16.
+TOO_BIG_BATCH = ["model.name=tiny", "task.dummy_size=4", "train.batch_size=8", "data.num_workers=0"]
+TOO_BIG_LINE = "error: the training set has 4 examples, fewer than one global batch"
+
+
+# ---- input files and downloads ------------------------------------------------------------------
+
+
+def test_a_textcls_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    from distqa.textcls.data import read_examples
+
+    settings = load_config(None, ["task=textcls", "task.labels=a,b"]).task
+    csv, jsonl = tmp_path / "data.csv", tmp_path / "data.jsonl"
+    csv.write_bytes(b"text,label\nhello,a\ncaf\xe9,b\n")  # cp1252, as a spreadsheet may save it
+    jsonl.write_bytes(b'{"text": "a", "label": "a"}\n{"text": "caf\xe9", "label": "b"}\n')
+    for path, line, offset in [(csv, 3, 22), (jsonl, 2, 41)]:
+        with pytest.raises(DistqaError) as info:
+            read_examples(path, "data.train", settings)
+        message = str(info.value)
+        assert message.startswith(
+            f"data.train={str(path)!r} is not UTF-8 text (line {line}, byte offset {offset}: 0xe9)"
+        )
+        assert "save it as UTF-8" in message and "\n" not in message
+
+
+def test_prepare_with_the_hub_offline_and_no_cache_is_one_line(tmp_path):
+    """HF_HUB_OFFLINE=1 (the tests' setting, conftest.py) and an id that is in no cache."""
+    from distqa.nq.features import FeatureSettings
+    from distqa.nq.prepare import prepare_features
+
+    with pytest.raises(DistqaError) as info:
+        prepare_features(
+            NQ_SAMPLE, tmp_path / "f", tokenizer_name="no-such-org/no-such-tokenizer", settings=FeatureSettings()
+        )
+    message = str(info.value)
+    assert message.startswith("cannot load tokenizer 'no-such-org/no-such-tokenizer' (OSError: "), message
+    assert "HF_HUB_OFFLINE=1 is set" in message and "HF_HOME" in message and "\n" not in message
+    assert message.endswith("or set model.tokenizer to a local folder")
+
+
+# The hub's client retries a refused connection with a back-off (about 45 s in all): skipped here,
+# what the user finally reads is the same.
+UNREACHABLE = (
+    "import sys, time\ntime.sleep = lambda seconds: None\nfrom distqa.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.safety
+def test_prepare_with_the_hub_unreachable_is_one_line(tmp_path):
+    env = subprocess_env(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    env.pop("HF_HUB_OFFLINE")
+    cmd = [sys.executable, "-c", UNREACHABLE, "prepare", "--input", str(NQ_SAMPLE), "--output", str(tmp_path / "f")]
+    proc = subprocess.run(
+        [*cmd, "model.tokenizer=bert-base-cased"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("distqa: error: cannot load tokenizer 'bert-base-cased' ("), last
+    assert "Check the network: the Hugging Face hub (http://127.0.0.1:9, HF_ENDPOINT) must be reachable" in last
+    assert f"HF_HOME to a cache that holds it (now {tmp_path / 'hf'})" in last
+
+
+# ---- one line per node -----------------------------------------------------------------------
+
+
+def as_rank(monkeypatch, rank: int, local_rank: int, **env: str) -> None:
+    for key, value in dict(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE="2", **env).items():
+        monkeypatch.setenv(key, value)
+
+
+def test_identical_errors_of_a_node_print_once_and_a_different_one_still_prints(tmp_path, monkeypatch, capsys):
+    file = tmp_path / "node.txt"
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(file))
+    lines = ["distqa [rank 0]: error: batch too large", "distqa [rank 1]: error: batch too large"]
+    for line in lines:
+        outcome.report(line)
+    outcome.report("distqa [rank 1]: error: something else")
+    assert (
+        capsys.readouterr().err == "distqa [rank 0]: error: batch too large\ndistqa [rank 1]: error: something else\n"
+    )
+    written = [line for line in file.read_text().splitlines() if not line.startswith("#")]
+    assert written == [*lines, "distqa [rank 1]: error: something else"]  # every rank's, for the launcher
+    said = outcome.read(file)
+    assert said.error_ranks == {0, 1} and not said.preempted and not said.all_finished
+
+
+def test_a_line_another_rank_kept_to_itself_is_still_printed_by_the_rank_that_shows_it(tmp_path, monkeypatch, capsys):
+    """Rank 1 writes the preempted line (or a lost peer's) without printing it, before rank 0 does."""
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(tmp_path / "node.txt"))
+    outcome.report("distqa: preempted: stopped at step 3", show=False)
+    outcome.report("distqa: preempted: stopped at step 3")
+    outcome.report("distqa: preempted: stopped at step 3")
+    assert capsys.readouterr().err == "distqa: preempted: stopped at step 3\n"
+    assert outcome.read(tmp_path / "node.txt").preempted
+
+
+def test_without_a_launcher_the_ranks_of_one_torchrun_share_a_file_of_their_own(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DISTQA_ERROR_FILE", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # read TMPDIR again
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    for _ in range(2):
+        outcome.report("distqa [rank 0]: error: same")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a new round: its own file, said again
+    outcome.report("distqa [rank 0]: error: same")
+    assert capsys.readouterr().err == "distqa [rank 0]: error: same\n" * 2
+    assert len(list(tmp_path.glob("distqa-node-*"))) == 2
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # a single process: printed, no file
+    outcome.report("distqa: error: alone")
+    assert capsys.readouterr().err == "distqa: error: alone\n" and len(list(tmp_path.glob("distqa-node-*"))) == 2
+
+
+def test_finished_lines_tell_a_complete_node(tmp_path, monkeypatch):
+    file = tmp_path / "node.txt"
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(file))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(outcome, "_said_finished", False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    outcome.finished()
+    outcome.finished()  # once per process: the trainer and the CLI may both say it
+    assert file.read_text() == "distqa: finished: local rank 1 of 2\n"
+    assert not outcome.read(file).all_finished
+    monkeypatch.setattr(outcome, "_said_finished", False)  # another process: local rank 0
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    outcome.finished()
+    assert outcome.read(file).all_finished
+
+
+# ---- torchrun's report: left out after distqa's line, kept after a crash ------------------------
+
+
+@pytest.mark.parametrize(
+    "lines, failures, quiet",
+    [
+        (["distqa [rank 0]: error: x", "distqa [rank 1]: error: x"], {0: 2, 1: 2}, True),
+        (["distqa [rank 0]: error: lost a peer"], {0: 1, 1: -9}, False),  # rank 1 crashed: report kept
+        ([], {0: 1}, False),  # a crash that wrote nothing
+        (["distqa: preempted: stopped"], {0: 143, 1: 143}, True),
+    ],
+)
+def test_distqa_torchrun_keeps_torchrun_s_report_only_for_what_distqa_did_not_explain(
+    tmp_path, monkeypatch, lines, failures, quiet
+):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from distqa import torchrun
+
+    file = tmp_path / "node.txt"
+    file.write_text("".join(f"{line}\n" for line in lines))
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(file))
+    failed = {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>") for rank, code in failures.items()}
+    error = ChildFailedError("distqa", failed)
+
+    def failing(argv):
+        raise error
+
+    monkeypatch.setattr("torch.distributed.run.main", failing)
+    monkeypatch.setattr(sys, "argv", ["x"])
+    if quiet:
+        assert torchrun.main(["--standalone"]) == 1
+    else:
+        with pytest.raises(ChildFailedError):
+            torchrun.main(["--standalone"])
+
+
+@pytest.mark.parametrize("lines, result", [(["distqa: finished: local rank 0 of 1"], 0), (["distqa: preempted: x"], 1)])
+def test_distqa_torchrun_after_a_sigterm(tmp_path, monkeypatch, lines, result):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from distqa import torchrun
+
+    monkeypatch.setattr(sys, "argv", ["x"])
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(tmp_path / "node.txt"))
+
+    def stopped(argv):
+        raise SignalException("Process 1 got signal: 15", sigval=15)
+
+    monkeypatch.setattr("torch.distributed.run.main", stopped)
+    (tmp_path / "node.txt").write_text("")
+    with pytest.raises(SignalException):  # nothing said: torchrun's own traceback
+        torchrun.main([])
+    (tmp_path / "node.txt").write_text("".join(f"{line}\n" for line in lines))
+    assert torchrun.main([]) == result
+
+
+# ---- the real thing: 2 processes ---------------------------------------------------------------
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error" in line.lower()]
+
+
+@pytest.mark.safety
+def test_an_error_of_every_rank_is_printed_once_under_plain_torchrun(tmp_path):
+    proc = run_train([*TOO_BIG_BATCH, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False)
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if outcome.ERROR.match(line)]
+    assert len(said) == 1 and TOO_BIG_LINE in said[0], proc.stderr[-3000:]
+
+
+def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = subprocess_env(PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]), **extra)
+    env["TMPDIR"] = str(tmp_path)  # where the node's file goes: checked to be gone afterwards
+    return env
+
+
+@pytest.mark.safety
+@pytest.mark.parametrize("script", ["worker.sh", "run_local.sh"])
+def test_the_launch_scripts_end_with_distqa_s_one_line_and_no_torchrun_report(tmp_path, script):
+    from conftest import free_port
+
+    env = script_env(tmp_path, NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    cmd = [str(ROOT / "scripts" / script), *TOO_BIG_BATCH, f"output_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1 and TOO_BIG_LINE in errors[0], proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == errors[0]
+    for torchrun_report in ("Traceback", "ChildFailedError", "Failures:", "failed (exitcode", "closing signal"):
+        assert torchrun_report not in proc.stderr, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("distqa-*")), list(tmp_path.iterdir())  # the node's file is removed

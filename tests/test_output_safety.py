@@ -1,0 +1,303 @@
+"""What a run writes in output_dir is its own, and what it reads back is what it claims: no write
+through a planted symbolic link, config.yaml kept in config-history/ before it is rewritten, no
+checkpoint renamed into a folder another run took over, no checkpoint with NaN/inf weights chosen
+for resume, and a tampered checkpoint file is one line naming it. Checkpoints here are written by
+`save_checkpoint` itself around a tiny model, in this process: milliseconds each."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from distqa import runlock
+from distqa.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from distqa.checkpoint_verify import sha256
+from distqa.dist import DistInfo
+from distqa.errors import DistqaError
+from distqa.metrics import MetricsWriter
+from distqa.outdir import RUN_PATHS, archive_config, claim, write_text
+from distqa.resume import choose_checkpoint
+from distqa.runlock import LOCK_NAME, RunLock
+
+MAIN = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def outside_file(tmp_path: Path) -> tuple[Path, bytes]:
+    target = tmp_path / "outside" / "precious.txt"
+    target.parent.mkdir(exist_ok=True)
+    data = b"the user's own file\n"
+    target.write_bytes(data)
+    return target, data
+
+
+# ---------------------------------------------------------------------- links in output_dir
+@pytest.mark.parametrize("name", RUN_PATHS)
+def test_a_run_file_that_is_a_link_is_refused_before_the_lock_is_taken(tmp_path, name):
+    out = tmp_path / "run"
+    out.mkdir()
+    target, data = outside_file(tmp_path)
+    (out / name).symlink_to(target.parent if name in ("checkpoints", "model", "tb", "config-history") else target)
+    with pytest.raises(DistqaError) as refused:
+        claim(out, MAIN)
+    message = str(refused.value)
+    assert f"{out / name} is a symbolic link" in message and "\n" not in message
+    assert target.read_bytes() == data and sorted(p.name for p in target.parent.iterdir()) == ["precious.txt"]
+    assert (out / LOCK_NAME).is_symlink() if name == LOCK_NAME else not (out / LOCK_NAME).exists()
+
+
+def test_a_run_into_a_folder_whose_config_yaml_is_a_link_stops_and_leaves_its_target_alone(tmp_path):
+    from conftest import SMALL
+    from distqa.config import load_config
+    from distqa.trainer import train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    target, data = outside_file(tmp_path)
+    (out / "config.yaml").symlink_to(target)
+    with pytest.raises(DistqaError, match=rf"{out / 'config.yaml'} is a symbolic link"):
+        train(load_config(None, [*SMALL, "train.max_steps=1", f"output_dir={out}"]))
+    assert target.read_bytes() == data and sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+
+
+def test_writes_replace_a_link_planted_after_the_claim_never_write_through_it(tmp_path):
+    out = tmp_path / "run"
+    lock = claim(out, MAIN)
+    assert lock is not None
+    try:
+        target, data = outside_file(tmp_path)
+        (out / "config.yaml").symlink_to(target)
+        write_text(out / "config.yaml", "seed: 1\n", MAIN)
+        assert not (out / "config.yaml").is_symlink() and (out / "config.yaml").read_text() == "seed: 1\n"
+        assert target.read_bytes() == data
+        assert sorted(p.name for p in out.iterdir()) == ["config.yaml", LOCK_NAME]  # no temporary file left
+
+        metrics = MetricsWriter(out, MAIN)
+        (out / "metrics.jsonl").symlink_to(target)
+        with pytest.raises(DistqaError, match=rf"cannot append to {out / 'metrics.jsonl'} \(it is a symbolic link\)"):
+            metrics.log({"step": 1, "loss": 0.5})
+        metrics.close()
+        assert target.read_bytes() == data
+    finally:
+        lock.release()
+
+
+# ---------------------------------------------------------------------- config history
+def test_archive_config_keeps_every_earlier_config_and_overwrites_none(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    assert archive_config(out, 4, MAIN) is None and not (out / "config-history").exists()  # nothing to keep
+    (out / "config.yaml").write_text("train:\n  lr: 0.1\n")
+    assert archive_config(out, 4, MAIN) == out / "config-history" / "4.yaml"
+    (out / "config.yaml").write_text("train:\n  lr: 0.2\n")
+    assert archive_config(out, 4, MAIN) == out / "config-history" / "4-2.yaml"  # same step again: a new name
+    assert (out / "config-history" / "4.yaml").read_text() == "train:\n  lr: 0.1\n"
+    assert (out / "config-history" / "4-2.yaml").read_text() == "train:\n  lr: 0.2\n"
+    assert sorted(p.name for p in (out / "config-history").iterdir()) == ["4-2.yaml", "4.yaml"]
+
+    target, data = outside_file(tmp_path)
+    (out / "config.yaml").unlink()
+    (out / "config.yaml").symlink_to(target)
+    with pytest.raises(DistqaError, match=r"cannot keep the earlier .*config.yaml as .*config-history/9.yaml") as e:
+        archive_config(out, 9, MAIN)
+    assert "\n" not in str(e.value) and not (out / "config-history" / "9.yaml").exists()
+
+
+# ---------------------------------------------------------------------- checkpoints
+def tiny_parts(fill: float | None = None) -> dict:
+    model = nn.Linear(4, 3)
+    if fill is not None:
+        with torch.no_grad():
+            model.weight[1, 2] = fill
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()  # momentum buffers: an optimizer state with tensors in it
+    if fill is not None:
+        with torch.no_grad():
+            model.weight[1, 2] = fill
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "scaler": torch.amp.GradScaler("cpu", enabled=False),
+    }
+
+
+def save(root: Path, step: int, *, sharded: bool = False, fill: float | None = None, **extra) -> Path:
+    state = {"step": step, "epoch": 0, "step_in_epoch": step, "global_batch": 2, "world_size": 1, "config": {}}
+    return save_checkpoint(root, **tiny_parts(fill), trainer_state=state, info=MAIN, sharded=sharded, **extra)
+
+
+def rehash(checkpoint: Path, name: str) -> None:
+    """Fix the manifest's entry for `name`, so that only what else is wrong with it shows."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    path = checkpoint / name
+    manifest[name] = {"bytes": path.stat().st_size, "sha256": sha256(path)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
+def test_a_checkpoint_is_not_renamed_into_a_folder_another_run_took_over(tmp_path, sharded, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(runlock, "HEARTBEAT_S", 3600.0)  # only verify() can see the takeover
+    out.mkdir()
+    lock = RunLock(out)
+    lock.acquire()
+    try:
+        root = out / "checkpoints"
+        first = save(root, 1, sharded=sharded, keep=1, still_holding=lock.verify)
+        answers = iter([None])  # held when the save starts; taken over while it writes
+
+        def still_holding() -> str | None:
+            if next(answers, "taken") is None:
+                return None
+            (out / LOCK_NAME).write_text(json.dumps({"host": "node-7", "pid": 4242, "token": "t"}))
+            return lock.verify()
+
+        with pytest.raises(DistqaError) as lost:
+            save(root, 2, sharded=sharded, keep=1, still_holding=still_holding)
+        message = str(lost.value)
+        assert message.startswith(f"another run took over output_dir {out} (host node-7, pid 4242)")
+        assert "checkpoint step-2 was not written" in message and "\n" not in message
+        assert sorted(p.name for p in root.iterdir()) == ["step-1"]  # no step-2, no .tmp-step-2, step-1 not pruned
+        assert verify_checkpoint(first) is None
+
+        # Seen before the write starts: nothing is created, and a temporary folder there (the
+        # new holder's) is left alone.
+        (root / ".tmp-step-3").mkdir()
+        with pytest.raises(DistqaError, match="checkpoint step-3 was not written"):
+            save(root, 3, sharded=sharded, still_holding=lock.verify)
+        assert sorted(p.name for p in root.iterdir()) == [".tmp-step-3", "step-1"]
+    finally:
+        lock.release()
+
+
+def test_a_checkpoint_whose_weights_hold_nan_is_unusable_and_resume_takes_the_one_before(tmp_path, capsys):
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    save(root, 1)
+    bad = save(root, 2)
+    assert verify_checkpoint(bad) is None
+    weights = load_file(str(bad / "model.safetensors"))
+    weights["bias"][0] = float("nan")
+    save_file(weights, str(bad / "model.safetensors"))
+    rehash(bad, "model.safetensors")  # the hash matches: only the values are wrong
+    assert verify_checkpoint(bad) == "the model's weights hold NaN/inf (first: 'bias')"
+    assert choose_checkpoint(out, "auto", MAIN) == root / "step-1"
+    assert f"skipping checkpoint {bad}: the model's weights hold NaN/inf" in capsys.readouterr().out
+
+    weights["bias"][0] = float("-inf")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(bad / "model.safetensors"))
+    rehash(bad, "model.safetensors")
+    assert verify_checkpoint(bad) == "the model's weights hold NaN/inf (first: 'bias')"
+
+
+def test_a_sharded_checkpoint_whose_weights_hold_inf_is_unusable(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert verify_checkpoint(save(root, 1, sharded=True)) is None
+    bad = save(root, 2, sharded=True, fill=float("inf"))
+    assert verify_checkpoint(bad) == "the model's weights hold NaN/inf (first: 'weight')"
+
+
+class _Evil:
+    marker: Path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def torch_saved(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("rng-rank0.pt", b"\x00not a torch file at all"),
+        ("rng-rank0.pt", torch_saved([1, 2, 3])),  # valid, of the wrong structure
+        ("rng-rank0.pt", torch_saved({"python": (3, (1, 2), None), "numpy": 7, "torch": 1, "cuda": None})),
+        ("rng-rank0.pt", "evil"),
+        ("training_state.pt", "evil"),
+        ("training_state.pt", torch_saved({"scheduler": [], "scaler": {}, "optimizer": {"state": 5}})),
+    ],
+)
+def test_a_tampered_checkpoint_file_is_one_line_naming_it(tmp_path, name, data):
+    _Evil.marker = tmp_path / "ran"
+    checkpoint = save(tmp_path / "checkpoints", 1)
+    (checkpoint / name).write_bytes(pickle.dumps(_Evil()) if data == "evil" else data)
+    rehash(checkpoint, name)  # tampered by someone who also fixed the manifest
+    assert verify_checkpoint(checkpoint) is None
+    with pytest.raises(DistqaError) as refused:
+        load_checkpoint(checkpoint, **tiny_parts(), info=MAIN)
+    message = str(refused.value)
+    assert message.startswith(f"cannot load checkpoint file {checkpoint / name}: ") and "\n" not in message
+    assert "weights_only" not in message and "trust" not in message and "\x1b" not in message
+    assert not _Evil.marker.exists()
+
+
+TWO_RANK_SAVE = """
+import os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_output_safety import save
+from distqa.dist import DistInfo
+from distqa.errors import DistqaError
+import test_output_safety
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+test_output_safety.MAIN = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"))
+answers = iter([None, "another run took over output_dir X"])  # rank 0's lock: lost during the write
+try:
+    save(Path({root!r}), 2, sharded={sharded}, still_holding=lambda: next(answers))
+except DistqaError as err:
+    print("raised:", err, flush=True)
+# A whole save, then rank 0 verifies it (reading the shards alone) while rank 1 waits for the verdict.
+from distqa.checkpoint import verify_checkpoint
+from distqa.dist import broadcast_object
+written = save(Path({root!r}), 3, sharded={sharded})
+print("verified:", broadcast_object(verify_checkpoint(written) if rank == 0 else None), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.safety
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
+def test_every_rank_stops_when_rank_0_lost_the_lock_during_a_save(tmp_path, sharded):
+    import subprocess
+    import sys
+
+    from conftest import TESTS, free_port, subprocess_env
+
+    root = tmp_path / "checkpoints"
+    code = TWO_RANK_SAVE.format(tests=str(TESTS), root=str(root), sharded=sharded)
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-W", "ignore", "-c", code],
+            env=subprocess_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+        assert out.splitlines() == [
+            "raised: another run took over output_dir X: checkpoint step-2 was not written, and this run stops",
+            "verified: None",
+        ]
+    assert sorted(p.name for p in root.iterdir()) == ["step-3"]
