@@ -56,7 +56,7 @@ test: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: install-dev
-	$(BIN)/python -m pytest -m "not slow and not docker and not download"
+	$(BIN)/python -m pytest -m "not slow and not docker and not download and not nodes and not fsdp and not safety"
 
 # Not part of `make test` (pyproject's addopts leave them out): they need a Docker engine, and the
 # first build makes the stand-in base image (root and debootstrap; minutes). Skipped without an engine.

@@ -396,8 +396,9 @@ if ((status != 0)) && every_rank_finished; then
   status=0
 elif [[ -n $preempted ]]; then
   # Every rank checkpointed and said so (each writes the line; rank 0 also prints it): the run
-  # stopped as asked, whatever torchrun's own status after its SIGTERM.
-  echo "$preempted" >&2
+  # stopped as asked, whatever torchrun's own status after its SIGTERM. Said here where no rank
+  # of this node printed it (nodes other than 0), so that it is the last line on every node.
+  if ! grep -q -F -x "# printed: $preempted" "$DISTQA_ERROR_FILE"; then echo "$preempted" >&2; fi
   status=143
 elif [[ -n $error ]]; then
   # A rank printed it already; distqa.torchrun then leaves out torchrun's report, a stand-in may not.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import torch
@@ -38,6 +40,26 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow"):
             slow[item.path] = slow.get(item.path, 0) + 1
     items.sort(key=lambda item: -slow.get(item.path, 0))  # stable: each file's own order is kept
+
+
+# CI runs as root with the tools it installs (.ci/run sets this): there, a test that needs root or
+# one of those tools must run, and one that cannot is a failure, not a skip nobody reads.
+REQUIRE_ROOT_TESTS_VAR = "DISTQA_REQUIRE_ROOT_TESTS"
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip the calling test for `reason`, or fail it when DISTQA_REQUIRE_ROOT_TESTS=1."""
+    if os.environ.get(REQUIRE_ROOT_TESTS_VAR) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_ROOT_TESTS_VAR}=1: this test must run here)", pytrace=False)
+    pytest.skip(reason)
+
+
+def needs_root(why: str, *tools: str) -> None:
+    """For a test that needs root (`why`: what for) and the given commands on PATH: skipped without
+    them, failed without them under DISTQA_REQUIRE_ROOT_TESTS=1 (see `unavailable`)."""
+    missing = (["root"] if os.geteuid() != 0 else []) + [f"`{tool}`" for tool in tools if shutil.which(tool) is None]
+    if missing:
+        unavailable(f"{why} needs {', '.join(missing)}")
 
 
 TESTS = Path(__file__).resolve().parent

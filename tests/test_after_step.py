@@ -100,3 +100,30 @@ def test_a_finished_run_trains_nothing_and_refuses_other_settings(tmp_path):
     # Operational keys (silent) do not count as other settings.
     quiet = load_config(None, ["train.max_steps=4", "train.log_every=1", f"output_dir={tmp_path}"])
     assert check_continuation(tmp_path, _state(done, 4), quiet, total_steps=4, data={}) is True
+
+
+def test_a_checkpoint_with_the_older_sampled_fingerprint_is_not_taken_for_other_data(tmp_path):
+    cfg = load_config(None, ["train.max_steps=4", f"output_dir={tmp_path}"])
+    state = {**_state(cfg, 2), "data": {"examples": 64, "fingerprint": "a" * 16}}
+    now = {"examples": 64, "fingerprint": "b" * 32}
+    with pytest.raises(ConfigError, match=r"older kind of fingerprint .*set train.allow_data_change=true once"):
+        check_continuation(tmp_path, state, cfg, total_steps=4, data=now)
+    allowed = load_config(None, ["train.max_steps=4", "train.allow_data_change=true", f"output_dir={tmp_path}"])
+    assert check_continuation(tmp_path, state, allowed, total_steps=4, data=now) is False
+    # Another length is other data, whatever the kind of fingerprint.
+    with pytest.raises(ConfigError, match="is not the data checkpoint"):
+        check_continuation(tmp_path, state, cfg, total_steps=4, data={"examples": 65, "fingerprint": "b" * 32})
+
+
+def test_train_in_process_gives_the_callers_sigterm_handling_back(tmp_path):
+    """Only the CLI's process keeps ignoring SIGTERM once a run is done: an in-process caller that
+    forks later (a datasets pool, a DataLoader) must get killable children (a pool's terminate
+    otherwise waits forever for a worker that ignores its SIGTERM)."""
+    import signal
+
+    from distqa.trainer import train
+
+    before = signal.getsignal(signal.SIGTERM)
+    args = ["model.name=tiny", "task.max_seq_len=32", "task.dummy_size=16", "data.num_workers=0"]
+    train(load_config(None, [*args, "train.max_steps=1", "train.batch_size=4", f"output_dir={tmp_path}"]))
+    assert signal.getsignal(signal.SIGTERM) is before

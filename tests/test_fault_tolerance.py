@@ -1,5 +1,5 @@
 """Faults that must lose nothing: a killed worker, SIGTERM, a damaged or unwritable checkpoint,
-and replicas that drift apart."""
+replicas that drift apart, and a peer that is gone while this rank waits in a collective."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as torch_dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import (
@@ -23,12 +27,16 @@ from conftest import (
     load_weights,
     max_abs_diff,
     metrics_rows,
+    needs_root,
     run_train,
     subprocess_env,
+    unavailable,
     wait_for_step,
 )
+from distqa import dist as distqa_dist
 from distqa.checkpoint import list_checkpoints, read_trainer_state, verify_checkpoint
 from distqa.config import load_config
+from distqa.dist import PeerWatch
 from distqa.errors import DistqaError
 from distqa.trainer import train
 
@@ -150,14 +158,10 @@ def small_disk(tmp_path):
     """A 26 MB tmpfs (root only): one tiny-model checkpoint fits, two do not."""
     disk = tmp_path / "small-disk"
     disk.mkdir()
-    if (
-        os.geteuid() != 0
-        or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(disk)], capture_output=True
-        ).returncode
-        != 0
-    ):
-        pytest.skip("needs root and tmpfs mounts to make a small disk")
+    needs_root("a small disk (a tmpfs mount)", "mount", "umount")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        unavailable(f"cannot mount a tmpfs for a small disk: {mounted.stderr.decode().strip()}")
     try:
         yield disk
     finally:
@@ -239,3 +243,52 @@ def test_full_disk_during_the_final_export_leaves_no_half_model(small_disk):
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
     in_process(disk, "run", *args)
     assert load_weights(disk / "run").keys()
+
+
+@pytest.fixture
+def fast_peer_watch(monkeypatch) -> torch_dist.TCPStore:
+    """A store that peer watches count in, ticking every 50 ms instead of 2 s."""
+    port = free_port()
+    store = torch_dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(PeerWatch, "INTERVAL_S", 0.05)
+    return store
+
+
+def watching(rank: int, prefix: str) -> tuple[PeerWatch, list[list[int]]]:
+    """Rank `rank` of 2 watching the other, giving up after 0.5 s; what it would call lost, kept."""
+    watch, lost = PeerWatch(rank, 2, timeout_s=0.5, prefix=prefix), []
+    watch._lost = lambda silent: (lost.append(silent), watch.stopped.set())  # type: ignore[method-assign]
+    threading.Thread(target=watch._run, daemon=True).start()
+    return watch, lost
+
+
+def test_peer_watch_ends_a_rank_whose_peer_is_gone_and_spares_live_and_finished_ones(
+    fast_peer_watch, monkeypatch, tmp_path, capsys
+):
+    """The gloo hang of a peer lost mid-message (dist.PeerWatch): a rank's neighbour that stops
+    counting is lost within the timeout; one that counts, or said it stops on purpose, is not."""
+    gone, lost = watching(0, "gone/")  # rank 1 never starts counting
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lost == [[1]]
+
+    (zero, lost_by_zero), (one, lost_by_one) = watching(0, "live/"), watching(1, "live/")
+    time.sleep(1.0)  # two timeouts: both count
+    one.stop()  # rank 1 ends on purpose
+    time.sleep(1.0)
+    zero.stop()
+    assert lost_by_zero == [] and lost_by_one == []
+
+    # What a lost peer looks like: one line, also for worker.sh's error file, then a hard exit.
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(tmp_path / "error"))
+    monkeypatch.setattr(distqa_dist.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit, match="1"):
+        PeerWatch._lost(gone, [1])
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("distqa [rank 0]: error: lost a peer: rank(s) 1 gave no sign of life for 0.5 s"), line
+    assert (tmp_path / "error").read_text().strip() == line

@@ -9,8 +9,6 @@ the resumes and the bench figure.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +24,7 @@ from conftest import (
     load_weights,
     max_abs_diff,
     metrics_rows,
+    needs_root,
     run_train,
     sharded_checkpoint,
     subprocess_env,
@@ -142,11 +141,11 @@ def test_evaluation_of_a_sharded_model_runs_in_step_when_shares_differ(tmp_path)
     assert all(r["eval_items_in_order"] == 1.0 and r["eval_any_grad"] == 0.0 for r in rows)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
 def test_nodes_that_do_not_share_output_dir_stop_at_start_naming_it(tmp_path):
     """Two nodes (two torchrun agents), where node 1 has a mount namespace of its own with an empty
     file system over output_dir: as two machines without shared storage. With fsdp every rank
     writes its shards there, so the run must stop before its first step, saying why."""
+    needs_root("a node without the shared output_dir (a mount namespace)", "unshare", "mount")
     out = tmp_path / "run"
     out.mkdir()
     port = free_port()

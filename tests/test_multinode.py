@@ -1,5 +1,5 @@
 """Two nodes for real: two Linux network namespaces joined by a veth pair, one scripts/worker.sh in
-each (PITFALLS #5). Needs root and iproute2; skipped otherwise.
+each (PITFALLS #5). Needs root and iproute2; skipped otherwise (failed under DISTQA_REQUIRE_ROOT_TESTS=1).
 
 Traffic stays inside the namespaces made here: 10.231.N.0/29 with .1 (node 0) and .2 (node 1);
 .5 is an address of the same subnet that nobody has, for the unreachable-master case.
@@ -8,7 +8,6 @@ Traffic stays inside the namespaces made here: 10.231.N.0/29 with .1 (node 0) an
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SGD, SMALL, checkpoint_weights, last_step, load_weights, max_abs_diff, subprocess_env
+from conftest import (
+    SGD,
+    SMALL,
+    checkpoint_weights,
+    last_step,
+    load_weights,
+    max_abs_diff,
+    needs_root,
+    subprocess_env,
+    unavailable,
+)
 from distqa.config import load_config
 from distqa.trainer import train
 
@@ -37,17 +46,18 @@ def ip(*args: str) -> None:
 
 
 @pytest.fixture
-def two_hosts():
-    """Two namespaces with addresses 10.231.N.1 and .2 on a veth pair; removed afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's `ip` is not installed")
+def two_hosts(tmp_path):
+    """Two namespaces with addresses 10.231.N.1 and .2 on a veth pair; removed afterwards. Each
+    node's output goes to a file under tmp_path/node-logs (see `node`); every log is printed at the
+    end, which pytest shows only for a failed test: a hang leaves the record of both nodes."""
+    needs_root("two hosts in network namespaces", "ip")
     tag = f"{os.getpid() % 100000}"
     net = f"10.231.{os.getpid() % 250}"
+    logs = tmp_path / "node-logs"
+    logs.mkdir()
     hosts = [
-        {"ns": f"dq{tag}n0", "veth": f"dq{tag}v0", "addr": f"{net}.1"},
-        {"ns": f"dq{tag}n1", "veth": f"dq{tag}v1", "addr": f"{net}.2"},
+        {"ns": f"dq{tag}n0", "veth": f"dq{tag}v0", "addr": f"{net}.1", "logs": logs},
+        {"ns": f"dq{tag}n1", "veth": f"dq{tag}v1", "addr": f"{net}.2", "logs": logs},
     ]
     made = []
     try:
@@ -63,7 +73,7 @@ def two_hosts():
     except subprocess.CalledProcessError as err:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot make network namespaces here: {err.stderr.strip()}")
+        unavailable(f"cannot make network namespaces here: {err.stderr.strip()}")
     try:
         yield hosts, f"{net}.5"
     finally:
@@ -73,11 +83,24 @@ def two_hosts():
         # Deleting a namespace also deletes its end of the veth pair, and with it the pair.
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for log in sorted(logs.glob("*.log")):
+            print(f"===== {log} =====\n{log.read_text(errors='replace')[-LOG_TAIL:]}")
 
 
-def node(
-    host: dict, rank: int, master: str, args: list[str], prefix: tuple[str, ...] = (), **extra: str
-) -> subprocess.Popen:
+# How much of each node's log a failed test prints (the whole log stays in tmp_path).
+LOG_TAIL = 30000
+
+
+class Node(subprocess.Popen):
+    """A node's worker.sh, its output (stdout and stderr) in the file `log`."""
+
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def node(host: dict, rank: int, master: str, args: list[str], prefix: tuple[str, ...] = (), **extra: str) -> Node:
     settings = {
         # The venv's torchrun and python, whatever PATH the test runner had.
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
@@ -91,14 +114,21 @@ def node(
     }
     env = subprocess_env(**{**settings, **extra})
     env.pop("OMP_NUM_THREADS")  # as users run: worker.sh picks the thread count
-    return subprocess.Popen(
-        ["ip", "netns", "exec", host["ns"], *prefix, str(WORKER), *args],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # A file, not a pipe: nobody reads a pipe while the test waits for a step or a checkpoint, and
+    # a node whose output filled it would block in its next print (a hang that is the test's own).
+    started = len(list(host["logs"].glob(f"node{rank}-*.log")))
+    log = host["logs"] / f"node{rank}-{started}.log"
+    with log.open("w") as sink:
+        proc = Node(
+            ["ip", "netns", "exec", host["ns"], *prefix, str(WORKER), *args],
+            env=env,
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    proc.log = log
+    return proc
 
 
 def test_a_one_process_run_continues_on_two_nodes_of_two_with_the_same_weights(two_hosts, tmp_path):
@@ -129,14 +159,7 @@ def test_a_one_process_run_continues_on_two_nodes_of_two_with_the_same_weights(t
     procs = [node(hosts[1], 1, hosts[0]["addr"], args, ("taskset", "-c", "1"), NPROC_PER_NODE="2")]
     time.sleep(1)
     procs.insert(0, node(hosts[0], 0, hosts[0]["addr"], args, ("taskset", "-c", "0"), NPROC_PER_NODE="2"))
-    logs = []
-    for proc in procs:
-        try:
-            logs.append(proc.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
+    logs = finish(procs, timeout=240)
     elapsed = time.monotonic() - start
     for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
         assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
@@ -161,38 +184,38 @@ def kill_host(host: dict) -> None:
             pass
 
 
-def wait_until(procs: list[subprocess.Popen], done: Callable[[], bool], what: str) -> None:
+def wait_until(procs: list[Node], done: Callable[[], bool], what: str) -> None:
     """Poll `done` until it holds; fail at once if a node ends first, or after 180 s."""
     deadline = time.monotonic() + 180
     while not done():
         for proc in procs:
-            assert proc.poll() is None, f"a node ended before {what}:\n{proc.communicate()[0][-3000:]}"
+            assert proc.poll() is None, f"a node ended before {what}:\n{proc.output()[-3000:]}"
         assert time.monotonic() < deadline, f"no {what} in 180 s"
         time.sleep(0.02)
 
 
-def wait_for_checkpoint(procs: list[subprocess.Popen], out: Path, step: int) -> None:
+def wait_for_checkpoint(procs: list[Node], out: Path, step: int) -> None:
     """Until checkpoint step-N is whole (a run logs step N before it writes its checkpoint)."""
     wait_until(procs, (out / "checkpoints" / f"step-{step}").is_dir, f"checkpoint step-{step}")
 
 
-def wait_for_step(procs: list[subprocess.Popen], out: Path, step: int) -> None:
+def wait_for_step(procs: list[Node], out: Path, step: int) -> None:
     wait_until(procs, lambda: last_step(out) >= step, f"step {step}")
 
 
-def finish(procs: list[subprocess.Popen], timeout: float, succeed: bool = False) -> list[str]:
+def finish(procs: list[Node], timeout: float, succeed: bool = False) -> list[str]:
     """Every node's output once all have ended (with status 0, when `succeed`); past `timeout`, all
     are stopped and the failure shows what each had printed."""
     deadline = time.monotonic() + timeout
-    logs = []
     try:
         for proc in procs:
-            logs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        tails = "\n".join(f"--- node {i}:\n{proc.communicate()[0][-3000:]}" for i, proc in enumerate(procs))
+        tails = "\n".join(f"--- node {i}:\n{proc.output()[-3000:]}" for i, proc in enumerate(procs))
         raise AssertionError(f"the nodes did not end within {timeout} s\n{tails}") from None
+    logs = [proc.output() for proc in procs]
     for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
         assert not succeed or proc.returncode == 0, f"node {rank} failed ({proc.returncode}):\n{log[-4000:]}"
     return logs
@@ -246,7 +269,7 @@ def test_a_node_replaced_after_a_loss_joins_the_next_round_at_once_with_the_same
         assert kill_workers(hosts[1]) == 1
     else:
         kill_host(hosts[1])
-        procs[1].communicate()
+        procs[1].wait()
         procs[1] = node(hosts[1], 1, master, args, ("taskset", "-c", "1"), MAX_RESTARTS="3", RDZV_TIMEOUT="30")
     logs = finish(procs, timeout=240, succeed=True)
     for log in logs:
@@ -294,24 +317,21 @@ def test_a_node_gone_for_good_stops_the_others_in_time_naming_it(two_hosts, tmp_
     assert last.startswith(
         "distqa [rank 0]: error: node 1 (rank 1) did not join restart round 1 within 10 s (RDZV_TIMEOUT)"
     ), log[-3000:]
-    assert log.count("did not join restart round") == 4  # the round that waited, 3 at once, the last line
-
-
-# The fsdp variant passed 6 of 7 runs here; once node 0 did not go on alone after the loss (its last
-# checkpoint step-8, no log kept). The ddp variant hung once in an earlier session the same way.
-# Until the cause is known it may fail without failing the suite; it still runs and reports.
-FLAKY_ELASTIC = pytest.mark.xfail(reason="intermittent: node 0 once did not go on after the loss", strict=False)
+    # The round that waited, and once per node for the ranks (distqa.outcome); the launcher adds no copy.
+    assert log.count("did not join restart round") == 3
 
 
 @pytest.mark.nodes
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=FLAKY_ELASTIC)])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts, tmp_path, parallel):
     """launch-elastic-netns (4): NNODES=1:2 and train.global_batch=8 at train.batch_size=4. Node 1
     is lost after step 8: node 0 goes on alone (train.grad_accum 2, the same global batch), and its
     checkpoints equal a 1-process resume from the one it says it resumed from. Then node 1 comes
     back: torchrun stops node 0's worker (SIGTERM: a checkpoint), both resume together, and the run
     ends with the weights of a 1-process resume from that checkpoint. With fsdp, each change of the
-    node count reshards the checkpoint (2 processes' shards to 1, then 1 to 2)."""
+    node count reshards the checkpoint (2 processes' shards to 1, then 1 to 2). Node 1 dies mid-
+    all-gather now and then: gloo then leaves node 0 waiting for its process group's timeout, and
+    only distqa's peer watch (dist.PeerWatch) ends that round in time."""
     hosts, _ = two_hosts
     out = tmp_path / "run"
     # Longer steps (256 tokens) and more of them: node 0 must still be training when node 1 is back.
@@ -328,13 +348,13 @@ def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts,
     master = hosts[0]["addr"]
     elastic = {"NNODES": "1:2", "MAX_RESTARTS": "3", "RDZV_TIMEOUT": "60", "RDZV_LAST_CALL": "5"}
 
-    def start(rank: int) -> subprocess.Popen:
+    def start(rank: int) -> Node:
         return node(hosts[rank], rank, master, args, ("taskset", "-c", str(rank)), **elastic)
 
     procs = [start(0), start(1)]
     wait_for_checkpoint(procs, out, 8)
     kill_host(hosts[1])
-    procs[1].communicate()
+    procs[1].wait()
     wait_for_step(procs[:1], out, 24)  # node 0 alone for a while
     procs[1] = start(1)
     logs = finish(procs, timeout=240, succeed=True)
@@ -367,7 +387,7 @@ def test_worker_without_a_master_fails_in_time_naming_the_address(two_hosts, tmp
     hosts, nobody = two_hosts
     start = time.monotonic()
     proc = node(hosts[1], 1, nobody, [*TRAIN, f"output_dir={tmp_path}"], RDZV_TIMEOUT="5")
-    log = proc.communicate(timeout=120)[0]
+    log = finish([proc], timeout=120)[0]
     elapsed = time.monotonic() - start
     print(f"unreachable master: exit {proc.returncode} after {elapsed:.1f}s")
     assert proc.returncode != 0

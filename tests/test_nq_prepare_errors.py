@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, TESTS, subprocess_env
+from conftest import ROOT, TESTS, subprocess_env, unavailable
 from distqa import cli
 from distqa.errors import DistqaError
 from distqa.nq import prepare
@@ -67,11 +67,11 @@ def unprivileged(env: dict[str, str]) -> list[str]:
     if os.geteuid() != 0:
         return []
     if shutil.which("setpriv") is None:
-        pytest.skip("running as root, which ignores folder permissions, and setpriv is missing to drop them")
+        unavailable("running as root, which ignores folder permissions, and setpriv is missing to drop them")
     prefix = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
     probe = subprocess.run([*prefix, sys.executable, "-c", "import distqa"], env=env, capture_output=True, cwd=ROOT)
     if probe.returncode != 0:
-        pytest.skip(f"user 65534 cannot run this Python and distqa: {probe.stderr.decode()[-200:]}")
+        unavailable(f"user 65534 cannot run this Python and distqa: {probe.stderr.decode()[-200:]}")
     return prefix
 
 

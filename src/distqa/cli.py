@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         from distqa.trainer import train
 
-        train(cfg)
+        train(cfg, whole_process=True)
         # Every rank says so to its node's launcher: a SIGTERM that arrives from here on (torchrun
         # then fails) still ends a run that completed, and worker.sh reports it as the success it is.
         outcome.finished()

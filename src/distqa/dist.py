@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,6 +98,7 @@ def init_distributed() -> DistInfo:
         if store is not None:
             kwargs["store"] = store
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+        PeerWatch.start(rank, world_size)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
@@ -131,6 +135,98 @@ def _restart_scoped_store() -> dist.Store | None:
     return dist.PrefixStore(f"distqa/round-{joined.number}/", client)
 
 
+class PeerWatch:
+    """Ends this process when a neighbouring rank's process is gone, whatever this one is waiting in.
+
+    A peer killed while it sends into a gloo collective (a node lost mid-all-gather under FSDP, or
+    mid-all-reduce under DDP) can leave this process waiting for the rest of that message: gloo
+    closes the connection but does not wake the receive whose first bytes had already arrived, which
+    then waits the process group's whole timeout (30 minutes) instead of failing, and torchrun never
+    starts the next round. Seen in the elastic node test: rank 0 in `UnboundBuffer::waitRecv` under
+    `gloo::allgather`, its socket to the lost node already closed. So each rank counts up a key in
+    the rendezvous store every `INTERVAL_S` from a thread of its own, and watches the counters of
+    its two ring neighbours (rank - 1, rank + 1: every loss is seen by two ranks, at a cost that does
+    not grow with the world): one that has not moved for DISTQA_PEER_TIMEOUT_S (default 60; 0: off)
+    is a lost peer, said in one line before this process exits for torchrun to restart the round.
+    A rank that stops on purpose (`cleanup`) marks its counter done first. Only a dead process
+    stops counting: a busy one (a long data preparation, a slow step) still counts from this thread.
+    """
+
+    INTERVAL_S = 2.0
+    DONE = 1 << 40  # added to the counter by a rank that stops on purpose
+    current: PeerWatch | None = None
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, prefix: str) -> None:
+        self.rank, self.timeout_s, self.prefix = rank, timeout_s, prefix
+        self.peers = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
+        self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store: dist.Store | None = None
+        self.stopped = threading.Event()
+
+    @classmethod
+    def start(cls, rank: int, world_size: int) -> None:
+        timeout_s = float(os.environ.get("DISTQA_PEER_TIMEOUT_S") or 60)
+        if timeout_s <= 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            return  # off, or a process group made without a TCP store to count in
+        from distqa import rounds
+
+        # Static rendezvous: the agent's store outlives a round, so the keys are the round's own.
+        prefix = f"distqa/round-{rounds.joined.number}/" if rounds.joined is not None else "distqa/"
+        cls.current = cls(rank, world_size, timeout_s, prefix)
+        threading.Thread(target=cls.current._run, name="distqa-peer-watch", daemon=True).start()
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}alive/{rank}"
+
+    def _add(self, rank: int, amount: int) -> int:
+        # A client of its own, with a short timeout: the trainer's may be busy, and a store that no
+        # longer answers must count as silence, not block this thread.
+        if self.store is None:
+            self.store = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=10))
+        return self.store.add(self._key(rank), amount)
+
+    def _run(self) -> None:
+        seen = {peer: (-1, time.monotonic()) for peer in self.peers}
+        while not self.stopped.wait(self.INTERVAL_S):
+            try:
+                self._add(self.rank, 1)
+                values = {peer: self._add(peer, 0) for peer in list(seen)}
+            except Exception:  # noqa: BLE001 (the store's host is gone, or the network: silence)
+                self.store, values = None, {}
+            now = time.monotonic()
+            for peer, value in values.items():
+                if value >= self.DONE:
+                    del seen[peer]  # it stopped on purpose
+                elif value != seen[peer][0]:
+                    seen[peer] = (value, now)
+            silent = sorted(peer for peer, (_, since) in seen.items() if now - since > self.timeout_s)
+            if silent and not self.stopped.is_set():
+                self._lost(silent)
+
+    def _lost(self, silent: list[int]) -> None:
+        from distqa import rounds
+
+        where = f" in restart round {rounds.joined.number}" if rounds.joined is not None else ""
+        ranks = ", ".join(str(peer) for peer in silent)
+        line = (
+            f"distqa [rank {self.rank}]: error: lost a peer: rank(s) {ranks} gave no sign of life for "
+            f"{self.timeout_s:g} s{where} (DISTQA_PEER_TIMEOUT_S): torchrun starts the next round if "
+            "restarts are left (MAX_RESTARTS, --max-restarts) and it resumes from the newest checkpoint"
+        )
+        print(line, file=sys.stderr, flush=True)
+        if error_file := os.environ.get("DISTQA_ERROR_FILE"):
+            with contextlib.suppress(OSError), open(error_file, "a") as f:
+                f.write(line + "\n")
+        # The main thread may be inside a collective that never returns: no cleanup can run there.
+        os._exit(1)
+
+    def stop(self) -> None:
+        """Stop watching and tell the neighbours that this rank ends on purpose."""
+        self.stopped.set()
+        with contextlib.suppress(Exception):
+            self._add(self.rank, self.DONE)
+
+
 def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:
     """DDP as the trainer (and the bench's baseline loop) use it.
 
@@ -155,6 +251,9 @@ def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:
 
 def cleanup() -> None:
     """Leave the process group. Safe to call twice and when none was created."""
+    watch, PeerWatch.current = PeerWatch.current, None
+    if watch is not None:
+        watch.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

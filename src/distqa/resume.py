@@ -65,7 +65,7 @@ RESUME_APPLIED = {
 }
 
 # Files of a run in output_dir that `train.resume=never` moves aside before starting afresh.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "metrics.png", "model", "config.yaml")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "metrics.png", "model", "config.yaml", "config-history")
 
 
 def resume_kind(cfg: Config, key: str) -> str:

@@ -328,19 +328,23 @@ class Trainer:
         print0(outputs_summary(self.out, plotted=plotted))
 
 
-def train(cfg: Config) -> Path:
-    """Entry point of `distqa train`: one call per process, under torchrun or alone."""
+def train(cfg: Config, *, whole_process: bool = False) -> Path:
+    """Entry point of `distqa train`: one call per process, under torchrun or alone.
+
+    `whole_process` (the CLI): the process ends after this call, so once the run is complete a
+    SIGTERM (a platform stopping a job that is done) is ignored, not a failure, and the launcher is
+    told that this rank finished. In-process callers (tests) get their own SIGTERM handling back:
+    processes they fork later must stay killable."""
     watch_parent()  # before the rendezvous, which is where an orphan would otherwise wait longest
     info = init_distributed()
     quiet_libraries(is_main=info.is_main)
     try:
         with local_main_first(info):  # the task may download a tokenizer
             task = load_task(cfg)
-        model = Trainer(cfg, task, info, keep_sigterm_handler=True).fit()
-        # The run is complete on every rank (fit's last barrier): a SIGTERM from now on (a platform
-        # stopping a job that is done) is not a failure, and the launcher learns the run finished.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        outcome.finished()
+        model = Trainer(cfg, task, info, keep_sigterm_handler=whole_process).fit()
+        if whole_process:  # complete on every rank (fit's last barrier)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            outcome.finished()
         return model
     finally:
         cleanup()
