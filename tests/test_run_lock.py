@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -211,26 +212,31 @@ def test_a_lock_dated_in_the_future_is_taken_over_after_one_lease(tmp_path, caps
         lock.release()
 
 
+def refused_while_beating(folder: Path, beat: Callable[[], None]) -> None:
+    """A foreign holder whose heartbeat (`beat`, every 0.2 s) moves: taking the lock is refused."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(0.2):
+            beat()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        with pytest.raises(DistqaError, match="host node-7, pid 4242"):
+            RunLock(folder).acquire()
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_a_lock_dated_in_the_future_with_a_live_heartbeat_is_refused(tmp_path):
     path = foreign_lock(tmp_path)
     ahead = time.time() + 86400
     os.utime(path, (ahead, ahead))
-    stop = threading.Event()
-
-    def beat():
-        beats = 0
-        while not stop.wait(0.2):
-            beats += 1
-            os.utime(path, (ahead + beats, ahead + beats))  # its clock is a day ahead, and it ticks
-
-    thread = threading.Thread(target=beat)
-    thread.start()
-    try:
-        with pytest.raises(DistqaError, match="host node-7, pid 4242"):
-            RunLock(tmp_path).acquire()
-    finally:
-        stop.set()
-        thread.join()
+    beats = iter(range(1, 10**6))
+    # Its clock is a day ahead, and it ticks.
+    refused_while_beating(tmp_path, lambda: os.utime(path, (ahead + next(beats),) * 2))
 
 
 def test_the_age_of_a_lock_is_measured_on_the_filesystems_clock(tmp_path, monkeypatch):
@@ -247,20 +253,8 @@ def test_the_age_of_a_lock_is_measured_on_the_filesystems_clock(tmp_path, monkey
 
     path = foreign_lock(tmp_path)
     monkeypatch.setattr(runlock.time, "time", lambda: real() + 3600)  # an hour ahead
-    stop = threading.Event()
-
-    def beat():
-        while not stop.wait(0.2):
-            os.utime(path)  # the kernel's (the filesystem's) clock, as a live holder's heartbeat
-
-    thread = threading.Thread(target=beat)
-    thread.start()
-    try:
-        with pytest.raises(DistqaError, match="host node-7, pid 4242"):
-            RunLock(tmp_path).acquire()
-    finally:
-        stop.set()
-        thread.join()
+    # The kernel's (the filesystem's) clock, as a live holder's heartbeat.
+    refused_while_beating(tmp_path, lambda: os.utime(path))
 
 
 def test_a_pid_reused_by_another_process_on_this_machine_is_stale_at_once(tmp_path, capsys):
