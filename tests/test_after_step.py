@@ -55,9 +55,13 @@ def test_all_finite_large_weights_are_finite():
 
 def test_stop_signal_refuses_non_finite_weights_and_a_lost_lock():
     class Lock:
+        """Taken over now, which only a read of the lock (verify) finds: `lost` is set by it."""
+
         lost: str | None = None
+        taken: str | None = None
 
         def verify(self) -> str | None:
+            self.lost = self.taken
             return self.lost
 
     lock = Lock()
@@ -67,7 +71,7 @@ def test_stop_signal_refuses_non_finite_weights_and_a_lost_lock():
         with pytest.raises(DistqaError, match=r"NaN or inf after step 2: .*LOWER"):
             stop.should_stop(2, [torch.tensor([1.0, math.nan])], "LOWER")
         stop.should_stop(2, None)  # not asked to check: nothing checked
-        lock.lost = "another run took over output_dir x"
+        lock.taken = "another run took over output_dir x"
         with pytest.raises(DistqaError, match="another run took over output_dir x: stopping"):
             stop.should_stop(3, [torch.ones(2)])
     finally:
@@ -127,3 +131,25 @@ def test_train_in_process_gives_the_callers_sigterm_handling_back(tmp_path):
     args = ["model.name=tiny", "task.max_seq_len=32", "task.dummy_size=16", "data.num_workers=0"]
     train(load_config(None, [*args, "train.max_steps=1", "train.batch_size=4", f"output_dir={tmp_path}"]))
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_finished_run_with_other_settings_is_refused_before_any_data_is_built(tmp_path, monkeypatch):
+    """check_resumable runs before the data is built (NQ features take hours): when the run's length
+    is known there (train.max_steps, or the checkpoint's own plan for train.epochs), a finished run
+    with other settings is refused there."""
+    from distqa import resume
+
+    done = load_config(None, ["train.max_steps=4", f"output_dir={tmp_path}"])
+    state = {**_state(done, 4), "global_batch": 8, "total_steps": 4}
+    monkeypatch.setattr(resume, "read_trainer_state", lambda directory: state)
+    other = load_config(None, ["train.max_steps=4", "train.lr=1e-4", f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"finished at step 4 with other settings \(train.lr"):
+        resume.check_resumable(tmp_path, other, global_batch=8)
+    by_epochs = load_config(None, ["train.lr=1e-4", f"output_dir={tmp_path}"])
+    epochs_state = {**_state(load_config(None, [f"output_dir={tmp_path}"]), 4), "global_batch": 8, "total_steps": 4}
+    monkeypatch.setattr(resume, "read_trainer_state", lambda directory: epochs_state)
+    with pytest.raises(ConfigError, match="finished at step 4"):
+        resume.check_resumable(tmp_path, by_epochs, global_batch=8)
+    # Not finished: nothing refused here.
+    monkeypatch.setattr(resume, "read_trainer_state", lambda directory: {**state, "step": 2})
+    assert resume.check_resumable(tmp_path, other, global_batch=8)["step"] == 2

@@ -207,6 +207,11 @@ def test_one_rank_per_node_hashes_and_a_node_that_differs_is_named_in_one_line(m
     others[2]["fingerprint"] = "aaa"
     assert agreed_identity(lambda d: "unused", [0] * 5, info, "t")["fingerprint"] == "aaa"  # type: ignore[arg-type]
 
+    # Node 1's rank 0 could not read its files: every rank stops with its line, none waits.
+    others[2]["problem"] = "rank 2 cannot hash data.train='t': [Errno 5] Input/output error"
+    with pytest.raises(DistqaError, match=r"^rank 2 cannot hash data.train='t': \[Errno 5\]"):
+        agreed_identity(lambda d: "unused", [0] * 5, info, "t")  # type: ignore[arg-type]
+
 
 # ---------------------------------------------------------------------------- resume
 def test_resume_on_a_relabelled_or_reordered_file_of_the_same_length_is_refused_naming_data_train(tmp_path, minilm_dir):
@@ -225,3 +230,16 @@ def test_resume_on_a_relabelled_or_reordered_file_of_the_same_length_is_refused_
         message = str(refused.value)
         assert "\n" not in message and f"data.train='{data}' is not the data checkpoint" in message
         assert "200 examples" in message and "train.allow_data_change=true" in message
+
+
+def test_a_fingerprint_that_cannot_be_read_is_said_on_every_rank(monkeypatch):
+    """The rank that hashes reports its failure through the gather, so no rank waits for it."""
+    monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: [mine, {**mine, "problem": None}])
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    info = DistInfo(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
+
+    def unreadable(dataset):
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(DistqaError, match=r"^rank 0 cannot hash data.train='t': \[Errno 5\] Input/output error$"):
+        agreed_identity(unreadable, [0] * 5, info, "t")  # type: ignore[arg-type]

@@ -261,7 +261,7 @@ def fast_peer_watch(monkeypatch) -> torch_dist.TCPStore:
 def watching(rank: int, prefix: str) -> tuple[PeerWatch, list[list[int]]]:
     """Rank `rank` of 2 watching the other, giving up after 0.5 s; what it would call lost, kept."""
     watch, lost = PeerWatch(rank, 2, timeout_s=0.5, prefix=prefix), []
-    watch._lost = lambda silent: (lost.append(silent), watch.stopped.set())  # type: ignore[method-assign]
+    watch._lost = lambda silent, **_: (lost.append(silent), watch.stopped.set())  # type: ignore[method-assign]
     threading.Thread(target=watch._run, daemon=True).start()
     return watch, lost
 
@@ -292,3 +292,36 @@ def test_peer_watch_ends_a_rank_whose_peer_is_gone_and_spares_live_and_finished_
     line = capsys.readouterr().err.strip()
     assert line.startswith("distqa [rank 0]: error: lost a peer: rank(s) 1 gave no sign of life for 0.5 s"), line
     assert (tmp_path / "error").read_text().strip() == line
+
+
+def test_peer_watch_after_the_whole_process_was_paused_reports_nobody(fast_peer_watch, monkeypatch):
+    """A job paused as a whole (SIGSTOP, `docker pause`) for longer than the timeout, then resumed:
+    the first thread to wake must not take its neighbour, not yet awake, for lost."""
+    offset, awake = [0.0], threading.Event()
+    awake.set()
+    real = time.monotonic
+    monkeypatch.setattr(distqa_dist.time, "monotonic", lambda: real() + offset[0])
+    (zero, lost_by_zero), (one, lost_by_one) = watching(0, "paused/"), watching(1, "paused/")
+    count = one._add
+    one._add = lambda rank, amount: (awake.wait(), count(rank, amount))[1]  # type: ignore[method-assign]
+    time.sleep(0.3)
+    awake.clear()  # rank 1 wakes later than rank 0 ...
+    offset[0] = 30.0  # ... from a pause of 30 s of every thread
+    time.sleep(0.3)
+    awake.set()
+    time.sleep(0.3)
+    zero.stop()
+    one.stop()
+    assert lost_by_zero == [] and lost_by_one == []
+
+
+def test_a_rank_that_failed_alone_is_not_taken_for_one_that_stopped_on_purpose(fast_peer_watch):
+    """cleanup(ended_well=False): the neighbours keep watching it, and its silence ends their wait."""
+    failed, _ = watching(0, "failed/")
+    time.sleep(0.2)
+    failed.stop(done=False)
+    assert fast_peer_watch.add("failed/alive/0", 0) < PeerWatch.DONE
+    finished, _ = watching(0, "finished/")
+    time.sleep(0.2)
+    finished.stop()
+    assert fast_peer_watch.add("finished/alive/0", 0) >= PeerWatch.DONE

@@ -51,7 +51,7 @@ def snapshot(folder: Path) -> dict[str, str]:
         # loss is looked at): the weights check stops it before the checkpoint is written.
         (
             ["train.lr=1e38", "train.max_grad_norm=0", "train.warmup_ratio=0", "train.log_every=100"],
-            "the weights hold NaN or inf after step",
+            "hold NaN or inf after step",
         ),
     ],
 )

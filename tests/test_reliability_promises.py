@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -256,13 +255,14 @@ OTHER_RUN = {"host": "node-7", "pid": 4242, "proc_start": "1", "pidns": 1, "boot
 
 class TakeoverTask(ToyClassificationTask):
     """During step TAKEOVER_STEP (before any of its writes) another run takes output_dir over, as a
-    run that judged this one dead does: a new run.lock with its own token. The step then lasts a
-    heartbeat longer, so the holder had every chance to notice whichever way it checks: what it
-    then writes is the test, not when its check runs."""
+    run that judged this one dead does: a new run.lock with its own token. The holder's heartbeat
+    is slowed to an hour, as for a holder paused across the takeover whose heartbeat has not run
+    since: only a check of the lock before the step's writes can stop them."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
         self.forwards = 0
+        runlock.HEARTBEAT_S = 3600.0  # read by the heartbeat thread, which starts after this
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         self.forwards += 1  # train.grad_accum=1: one forward per step
@@ -271,7 +271,6 @@ class TakeoverTask(ToyClassificationTask):
             fresh = lock.with_name("other-run.lock")
             fresh.write_text(json.dumps(OTHER_RUN) + "\n")
             os.replace(fresh, lock)  # the stale lock removed and a new one created, in one move
-            time.sleep(getattr(runlock, "HEARTBEAT_S", 5.0) + 1.0)
         return super().loss(model, batch)
 
 

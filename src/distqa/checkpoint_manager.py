@@ -33,16 +33,30 @@ class Parts:
     scaler: torch.amp.GradScaler
     task: Any
 
+    def checked_tensors(self, *, with_optimizer: bool) -> list[torch.Tensor]:
+        """What the finiteness check covers: parameters and floating buffers; with the optimizer's
+        state on the steps that save it (AdamW's second moment can overflow to inf while the
+        weights stay finite, frozen from then on: a checkpoint of that is no less wrong)."""
+        tensors = [*self.model.parameters(), *(b for b in self.model.buffers() if b.is_floating_point())]
+        if with_optimizer:
+            for state in self.optimizer.state.values():
+                # (0-dimensional entries are step counters, possibly on another device.)
+                tensors += [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point() and v.dim()]
+        return tensors
+
 
 class CheckpointManager:
     def __init__(self, root: Path, cfg: Config, info: DistInfo, *, sharded: bool, lock: RunLock | None) -> None:
         self.root, self.cfg, self.info, self.sharded, self.lock = root, cfg, info, sharded, lock
         self.parts: Parts | None = None
+        self.run: dict[str, Any] = {}
 
-    def track(self, parts: Parts) -> None:
+    def track(self, parts: Parts, *, global_batch: int, total_steps: int, data_identity: dict[str, Any]) -> None:
+        """The parts every checkpoint holds, and what the trainer state records of the run."""
         self.parts = parts
+        self.run = {"global_batch": global_batch, "total_steps": total_steps, "data": data_identity}
 
-    def save(self, step: int, epoch_steps: int, *, global_batch: int, data_identity: dict[str, Any]) -> Path:
+    def save(self, step: int, epoch_steps: int) -> Path:
         """Every rank calls it; `step-N` appears whole or not at all (`checkpoint.save_checkpoint`)."""
         assert self.parts is not None, "track() the parts first"
         p, info = self.parts, self.info
@@ -50,10 +64,12 @@ class CheckpointManager:
             "step": step,
             "epoch": step // epoch_steps,
             "step_in_epoch": step % epoch_steps,
-            "global_batch": global_batch,
+            "global_batch": self.run["global_batch"],
+            # The planned length: a rerun can tell a finished run before it builds any data.
+            "total_steps": self.run["total_steps"],
             "world_size": info.world_size,
             "config": dataclasses.asdict(self.cfg),
-            "data": data_identity,
+            "data": self.run["data"],
             "task": p.task.state_dict() if info.is_main else {},
         }
         return ckpt.save_checkpoint(

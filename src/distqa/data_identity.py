@@ -217,12 +217,18 @@ def agreed_identity(
     """
     node = os.environ.get("GROUP_RANK")
     hashes = node is None or info.local_rank == 0
-    mine = {
-        "node": node,
-        "examples": len(dataset),  # type: ignore[arg-type]
-        "fingerprint": fingerprint_of(dataset) if hashes else None,
-    }
+    digest, problem = None, None
+    if hashes:
+        try:
+            digest = fingerprint_of(dataset)
+        except (OSError, ValueError, RuntimeError) as err:  # a file unreadable halfway: said on every rank
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            problem = f"rank {info.rank} cannot hash data.train={data_train!r}: {reason}"
+    mine = {"node": node, "examples": len(dataset), "fingerprint": digest, "problem": problem}  # type: ignore[arg-type]
     views: list[dict[str, Any]] = all_gather_objects(mine, info)  # type: ignore[assignment]
+    failed = next((view.get("problem") for view in views if view.get("problem")), None)
+    if failed:
+        raise DistqaError(failed)
     # Filled in from the gathered views alone, so every rank reaches the same verdict (a rank
     # that stopped alone would leave the others waiting).
     by_node = {view["node"]: view["fingerprint"] for view in views if view["fingerprint"] is not None}

@@ -186,11 +186,21 @@ class PeerWatch:
         return self.store.add(self._key(rank), amount)
 
     def _run(self) -> None:
-        seen = {peer: (-1, time.monotonic()) for peer in self.peers}
+        start = time.monotonic()
+        seen = {peer: (-1, start) for peer in self.peers}
+        answered = last_tick = start  # when the store last answered; when this thread last ran
         while not self.stopped.wait(self.INTERVAL_S):
+            now = time.monotonic()
+            if now - last_tick > self.timeout_s / 2:
+                # This process itself did not run (the whole job paused: SIGSTOP, `docker pause`):
+                # its neighbours did not either, and a counter read now would look long silent.
+                seen = {peer: (value, now) for peer, (value, _) in seen.items()}
+                answered = now
+            last_tick = now
             try:
                 self._add(self.rank, 1)
                 values = {peer: self._add(peer, 0) for peer in list(seen)}
+                answered = time.monotonic()
             except Exception:  # noqa: BLE001 (the store's host is gone, or the network: silence)
                 self.store, values = None, {}
             now = time.monotonic()
@@ -201,15 +211,16 @@ class PeerWatch:
                     seen[peer] = (value, now)
             silent = sorted(peer for peer, (_, since) in seen.items() if now - since > self.timeout_s)
             if silent and not self.stopped.is_set():
-                self._lost(silent)
+                self._lost(silent, store_silent=now - answered > self.timeout_s)
 
-    def _lost(self, silent: list[int]) -> None:
+    def _lost(self, silent: list[int], store_silent: bool = False) -> None:
         from distqa import rounds
 
         where = f" in restart round {rounds.joined.number}" if rounds.joined is not None else ""
         ranks = ", ".join(str(peer) for peer in silent)
+        store = f" (the rendezvous store at {self.addr}:{self.port} did not answer either)" if store_silent else ""
         line = (
-            f"distqa [rank {self.rank}]: error: lost a peer: rank(s) {ranks} gave no sign of life for "
+            f"distqa [rank {self.rank}]: error: lost a peer: rank(s) {ranks}{store} gave no sign of life for "
             f"{self.timeout_s:g} s{where} (DISTQA_PEER_TIMEOUT_S): torchrun starts the next round if "
             "restarts are left (MAX_RESTARTS, --max-restarts) and it resumes from the newest checkpoint"
         )
@@ -220,11 +231,13 @@ class PeerWatch:
         # The main thread may be inside a collective that never returns: no cleanup can run there.
         os._exit(1)
 
-    def stop(self) -> None:
-        """Stop watching and tell the neighbours that this rank ends on purpose."""
+    def stop(self, done: bool = True) -> None:
+        """Stop watching; `done`: tell the neighbours that this rank ends on purpose. A rank that
+        fails alone says nothing: its silence is what makes the neighbours stop waiting for it."""
         self.stopped.set()
-        with contextlib.suppress(Exception):
-            self._add(self.rank, self.DONE)
+        if done:
+            with contextlib.suppress(Exception):
+                self._add(self.rank, self.DONE)
 
 
 def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:
@@ -249,11 +262,12 @@ def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:
     )
 
 
-def cleanup() -> None:
-    """Leave the process group. Safe to call twice and when none was created."""
+def cleanup(ended_well: bool = True) -> None:
+    """Leave the process group. Safe to call twice and when none was created. `ended_well=False`
+    (this rank failed): its neighbours are not told it stopped on purpose (`PeerWatch`)."""
     watch, PeerWatch.current = PeerWatch.current, None
     if watch is not None:
-        watch.stop()
+        watch.stop(done=ended_well)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

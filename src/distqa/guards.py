@@ -140,7 +140,10 @@ class StopSignal:
                 + ": stopping so that two runs never write into one folder"
             )
         if diverged:
-            raise DistqaError(f"the weights hold NaN or inf after step {step}: nothing of that step is saved; {hint}")
+            raise DistqaError(
+                f"the weights (or the optimizer's state) hold NaN or inf after step {step}: nothing of that "
+                f"step is saved; {hint}"
+            )
         if stop and self.received_at is None:
             self.received_at = time.monotonic()  # another rank got it: count the grace from now
         return stop
@@ -151,7 +154,10 @@ class StopSignal:
         if self.info.is_distributed:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group)
         if bad.item():
-            raise DistqaError(f"the weights hold NaN or inf after step {step}: nothing of that step is saved; {hint}")
+            raise DistqaError(
+                f"the weights (or the optimizer's state) hold NaN or inf after step {step}: nothing of that "
+                f"step is saved; {hint}"
+            )
 
     def preempted(self, step: int, total_steps: int, checkpoint: Path, grace_s: float) -> Preempted:
         """The "checkpointed, now exit" outcome, raised once the checkpoint is written."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from distqa.dist import DistInfo, all_reduce_sum
+from distqa.dist import DistInfo, all_reduce_sum, broadcast_object
 from distqa.durable import open_append, write_atomically
 from distqa.errors import DistqaError
 
@@ -100,6 +100,7 @@ class MetricsWriter:
 
     def __init__(self, output_dir: Path, info: DistInfo, *, resume_step: int = 0) -> None:
         self.enabled = info.is_main
+        self.distributed = info.is_distributed
         self.path = output_dir / "metrics.jsonl"
         self._tb: SummaryWriter | None = None
         if self.enabled:
@@ -121,8 +122,15 @@ class MetricsWriter:
         write_atomically(self.path, b"".join(raw + b"\n" for raw in kept))
 
     def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
+        """Rank 0 appends the record; every rank calls it and learns whether that worked (a rank 0
+        that stopped alone would leave the others waiting in their next collective)."""
+        problem = self._write(record) if self.enabled else None
+        if self.distributed:
+            problem = broadcast_object(problem)  # type: ignore[assignment]
+        if problem:
+            raise DistqaError(str(problem))
+
+    def _write(self, record: dict[str, Any]) -> str | None:
         # JSON has no infinity: a threshold that keeps nothing is written as null.
         clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         line = (json.dumps(clean) + "\n").encode("utf-8")
@@ -138,10 +146,10 @@ class MetricsWriter:
                 os.close(fd)
         except OSError as err:
             why = "it is a symbolic link" if self.path.is_symlink() else (err.strerror or str(err))
-            raise DistqaError(
+            return (
                 f"cannot append to {self.path} ({why}): free space in output_dir (or remove the link) "
                 "and run the same command again to resume"
-            ) from None
+            )
         assert self._tb is not None
         step = int(record["step"])
         for key, value in record.items():
@@ -149,6 +157,7 @@ class MetricsWriter:
                 tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
                 self._tb.add_scalar(tag, value, step)
         self._tb.flush()
+        return None
 
     def close(self) -> None:
         if self._tb is not None:
@@ -202,5 +211,9 @@ def plot_metrics(metrics_path: Path, png_path: Path, *, title: str | None = None
     # Rendered in memory, then written without following a link planted at png_path.
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, metadata={"Title": title})
-    write_atomically(png_path, buffer.getvalue())
+    try:
+        write_atomically(png_path, buffer.getvalue())
+    except OSError as err:  # a full disk: the plot is a convenience, the run's results are not lost
+        print(f"warning: cannot write {png_path} ({err.strerror or err}): metrics.jsonl holds the same", flush=True)
+        return False
     return True

@@ -30,9 +30,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distqa.config import TrainConfig
-from distqa.dist import AUTOCAST_DTYPES, DistInfo
+from distqa.dist import AUTOCAST_DTYPES, DistInfo, data_parallel
 
 
 def configure_backends(train: TrainConfig, device: torch.device) -> None:
@@ -43,6 +44,28 @@ def configure_backends(train: TrainConfig, device: torch.device) -> None:
         torch.use_deterministic_algorithms(True)
     elif device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls for the fp32 parts
+
+
+def wrap(model: nn.Module, info: DistInfo, train: TrainConfig, timer: Any) -> tuple[nn.Module, DDP | None]:
+    """(the module to call, its DDP wrapper or None): FSDP2 in place (train.parallel=fsdp, with
+    activation checkpointing inside) or activation checkpointing then DDP (several processes);
+    then torch.compile (train.compile). `timer` (a StepTimer) times DDP's all-reduce when enabled."""
+    sharded = train.parallel == "fsdp"
+    if sharded:
+        shard(model, info, train)
+    elif train.activation_checkpointing:
+        checkpoint_blocks(model)
+    ddp = data_parallel(model, info, train) if info.is_distributed and not sharded else None
+    called: nn.Module = model
+    if ddp is not None:
+        called = ddp
+        if timer.enabled:
+            ddp.register_comm_hook(None, timer.comm_hook)
+    if train.compile:
+        # Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's bucket
+        # boundaries, so gradient all-reduce still overlaps the backward pass.
+        called = torch.compile(called)
+    return called, ddp
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

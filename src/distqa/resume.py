@@ -171,7 +171,32 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int) -> dict[
             f"cannot resume {directory} with changed {_shown(refused, saved, now)}: it changes the model, the "
             "data or the optimizer the checkpoint holds; set it back, or start afresh with train.resume=never"
         )
+    _refuse_finished_with_other_settings(state, cfg, _planned_steps(state, cfg))
     return state
+
+
+def _planned_steps(state: dict[str, Any], cfg: Config) -> int | None:
+    """This run's length when it is known before the data is built: train.max_steps, or the
+    checkpoint's own plan when neither train.max_steps nor train.epochs changed."""
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps
+    saved = state["config"].get("train", {})
+    same = (saved.get("max_steps"), saved.get("epochs")) == (cfg.train.max_steps, cfg.train.epochs)
+    return state.get("total_steps") if same else None
+
+
+def _refuse_finished_with_other_settings(state: dict[str, Any], cfg: Config, total_steps: int | None) -> None:
+    if state["step"] != total_steps:
+        return
+    saved, now = changed_settings(state, cfg)
+    applied = [k for k in saved if resume_kind(cfg, k) == "applied"]
+    if applied:
+        # Nothing would train with the new settings, yet config.yaml and the plot would claim them.
+        raise ConfigError(
+            f"the run in {cfg.output_dir} finished at step {total_steps} with other settings "
+            f"({_shown(applied, saved, now)}): nothing to train; to train with these settings use another "
+            "output_dir, or train.resume=never (the finished run is moved aside, not deleted)"
+        )
 
 
 def changed_settings(state: dict[str, Any], cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -197,17 +222,11 @@ def check_continuation(
             "train.max_steps (or train.epochs), or start afresh with train.resume=never"
         )
     _check_data(directory, state.get("data"), data, cfg)
+    _refuse_finished_with_other_settings(state, cfg, total_steps)
+    if state["step"] == total_steps:
+        return True
     saved, now = changed_settings(state, cfg)
     applied = [k for k in saved if resume_kind(cfg, k) == "applied"]
-    if state["step"] == total_steps:
-        if applied:
-            # Nothing would train with the new settings, yet config.yaml and the plot would claim them.
-            raise ConfigError(
-                f"the run in {cfg.output_dir} finished at step {total_steps} with other settings "
-                f"({_shown(applied, saved, now)}): nothing to train; to train with these settings use another "
-                "output_dir, or train.resume=never (the finished run is moved aside, not deleted)"
-            )
-        return True
     if applied:
         print0(
             f"warning: resuming {directory} with changed settings, applied from step {state['step']} on: "

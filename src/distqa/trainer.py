@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.utils.data import Dataset
 
 from distqa import outcome, parallel
@@ -30,12 +29,11 @@ from distqa.dist import (
     barrier,
     broadcast_object,
     cleanup,
-    data_parallel,
     init_distributed,
     local_main_first,
     print0,
 )
-from distqa.errors import DistqaError
+from distqa.errors import DistqaError, Preempted
 from distqa.evaluation import run_evaluation, to_device
 from distqa.guards import StopSignal, check_replicas, watch_parent
 from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
@@ -78,25 +76,6 @@ class Trainer:
         self.step = 0  # the last finished step, for the message when a peer is lost
 
     # ----------------------------------------------------------------------------- set-up
-    def _wrap(self) -> nn.Module:
-        """FSDP2 in place (train.parallel=fsdp, with activation checkpointing inside) or activation
-        checkpointing then DDP (several processes); then torch.compile (train.compile)."""
-        train, replicas = self.cfg.train, self.info.is_distributed and not self.sharded
-        if self.sharded:
-            parallel.shard(self.raw_model, self.info, train)
-        elif train.activation_checkpointing:
-            parallel.checkpoint_blocks(self.raw_model)
-        self.ddp = data_parallel(self.raw_model, self.info, train) if replicas else None
-        model: nn.Module = self.raw_model
-        if self.ddp is not None:
-            model = self.ddp
-            if self.timer.enabled:
-                self.ddp.register_comm_hook(None, self.timer.comm_hook)
-        if self.cfg.train.compile:
-            # Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's bucket
-            # boundaries, so gradient all-reduce still overlaps the backward pass.
-            model = torch.compile(model)
-        return model
 
     # ----------------------------------------------------------------------------- the loop
     def _loss(self, batch: Batch) -> torch.Tensor:
@@ -218,11 +197,17 @@ class Trainer:
                 "written; to train again use another output_dir or train.resume=never"
             )
             return self.out / "model"
-        self.model = self._wrap()  # first: FSDP replaces the parameters the optimizer must hold
+        # First: FSDP replaces the parameters the optimizer must hold.
+        self.model, self.ddp = parallel.wrap(self.raw_model, info, cfg.train, self.timer)
         self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.train, total_steps)
         self.scaler = parallel.grad_scaler(cfg.train, info.device)
-        self.checkpoints.track(Parts(self.raw_model, self.optimizer, self.scheduler, self.scaler, self.task))
+        self.checkpoints.track(
+            Parts(self.raw_model, self.optimizer, self.scheduler, self.scaler, self.task),
+            global_batch=self.global_batch,
+            total_steps=total_steps,
+            data_identity=self.data_identity,
+        )
         step = self.checkpoints.restore(resume_from)
         # config.yaml says what trains from here on, written once every check has passed; a resume
         # with other settings keeps the earlier one as config-history/<step>.yaml. (finished: only
@@ -281,7 +266,9 @@ class Trainer:
                     run_evaluation(self.task, self.raw_model, self.info, step=step, autocast_dtype=self.autocast_dtype)
                 )
                 self.meter.restart_clock()  # evaluation time is not training throughput
-        weights = self.raw_model.parameters() if plan.check_weights else None
+        parts = self.checkpoints.parts
+        assert parts is not None
+        weights = parts.checked_tensors(with_optimizer=plan.save) if plan.check_weights else None
         # A SIGTERM at the last step changes nothing: the run saves and exports as planned.
         stopping = stop.should_stop(step, weights, hint) and step < total_steps
         if record is not None:
@@ -291,8 +278,8 @@ class Trainer:
             check_replicas(self.raw_model, self.info, step)
         if plan.save or stopping:
             if not plan.check_weights:
-                stop.check_finite(step, self.raw_model.parameters(), hint)
-            self.checkpoints.save(step, epoch_steps, global_batch=self.global_batch, data_identity=self.data_identity)
+                stop.check_finite(step, parts.checked_tensors(with_optimizer=True), hint)
+            self.checkpoints.save(step, epoch_steps)
         if stopping:
             raise stop.preempted(step, total_steps, self.ckpt_root / f"step-{step}", self.cfg.train.term_grace_s)
 
@@ -338,13 +325,18 @@ def train(cfg: Config, *, whole_process: bool = False) -> Path:
     watch_parent()  # before the rendezvous, which is where an orphan would otherwise wait longest
     info = init_distributed()
     quiet_libraries(is_main=info.is_main)
+    ended_well = False  # a rank failing alone must not tell its neighbours it stopped on purpose
     try:
         with local_main_first(info):  # the task may download a tokenizer
             task = load_task(cfg)
         model = Trainer(cfg, task, info, keep_sigterm_handler=whole_process).fit()
+        ended_well = True
         if whole_process:  # complete on every rank (fit's last barrier)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             outcome.finished()
         return model
+    except Preempted:
+        ended_well = True  # every rank checkpointed and stops together
+        raise
     finally:
-        cleanup()
+        cleanup(ended_well)
