@@ -162,6 +162,7 @@ class PeerWatch:
         self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store: dist.Store | None = None
         self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
 
     @classmethod
     def start(cls, rank: int, world_size: int) -> None:
@@ -172,8 +173,9 @@ class PeerWatch:
 
         # Static rendezvous: the agent's store outlives a round, so the keys are the round's own.
         prefix = f"distqa/round-{rounds.joined.number}/" if rounds.joined is not None else "distqa/"
-        cls.current = cls(rank, world_size, timeout_s, prefix)
-        threading.Thread(target=cls.current._run, name="distqa-peer-watch", daemon=True).start()
+        cls.current = watch = cls(rank, world_size, timeout_s, prefix)
+        watch.thread = threading.Thread(target=watch._run, name="distqa-peer-watch", daemon=True)
+        watch.thread.start()
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}alive/{rank}"
@@ -235,9 +237,15 @@ class PeerWatch:
         """Stop watching; `done`: tell the neighbours that this rank ends on purpose. A rank that
         fails alone says nothing: its silence is what makes the neighbours stop waiting for it."""
         self.stopped.set()
+        # The store client is used by the watch thread alone: wait for it to leave its loop (at
+        # most one store call), so no call is in flight when this thread marks the counter or the
+        # process exits (a client torn down mid-call aborts the process).
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=15)
         if done:
             with contextlib.suppress(Exception):
                 self._add(self.rank, self.DONE)
+        self.store = None
 
 
 def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:
