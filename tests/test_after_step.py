@@ -153,3 +153,10 @@ def test_a_finished_run_with_other_settings_is_refused_before_any_data_is_built(
     # Not finished: nothing refused here.
     monkeypatch.setattr(resume, "read_trainer_state", lambda directory: {**state, "step": 2})
     assert resume.check_resumable(tmp_path, other, global_batch=8)["step"] == 2
+
+
+def test_all_finite_skips_integers_and_reads_rare_float_types():
+    # Integer buffers (position ids) are finite by nature; float8 has no norm kernel of its own.
+    assert all_finite([torch.arange(5), torch.ones(3).to(torch.float8_e4m3fn)])
+    assert not all_finite([torch.arange(5), torch.tensor([1.0, math.nan]).to(torch.float8_e4m3fn)])
+    assert not all_finite([torch.tensor([1 + 0j, complex(math.inf, 0)])])

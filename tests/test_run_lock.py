@@ -263,7 +263,7 @@ def test_a_pid_reused_by_another_process_on_this_machine_is_stale_at_once(tmp_pa
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         me = runlock._identity()
-        started = runlock._proc_start(other.pid)
+        started = runlock.process_start(other.pid)
         assert started is not None
         lock_of = {**me, "pid": other.pid, "token": "t"}
         foreign_lock(tmp_path, **{**lock_of, "proc_start": started})  # that very process: alive, refused at once

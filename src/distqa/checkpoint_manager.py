@@ -34,14 +34,14 @@ class Parts:
     task: Any
 
     def checked_tensors(self, *, with_optimizer: bool) -> list[torch.Tensor]:
-        """What the finiteness check covers: parameters and floating buffers; with the optimizer's
+        """What the finiteness check covers: parameters and buffers; with the optimizer's
         state on the steps that save it (AdamW's second moment can overflow to inf while the
         weights stay finite, frozen from then on: a checkpoint of that is no less wrong)."""
-        tensors = [*self.model.parameters(), *(b for b in self.model.buffers() if b.is_floating_point())]
+        tensors = [*self.model.parameters(), *self.model.buffers()]  # (integer buffers are skipped there)
         if with_optimizer:
             for state in self.optimizer.state.values():
                 # (0-dimensional entries are step counters, possibly on another device.)
-                tensors += [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point() and v.dim()]
+                tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim()]
         return tensors
 
 

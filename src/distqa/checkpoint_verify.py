@@ -18,6 +18,7 @@ from typing import Any
 from safetensors import safe_open
 
 from distqa import sharded as sharded_ckpt
+from distqa.parallel import all_finite
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -113,7 +114,7 @@ def _first_nonfinite(path: Path) -> str | None:
     """The first tensor of a safetensors file holding NaN/inf, read one tensor at a time."""
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-            if not sharded_ckpt.all_finite(f.get_tensor(name)):
+            if not all_finite([f.get_tensor(name)]):
                 return name
     return None
 

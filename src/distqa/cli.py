@@ -167,10 +167,9 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         from distqa.trainer import train
 
+        # whole_process: once complete, every rank tells its node's launcher (distqa.outcome), so a
+        # SIGTERM from then on (torchrun then fails) still ends as the success it is.
         train(cfg, whole_process=True)
-        # Every rank says so to its node's launcher: a SIGTERM that arrives from here on (torchrun
-        # then fails) still ends a run that completed, and worker.sh reports it as the success it is.
-        outcome.finished()
     elif args.command == "bench":
         from distqa.bench.launch import print_table, run_bench
 

@@ -27,9 +27,9 @@ def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs:
     evaluate = last or (train.eval_every > 0 and step % train.eval_every == 0)
     log = evaluate or step % train.log_every == 0
     save = step % train.checkpoint_every == 0 or (last and save_outputs)
-    # Every step that writes (metrics, a checkpoint, and after the last one the export) is checked,
-    # so non-finite weights are never saved; train.check_finite checks every step, to name the first.
-    return AfterStep(log=log, evaluate=evaluate, save=save, check_weights=log or save or last or train.check_finite)
+    # Every step that writes (metrics, a checkpoint; the last one, which logs, before the export) is
+    # checked, so non-finite weights are never saved; train.check_finite checks every step, to name the first.
+    return AfterStep(log=log, evaluate=evaluate, save=save, check_weights=log or save or train.check_finite)
 
 
 def diverged_hint(train: TrainConfig) -> str:

@@ -237,9 +237,7 @@ class PeerWatch:
         """Stop watching; `done`: tell the neighbours that this rank ends on purpose. A rank that
         fails alone says nothing: its silence is what makes the neighbours stop waiting for it."""
         self.stopped.set()
-        # The store client is used by the watch thread alone: wait for it to leave its loop (at
-        # most one store call), so no call is in flight when this thread marks the counter or the
-        # process exits (a client torn down mid-call aborts the process).
+        # The watch thread leaves its loop first: a store client torn down mid-call aborts the process.
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=15)
         if done:

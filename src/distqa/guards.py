@@ -125,39 +125,36 @@ class StopSignal:
         """Called after each step, before anything of it is written. One all-reduce of three flags:
         - rank 0 lost output_dir: its lock is read now (`RunLock.verify`), not at the last heartbeat,
           so a holder that was paused across a takeover writes nothing once it runs again; raises;
-        - `weights` (this rank's parameters, given on the steps that write) hold NaN or inf; raises,
+        - `weights` (this rank's parameters and buffers, on the steps that write; with the optimizer's
+          state on those that save) hold NaN or inf; raises,
           with `hint` saying which settings to lower;
         - some rank got SIGTERM: returns True (checkpoint, then exit)."""
         lost = self.lock.verify() if self.lock is not None else None
         bad = weights is not None and not all_finite(weights)
-        flags = torch.tensor([lost is not None, bad, self.received_at is not None], dtype=torch.int32)
-        if self.info.is_distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        took_over, diverged, stop = (bool(f) for f in flags.tolist())
+        took_over, diverged, stop = self._on_any_rank(lost is not None, bad, self.received_at is not None)
         if took_over:
             raise DistqaError(
                 (lost or "rank 0 lost the hold of output_dir")
                 + ": stopping so that two runs never write into one folder"
             )
         if diverged:
-            raise DistqaError(
-                f"the weights (or the optimizer's state) hold NaN or inf after step {step}: nothing of that "
-                f"step is saved; {hint}"
-            )
+            raise _diverged(step, hint)
         if stop and self.received_at is None:
             self.received_at = time.monotonic()  # another rank got it: count the grace from now
         return stop
 
     def check_finite(self, step: int, weights: Iterable[torch.Tensor], hint: str) -> None:
-        """The weights check alone (collective), for a save the verdict did not expect."""
-        bad = torch.tensor([not all_finite(weights)], dtype=torch.int32)
+        """The weights check alone (collective), for a save the verdict did not check for."""
+        (diverged,) = self._on_any_rank(not all_finite(weights))
+        if diverged:
+            raise _diverged(step, hint)
+
+    def _on_any_rank(self, *flags: bool) -> list[bool]:
+        """Each flag, true when it is true on any rank: one all-reduce, on the CPU group."""
+        found = torch.tensor(flags, dtype=torch.int32)
         if self.info.is_distributed:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._group)
-        if bad.item():
-            raise DistqaError(
-                f"the weights (or the optimizer's state) hold NaN or inf after step {step}: nothing of that "
-                f"step is saved; {hint}"
-            )
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._group)
+        return [bool(f) for f in found.tolist()]
 
     def preempted(self, step: int, total_steps: int, checkpoint: Path, grace_s: float) -> Preempted:
         """The "checkpointed, now exit" outcome, raised once the checkpoint is written."""
@@ -173,6 +170,13 @@ class StopSignal:
 
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
+
+
+def _diverged(step: int, hint: str) -> DistqaError:
+    return DistqaError(
+        f"the weights (or the optimizer's state) hold NaN or inf after step {step}: nothing of that step is "
+        f"saved; {hint}"
+    )
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from distqa.runlock import process_start
+
 ERROR = re.compile(r"^distqa(?: \[rank (\d+)\])?: error: (.*)$")
 PREEMPTED = "distqa: preempted: "
 FINISHED = re.compile(r"^distqa: finished: local rank (\d+) of (\d+)$")
@@ -55,10 +57,7 @@ def _node_file() -> Path | None:
     if path is not None or "TORCHELASTIC_RUN_ID" not in os.environ:
         return path
     agent = os.getppid()
-    try:  # the agent's start time: a later process with a reused pid gets another file
-        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        started = ""
+    started = process_start(agent) or ""  # a later process with a reused pid gets another file
     key = "|".join([os.environ["TORCHELASTIC_RUN_ID"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), str(agent)])
     digest = hashlib.sha256(f"{key}|{started}".encode()).hexdigest()[:16]
     folder = Path(tempfile.gettempdir())
@@ -121,8 +120,8 @@ _said_finished = False
 
 def finished() -> None:
     """This rank's training is complete (its last barrier passed on every rank), whatever torchrun's
-    status after a late SIGTERM. Only for a launcher that reads it; once per process, so the trainer
-    may say it while it still holds SIGTERM and the CLI again after `train` returned."""
+    status after a late SIGTERM (`train(..., whole_process=True)` says it). Only for a launcher
+    that reads it; once per process."""
     global _said_finished
     path = launcher_file()
     if path is None or _said_finished:

@@ -86,8 +86,8 @@ def archive_config(output_dir: Path, step: int, info: DistInfo) -> Path | None:
     """Rank 0 keeps the current output_dir/config.yaml as config-history/<step>.yaml before a resume
     at `step` with changed settings rewrites it, so the records still say what trained before
     that step. Nothing to keep (no config.yaml): a no-op. An existing history file is never
-    overwritten: the copy takes the next free name (`<step>-2.yaml`, ...). Returns the copy (on
-    every rank; None when there was nothing to keep); a failure is one line on every rank."""
+    overwritten: the copy takes the next free name (`<step>-2.yaml`, ...). Returns the copy on
+    rank 0 (None elsewhere, and when there was nothing to keep); a failure is one line on every rank."""
     problem: str | None = None
     kept: Path | None = None
     if info.is_main:
@@ -111,7 +111,7 @@ def archive_config(output_dir: Path, step: int, info: DistInfo) -> Path | None:
                 "free space in output_dir (or remove the link named) and run again"
             )
     _raise_on_every_rank(problem)
-    return broadcast_object(kept)  # type: ignore[return-value]
+    return kept
 
 
 def _remove(path: Path) -> None:

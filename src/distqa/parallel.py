@@ -199,13 +199,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether this rank's tensors (its local shards, under FSDP) hold only finite values.
 
     One fused max-abs over all of them: NaN propagates through a max, and a max cannot overflow
     (a sum or a 2-norm of large but finite weights would read as inf). One host sync."""
-    local = [_local(t).detach() for t in tensors]
-    local = [t for t in local if t.numel()]  # an FSDP rank may hold an empty shard
+    local = []
+    for tensor in map(_local, tensors):
+        if tensor.numel() == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
+            continue  # an FSDP rank's empty shard; integers are always finite
+        tensor = torch.view_as_real(tensor) if tensor.is_complex() else tensor.detach()
+        # float8 and other rare types have no norm kernels: read them as float32.
+        local.append(tensor if tensor.dtype in _NORM_DTYPES else tensor.float())
     if not local:
         return True
     return bool(torch.isfinite(torch.nn.utils.get_total_norm(local, norm_type=float("inf"))))

@@ -26,6 +26,8 @@ from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders
 from distqa.config import Config
 from distqa.dist import DistInfo, broadcast_object, print0
 from distqa.errors import ConfigError
+from distqa.outdir import RUN_PATHS
+from distqa.runlock import LOCK_NAME
 
 RESUME_SILENT = {
     "output_dir",
@@ -64,8 +66,9 @@ RESUME_APPLIED = {
     "train.precision",
 }
 
-# Files of a run in output_dir that `train.resume=never` moves aside before starting afresh.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "metrics.png", "model", "config.yaml", "config-history")
+# Files of a run in output_dir that `train.resume=never` moves aside before starting afresh: all
+# it writes there but the lock of the run that moves them.
+RUN_FILES = tuple(name for name in RUN_PATHS if name != LOCK_NAME)
 
 
 def resume_kind(cfg: Config, key: str) -> str:
@@ -157,8 +160,7 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int) -> dict[
             f"this run has {global_batch} (train.batch_size x train.grad_accum x processes): resume "
             "with the same global batch, or start afresh in another output_dir"
         )
-    saved, now = changed_settings(state, cfg)
-    refused = [k for k in saved if resume_kind(cfg, k) == "refused"]
+    refused, saved, now = _changed_of_kind("refused", state, cfg)
     if "train.parallel" in refused:
         raise ConfigError(
             f"cannot resume {directory} with changed train.parallel ({saved['train.parallel']!r} -> "
@@ -188,8 +190,7 @@ def _planned_steps(state: dict[str, Any], cfg: Config) -> int | None:
 def _refuse_finished_with_other_settings(state: dict[str, Any], cfg: Config, total_steps: int | None) -> None:
     if state["step"] != total_steps:
         return
-    saved, now = changed_settings(state, cfg)
-    applied = [k for k in saved if resume_kind(cfg, k) == "applied"]
+    applied, saved, now = _changed_of_kind("applied", state, cfg)
     if applied:
         # Nothing would train with the new settings, yet config.yaml and the plot would claim them.
         raise ConfigError(
@@ -205,6 +206,12 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> tuple[dict[str, Any]
     # Keys the checkpoint's version did not have yet (or that were removed since) are not compared.
     changed = sorted(k for k in now if k in saved and saved[k] != now[k])
     return {k: saved[k] for k in changed}, {k: now[k] for k in changed}
+
+
+def _changed_of_kind(kind: str, state: dict[str, Any], cfg: Config) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """The changed keys of one kind ("refused", "applied"), and every changed key's two values."""
+    saved, now = changed_settings(state, cfg)
+    return [k for k in saved if resume_kind(cfg, k) == kind], saved, now
 
 
 def _shown(keys: list[str], saved: dict[str, Any], now: dict[str, Any]) -> str:
@@ -225,8 +232,7 @@ def check_continuation(
     _refuse_finished_with_other_settings(state, cfg, total_steps)
     if state["step"] == total_steps:
         return True
-    saved, now = changed_settings(state, cfg)
-    applied = [k for k in saved if resume_kind(cfg, k) == "applied"]
+    applied, saved, now = _changed_of_kind("applied", state, cfg)
     if applied:
         print0(
             f"warning: resuming {directory} with changed settings, applied from step {state['step']} on: "
@@ -247,16 +253,16 @@ def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -
             f"checkpoint {directory} recorded its data with an older kind of fingerprint ({old}), which "
             f"cannot be compared with this one (data.train={cfg.data.train!r}, {now['examples']} examples)"
         )
-        if cfg.train.allow_data_change:
-            print0(f"warning: {what}; continuing (train.allow_data_change=true)")
-            return
-        raise ConfigError(f"{what}: if data.train is unchanged, set train.allow_data_change=true once to resume")
-    what = (
-        f"data.train={cfg.data.train!r} is not the data checkpoint {directory} was trained on "
-        f"({saved.get('examples')} examples, fingerprint {saved.get('fingerprint')}; now {now['examples']} "
-        f"examples, fingerprint {now['fingerprint']})"
-    )
+        going_on, fix = "continuing", "if data.train is unchanged, set train.allow_data_change=true once to resume"
+    else:
+        what = (
+            f"data.train={cfg.data.train!r} is not the data checkpoint {directory} was trained on "
+            f"({saved.get('examples')} examples, fingerprint {saved.get('fingerprint')}; now {now['examples']} "
+            f"examples, fingerprint {now['fingerprint']})"
+        )
+        going_on = "continuing on the new data"
+        fix = "restore that data, or set train.allow_data_change=true to continue on this data anyway"
     if cfg.train.allow_data_change:
-        print0(f"warning: {what}; continuing on the new data (train.allow_data_change=true)")
+        print0(f"warning: {what}; {going_on} (train.allow_data_change=true)")
         return
-    raise ConfigError(f"{what}: restore that data, or set train.allow_data_change=true to continue on this data anyway")
+    raise ConfigError(f"{what}: {fix}")

@@ -41,7 +41,7 @@ LEASE_S = 60.0
 BREAK_STALE_S = 30.0  # breaking a lock takes milliseconds: a breaker file this old was left by a crash
 
 
-def _proc_start(pid: int) -> str | None:
+def process_start(pid: int) -> str | None:
     """The start time of process `pid` (clock ticks since boot), or None if there is none."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -80,7 +80,7 @@ def _identity() -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "proc_start": _proc_start(os.getpid()),
+        "proc_start": process_start(os.getpid()),
         "pidns": pidns,
         "boot_id": read("/proc/sys/kernel/random/boot_id"),
     }
@@ -156,7 +156,7 @@ class RunLock:
             and type(holder.get("pid")) is int
             and holder["pid"] > 0
         ):
-            if holder["pid"] == me["pid"] or _proc_start(holder["pid"]) == holder.get("proc_start"):
+            if holder["pid"] == me["pid"] or process_start(holder["pid"]) == holder.get("proc_start"):
                 raise self._held(holder)
             self._remove_stale(raw, holder, "its process no longer exists")
             return

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from distqa.dist import DistInfo, all_gather_objects, broadcast_object
 from distqa.errors import DistqaError
+from distqa.parallel import all_finite
 
 METADATA_FILE = ".metadata"
 _TOKEN_FILE = ".distqa-shared-check"
@@ -112,15 +113,6 @@ def first_failure(err: CheckpointException) -> str:
     for exc, _ in err.failures.values():
         return error_line(exc)
     return error_line(err)
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or inf in a tensor (integers always); float8 and other rare types via float32."""
-    if not (tensor.is_floating_point() or tensor.is_complex()):
-        return True
-    if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and not tensor.is_complex():
-        tensor = tensor.float()
-    return bool(torch.isfinite(tensor).all())
 
 
 def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> list[Path]:
@@ -226,7 +218,7 @@ def first_nonfinite_weight(directory: Path, batch_bytes: int = 256 << 20) -> str
                 dcp.load(batch, storage_reader=_Reader(directory), planner=_Planner(), no_dist=True)
         except CheckpointException as err:
             raise ValueError(first_failure(err)) from err
-        bad = next((name for name, loaded in batch.items() if not all_finite(loaded)), None)
+        bad = next((name for name, loaded in batch.items() if not all_finite([loaded])), None)
         if bad is not None:
             return bad.removeprefix("model.")
         batch, size = {}, 0

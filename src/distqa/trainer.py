@@ -190,8 +190,10 @@ class Trainer:
             total_steps=total_steps,
             data=self.data_identity,  # type: ignore[arg-type]
         )
-        exported = broadcast_object((self.out / "model").is_dir() if info.is_main else None)
-        if finished and (exported or not self.save_outputs):
+        # (finished is the same on every rank: the same checkpoint, settings and agreed data.)
+        if finished and (
+            not self.save_outputs or broadcast_object((self.out / "model").is_dir() if info.is_main else None)
+        ):
             print0(
                 f"the run in {self.out} already finished at step {total_steps}: nothing to train, nothing "
                 "written; to train again use another output_dir or train.resume=never"
@@ -233,6 +235,7 @@ class Trainer:
         cfg, info = self.cfg, self.info
         self.metrics = MetricsWriter(self.out, info, resume_step=step)
         meter = self.meter = ThroughputMeter(info.device)
+        self.hint = diverged_hint(cfg.train)  # what to lower if the run diverges: the settings' own
         progress = self.progress = TrainProgress(total_steps, step, enabled=info.is_main)  # a bar, or a line per record
         self.model.train()
         try:
@@ -254,8 +257,7 @@ class Trainer:
         """Log, evaluate, check, save, stop: in that order, and nothing written before the check."""
         cfg, stop = self.cfg, self.stop
         assert stop is not None
-        plan = after_step(step, total_steps, cfg.train, save_outputs=self.save_outputs)
-        hint = diverged_hint(cfg.train)
+        plan, hint = after_step(step, total_steps, cfg.train, save_outputs=self.save_outputs), self.hint
         record = None
         if plan.log:
             record = {"step": step, "epoch": round(step / epoch_steps, 4), "lr": lr, **self.meter.reduce_and_reset()}
@@ -277,7 +279,7 @@ class Trainer:
         if cfg.train.check_replicas:
             check_replicas(self.raw_model, self.info, step)
         if plan.save or stopping:
-            if not plan.check_weights:
+            if not plan.save:  # a save the plan did not foresee: its optimizer state is not checked yet
                 stop.check_finite(step, parts.checked_tensors(with_optimizer=True), hint)
             self.checkpoints.save(step, epoch_steps)
         if stopping:
