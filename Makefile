@@ -8,7 +8,7 @@ RESULTS ?= results/quickstart
 # Extra KEY=VALUE settings for `make train`, e.g. make train ARGS="train.max_steps=50"
 ARGS    ?=
 
-.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download test-nodes perf-fsdp test-safety lint clean
+.PHONY: help install install-dev train demo-nq test test-fast test-docker test-download test-nodes perf-fsdp test-safety lint docs clean
 
 help:
 	@echo "make train      create .venv, install, train the tiny model on the DummyDataset into $(RESULTS)"
@@ -20,7 +20,9 @@ help:
 	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 2 minutes)"
 	@echo "make test-safety  no silent wrong result: refusals at two processes, planted files, lock takeovers (minutes)"
 	@echo "make perf-fsdp  train.parallel=fsdp against ddp at two processes, sharded resumes, bench memory (minutes)"
+	@echo "make test-gpu   the GPU acceptance suite (CUDA, NCCL, bf16/fp16, compile, FSDP2, peak memory); skipped without a GPU"
 	@echo "make lint       ruff"
+	@echo "make docs       regenerate docs/keys.md from \`distqa train --help\` (tests/test_docs.py checks it)"
 	@echo "make clean      remove .venv and everything under results/"
 
 $(BIN)/python:
@@ -82,11 +84,24 @@ perf-fsdp: install-dev
 test-safety: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m safety
 
+# The GPU acceptance suite (tests/test_gpu.py, marker gpu): about 2 minutes on one GPU, its groups
+# of launches side by side (xdist groups). Without CUDA every test is skipped, one line each with
+# the reason (-v; no xdist workers then, whose lines leave the reason out), and the target exits 0.
+# On a lent GPU without this .venv: scripts/gpu_check.sh.
+.PHONY: test-gpu
+GPU_WORKERS ?= $(shell nvidia-smi -L > /dev/null 2>&1 && echo 5 || echo 0)
+test-gpu: install-dev
+	$(BIN)/python -m pytest -m gpu -v -rs -n $(GPU_WORKERS) --dist loadgroup tests/test_gpu.py
+
 lint: install-dev
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/ruff format --check src tests scripts
 	$(BIN)/shellcheck scripts/*.sh deploy/slurm.sbatch
 	$(BIN)/hadolint --failure-threshold warning Dockerfile
+
+# docs/keys.md is what `distqa train --help` prints about the keys; tests/test_docs.py fails when they differ.
+docs: install
+	$(BIN)/python scripts/gen_keys_doc.py
 
 clean:
 	rm -rf $(VENV)

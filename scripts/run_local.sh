@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Train on this machine with torchrun's standalone rendezvous: one process per GPU, or
-# NPROC_PER_NODE CPU processes (default 2) where there is no GPU. Arguments go to `distqa train`.
+# Train on this machine with torchrun: one process per GPU, or NPROC_PER_NODE CPU processes
+# (default 2) where there is no GPU. Arguments go to `distqa train`.
 #   scripts/run_local.sh --config configs/quickstart.yaml output_dir=results/run1
+#   MASTER_PORT=29600 scripts/run_local.sh ...   # a port of your choice (two users of one host)
+# Without MASTER_PORT, torchrun's standalone rendezvous takes a free port. With it, the c10d
+# rendezvous is hosted here on MASTER_ADDR:MASTER_PORT (MASTER_ADDR defaults to localhost), after a
+# check that the port is free: torchrun would otherwise fail late, or join whatever store holds it.
 set -euo pipefail
+
+die() {
+  echo "run_local.sh: error: $1" >&2
+  exit 2
+}
 
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
@@ -22,8 +31,23 @@ if torchrun_path=$(command -v torchrun) && read -r shebang <"$torchrun_path" && 
   if grep -q 'torch.distributed.run' "$torchrun_path"; then launcher=("$python" -m distqa.torchrun); fi
 fi
 
+if [[ -n "${MASTER_PORT:-}" ]] &&
+  { ! [[ $MASTER_PORT =~ ^[0-9]{1,5}$ ]] || ((10#$MASTER_PORT < 1 || 10#$MASTER_PORT > 65535)); }; then
+  die "MASTER_PORT=$MASTER_PORT is not a port number (1-65535): set a free port, or unset it for any free one"
+fi
+
 # Check the settings once, in a second and without torch: a mistake is then one line instead of
 # one per rank followed by torchrun's failure report.
 "$python" -m distqa train --check-config "$@" || exit
 
-exec "${launcher[@]}" --standalone --nproc-per-node "$NPROC_PER_NODE" -m distqa train "$@"
+rendezvous=(--standalone)
+if [[ -n "${MASTER_PORT:-}" ]]; then
+  addr=${MASTER_ADDR:-localhost}
+  # One line if the port is taken or the address is not this host's (no torch import: well under a second).
+  "$python" -m distqa.rdzv_check --prog run_local.sh --addr "$addr" --port "$((10#$MASTER_PORT))" --timeout 5 || exit
+  # is_host=1: this process hosts the store; if the port was taken meanwhile it fails rather than
+  # joining another run's rendezvous as a client.
+  rendezvous=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "$addr:$((10#$MASTER_PORT))" --rdzv-conf is_host=1)
+fi
+
+exec "${launcher[@]}" "${rendezvous[@]}" --nproc-per-node "$NPROC_PER_NODE" -m distqa train "$@"

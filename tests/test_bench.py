@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 import toy_task
-from conftest import ROOT, subprocess_env
-from distqa.bench.launch import _reason, parse_nproc, print_table, worker_env
+from conftest import ROOT, free_port, subprocess_env
+from distqa.bench.launch import _reason, check_port, parse_nproc, print_table, rendezvous_args, worker_env
 from distqa.bench.report import add_scaling, implausible, summarize
 from distqa.cli import build_parser, main
 from distqa.config import ModelConfig
@@ -243,9 +244,35 @@ def test_cpu_processes_share_the_cores_unless_threads_are_set(monkeypatch):
     assert worker_env(4, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"  # the user's choice stays
 
 
-def _bench(tmp_path: Path, *args: str, threads_unset: bool = False) -> subprocess.CompletedProcess:
+def test_master_port_gives_a_rendezvous_hosted_here_at_that_port():
+    """As scripts/run_local.sh: standalone (any free port) by default, the user's port when set."""
+    assert rendezvous_args({}) == rendezvous_args({"MASTER_PORT": ""}) == ["--standalone"]
+    assert rendezvous_args({"MASTER_PORT": "29612"}) == [
+        "--nnodes=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:29612",
+        "--rdzv-conf=is_host=1",
+    ]
+    assert "--rdzv-endpoint=127.0.0.1:29612" in rendezvous_args({"MASTER_PORT": "29612", "MASTER_ADDR": "127.0.0.1"})
+    for bad in ("abc", "0", "65536", "١٢٣"):
+        with pytest.raises(ConfigError, match=f"MASTER_PORT={bad} is not a port number"):
+            rendezvous_args({"MASTER_PORT": bad})
+
+
+def test_a_taken_master_port_is_one_line_before_the_launch():
+    check_port({})  # no MASTER_PORT: torchrun picks a free one
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(DistqaError, match=f"port {port} is already in use on this host"):
+            check_port({"MASTER_PORT": str(port)})
+    check_port({"MASTER_PORT": str(port)})  # free again
+
+
+def _bench(tmp_path: Path, *args: str, threads_unset: bool = False, **extra_env: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "distqa", "bench", *args]
-    env = subprocess_env()
+    env = subprocess_env(**extra_env)
     if threads_unset:  # as users run it: the bench gives each process its share of the cores
         del env["OMP_NUM_THREADS"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -258,8 +285,12 @@ def test_bench_launches_trainer_and_baseline_and_writes_json_and_png(tmp_path):
     process; the 1-process launch: test_bench_runs_a_forked_task_without_a_flops_shape.)"""
     out = tmp_path / "bench"
     args = ["--nproc", "2", "--output", str(out), "--warmup", "2", "--steps", "4", "--baseline", "--repeats", "1"]
-    proc = _bench(tmp_path, *args, "--peak-tflops", "1", *BENCH_SMALL, threads_unset=True)
+    # At a port of our choosing (MASTER_PORT), as two users of one host would run it; the 1-process
+    # launch of test_bench_runs_a_forked_task_without_a_flops_shape takes a free one (standalone).
+    port = free_port()
+    proc = _bench(tmp_path, *args, "--peak-tflops", "1", *BENCH_SMALL, threads_unset=True, MASTER_PORT=str(port))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"distqa bench: trainer, 2 process(es), run 1 of 1, rendezvous at localhost:{port}: log in" in proc.stdout
     result = json.loads((out / "bench.json").read_text())
     (row,) = result["runs"]
     assert row["nproc"] == 2 and row["scaling_efficiency"] == 1.0  # its own reference

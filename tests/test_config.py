@@ -14,9 +14,11 @@ import pytest
 import yaml
 
 from conftest import ROOT, help_texts
+from distqa import config_layers
 from distqa.cli import main
-from distqa.config import Config, describe_keys, load_config, setting, to_yaml
+from distqa.config import Config, describe_keys, setting, to_yaml
 from distqa.errors import ConfigError
+from distqa.registry import load_config
 
 REQUIRED_KEYS = [
     "output_dir",
@@ -213,27 +215,24 @@ def test_the_global_batch_derives_grad_accum_for_each_process_count():
     assert unset.train.grad_accum == 3
 
 
-def test_nq_keys_that_moved_from_data_to_task_are_still_read_with_a_warning(tmp_path, capsys):
-    """`data.max_seq_len` and the other keys that became the task's own keep working (older
-    commands, docs and YAML files), as the new key, with one warning naming it."""
-    cfg = load_config(None, ["data.max_seq_len=64", "data.dummy_size=10"])
-    assert (cfg.task.max_seq_len, cfg.task.dummy_size) == (64, 10)
-    assert "data.max_seq_len is now task.max_seq_len, data.dummy_size is now task.dummy_size" in capsys.readouterr().err
+def test_a_renamed_key_is_refused_and_the_error_gives_its_new_name(tmp_path):
+    """`data.max_seq_len` and the other keys that became the task's own (before any release) are
+    unknown keys now, on the command line and in a YAML file; the error names the new key, which a
+    task declares (`renamed_keys` on its settings class), so the core holds no task's names."""
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'data.max_seq_len' in the command line: "
+        r"data.max_seq_len is now task.max_seq_len; give task.max_seq_len$",
+    ):
+        load_config(None, ["data.max_seq_len=64"])
     path = tmp_path / "old.yaml"
-    path.write_text("data:\n  train: dummy\n  doc_stride: 64\ntrain:\n  max_steps: 3\n")
-    cfg = load_config(str(path), ["task.max_seq_len=96"])
-    assert (cfg.task.doc_stride, cfg.task.max_seq_len, cfg.train.max_steps) == (64, 96, 3)
-    assert "data.doc_stride is now task.doc_stride" in capsys.readouterr().err
-    # Both names in one layer: refused. In two, the command line wins, as for any key.
-    with pytest.raises(ConfigError, match="data.max_seq_len is the old name of task.max_seq_len, and the command"):
-        load_config(None, ["task.max_seq_len=96", "data.max_seq_len=64"])
-    both = tmp_path / "both.yaml"
-    both.write_text("data:\n  doc_stride: 64\ntask:\n  doc_stride: 32\n")
-    with pytest.raises(ConfigError, match="data.doc_stride is the old name of task.doc_stride, and the config file"):
-        load_config(str(both))
-    assert load_config(str(path), ["task.doc_stride=32"]).task.doc_stride == 32
-    # Only keys the selected task has: textcls has no doc_stride, and data.* stays closed.
-    with pytest.raises(ConfigError, match="unknown config key 'data.doc_stride'"):
+    path.write_text("data:\n  train: dummy\n  doc_stride: 64\n")
+    with pytest.raises(ConfigError, match=f"'data.doc_stride' in {path}: data.doc_stride is now task.doc_stride"):
+        load_config(str(path))
+    # Only the selected task's renamings: textcls never had data.doc_stride.
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'data.doc_stride' in the command line \(did you mean data.train\?\)$"
+    ):
         load_config(None, ["task=textcls", "data.doc_stride=64"])
     with pytest.raises(ConfigError, match="unknown config key 'data.foo'"):
         load_config(None, ["data.foo=1"])
@@ -294,13 +293,11 @@ def test_a_task_setting_declared_finite_false_may_be_inf_but_never_nan():
     def settings_of(name):
         return FloatSettings
 
-    assert (
-        load_config(None, ["task.name=x:T", "task.temperature=inf"], settings_of=settings_of).task.temperature
-        == math.inf
-    )
+    cfg = config_layers.load_config(None, ["task.name=x:T", "task.temperature=inf"], settings_of=settings_of)
+    assert cfg.task.temperature == math.inf
     for bad in ("task.temperature=nan", "task.floor=inf", "task.floor=nan"):
         with pytest.raises(ConfigError, match=rf"^{bad.split('=')[0]}=\S+ is not a finite number"):
-            load_config(None, ["task.name=x:T", bad], settings_of=settings_of)
+            config_layers.load_config(None, ["task.name=x:T", bad], settings_of=settings_of)
 
 
 @pytest.mark.parametrize("value", ["-1", "4294967296", "100000000000000000000"])

@@ -11,10 +11,11 @@ from transformers import AutoModelForQuestionAnswering
 from transformers.utils import logging as hf_logging
 
 from distqa import console
-from distqa.config import ModelConfig, load_config
+from distqa.config import ModelConfig
 from distqa.console import TrainProgress, quiet_libraries, run_title
 from distqa.metrics import plot_metrics
 from distqa.models import build_hf_model
+from distqa.registry import load_config
 
 
 def record(step: int) -> dict:
@@ -77,7 +78,7 @@ def test_the_model_load_report_comes_from_rank_0_only_without_colour_codes(
 
 def test_the_plot_is_titled_after_the_run(tmp_path):
     cfg = load_config(None, ["model.name=/models/x/bert-small", "train.lr=2e-4", f"output_dir={tmp_path}"])
-    title = run_title(cfg, global_batch=64)
+    title = run_title(cfg, global_batch=64, uses=("model.name", "data.train"))
     assert title == f"task nq, model x/bert-small, data dummy\nlr 0.0002 (linear), global batch 64; output {tmp_path}"
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps(record(1)) + "\n")
@@ -85,3 +86,32 @@ def test_the_plot_is_titled_after_the_run(tmp_path):
     assert Image.open(tmp_path / "metrics.png").text["Title"] == title
     metrics.write_text("")
     assert not plot_metrics(metrics, tmp_path / "empty.png") and not (tmp_path / "empty.png").exists()
+
+
+def test_the_title_names_only_the_settings_the_task_uses(tmp_path):
+    """A fork that reads neither model.name nor data.train is not titled 'model tiny, data dummy';
+    its own settings that differ from their defaults are named."""
+    fork = ["task.name=toy_task:ToyClassificationTask", "task.size=64", f"output_dir={tmp_path}"]
+    cfg = load_config(None, fork)
+    assert run_title(cfg, 8, uses=()).splitlines()[0] == "task toy_task:ToyClassificationTask, size 64"
+    # A task that does not say what it uses: the core settings changed from their defaults.
+    assert run_title(cfg, 8).splitlines()[0] == "task toy_task:ToyClassificationTask, size 64"
+    named = load_config(None, [*fork, "model.name=mine"])
+    assert run_title(named, 8).splitlines()[0] == "task toy_task:ToyClassificationTask, model mine, size 64"
+
+
+def test_each_evaluation_metric_gets_its_own_panel(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [record(1), {**record(2), "eval_f1": 0.6, "eval_loss": 3.0, "eval_answers": 4000}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert plot_metrics(metrics, tmp_path / "metrics.png")
+    # Loss, lr, samples/s and three evaluation panels of 1.9 inches each, at 100 dpi.
+    assert Image.open(tmp_path / "metrics.png").size[1] == round((1.1 + 1.9 * 6) * 100)
+
+
+def test_the_start_line_says_examples_and_features_when_they_differ():
+    class Features(list):
+        num_examples = 3
+
+    assert console.dataset_size([1, 2, 3]) == "3 examples"
+    assert console.dataset_size(Features([1, 2, 3, 4, 5])) == "3 examples (5 features)"

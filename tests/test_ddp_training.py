@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import SGD, checkpoint_weights, load_weights, max_abs_diff, metrics_rows, run_train
-from distqa.config import load_config
+from distqa.registry import load_config
 from distqa.trainer import train
 
 pytestmark = pytest.mark.slow

@@ -193,7 +193,7 @@ def test_dockerfile_contract():
     assert ("ENTRYPOINT", '["/app/scripts/worker.sh"]') in ins
     cmd = json.loads(dict(ins)["CMD"])
     # The default command trains the tiny model on the DummyDataset.
-    from distqa.config import load_config
+    from distqa.registry import load_config
 
     cfg = load_config(str(ROOT / cmd[cmd.index("--config") + 1]), [a for a in cmd if "=" in a])
     assert cfg.model.name == "tiny" and cfg.data.train == "dummy"

@@ -35,9 +35,9 @@ from conftest import (
 )
 from distqa import dist as distqa_dist
 from distqa.checkpoint import list_checkpoints, read_trainer_state, verify_checkpoint
-from distqa.config import load_config
 from distqa.dist import PeerWatch
 from distqa.errors import DistqaError
+from distqa.registry import load_config
 from distqa.trainer import train
 
 

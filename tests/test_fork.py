@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, subprocess_env
-from distqa.config import load_config
 from distqa.errors import DistqaError
+from distqa.registry import load_config
 from distqa.trainer import train
 
 FORK = textwrap.dedent(

@@ -62,8 +62,8 @@ def bench(tmp_path: Path, parallel: str) -> dict:
     out = tmp_path / parallel
     args = [
         *("--nproc", "2", "--output", str(out), "--warmup", "2", "--steps", "1", "--repeats", "1"),
-        # The command as written (data.max_seq_len, the key's name before it became task.max_seq_len).
-        *("model.name=bert-base-random", "data.max_seq_len=64", "train.batch_size=2", f"train.parallel={parallel}"),
+        # The command, with task.max_seq_len (its data.max_seq_len is refused since the key moved).
+        *("model.name=bert-base-random", "task.max_seq_len=64", "train.batch_size=2", f"train.parallel={parallel}"),
     ]
     proc = subprocess.run(
         [sys.executable, "-m", "distqa", "bench", *args],

@@ -16,9 +16,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import SMALL
-from distqa.config import load_config
 from distqa.dist import DistInfo
 from distqa.metrics import MetricsWriter, plot_metrics
+from distqa.registry import load_config
 from distqa.trainer import train
 
 MAIN = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -28,7 +28,7 @@ from conftest import (
     subprocess_env,
     unavailable,
 )
-from distqa.config import load_config
+from distqa.registry import load_config
 from distqa.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

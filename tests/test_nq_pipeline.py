@@ -8,6 +8,8 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,11 +18,32 @@ from hypothesis import strategies as st
 
 from conftest import ROOT, SMALL, TESTS, run_train, subprocess_env
 from distqa.cli import main
+from distqa.errors import DistqaError
+from distqa.nq.evaluate import window_bests
 from distqa.nq.features import NO, SHORT, YES
-from distqa.nq.postprocess import WindowBest, best_spans, best_threshold, f1, kind_f1, predict_example
+from distqa.nq.postprocess import (
+    ExamplePrediction,
+    WindowBest,
+    apply_thresholds,
+    best_spans,
+    best_threshold,
+    f1,
+    kind_f1,
+    predict_example,
+)
 from distqa.nq.reader import NQExample, NQReader
+from distqa.nq.thresholds import read_thresholds, thresholds_json
 
 SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+
+
+def strict_json(text: str) -> Any:
+    """json.loads as strict parsers (JavaScript's, jq) read JSON: no Infinity, -Infinity or NaN."""
+
+    def reject(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=reject)
 
 
 @pytest.mark.slow
@@ -45,7 +68,7 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_micro_f1" in r]
     assert [r["step"] for r in evals] == [10, 20]
-    thresholds = json.loads((out / "model" / "distqa_thresholds.json").read_text())
+    thresholds = strict_json((out / "model" / "distqa_thresholds.json").read_text())
     assert set(thresholds) == {"long", "short"}
     # In a log: no progress bars (datasets' preparation, training), a line per logged step, and the
     # last lines name the model, metrics.jsonl and metrics.png.
@@ -82,6 +105,58 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     assert scored["short_f1"] == pytest.approx(evals[-1]["eval_short_f1"])
     # Not 0 == 0: at 20 steps the model answers some questions right (0.235 measured; 0.0 at 4 steps).
     assert scored["micro_f1"] > 0.1 and scored["long_f1"] > 0 and scored["short_f1"] > 0
+
+
+def test_thresholds_file_is_strict_json_and_old_infinity_files_still_read(tmp_path):
+    """+inf ("never answer": what best_threshold gives when answering lowers F1) is written as null."""
+    never = {"long": math.inf, "short": 0.25}
+    text = thresholds_json(never)
+    assert strict_json(text) == {"long": None, "short": 0.25}
+    path = tmp_path / "distqa_thresholds.json"
+    path.write_text(text)
+    assert read_thresholds(path) == never
+    path.write_text('{"long": Infinity, "short": -1.5}')  # as exports before this format wrote it
+    assert read_thresholds(path) == {"long": math.inf, "short": -1.5}
+    # What it means: a score never exceeds +inf, so that kind of answer is never given.
+    assert apply_thresholds(ExamplePrediction("3:9", "4:5", 1e30), read_thresholds(path)) == ("", "4:5")
+    path.write_text("[1, 2]")
+    with pytest.raises(DistqaError, match="is not a thresholds file"):
+        read_thresholds(path)
+
+
+class ModeProbe(torch.nn.Module):
+    """Records the mode each forward pass ran in, and answers with the logits best_spans needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+        self.seen: list[tuple[bool, bool, bool]] = []
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        self.seen.append((self.training, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+        logits = input_ids.float() * self.weight
+        return {"start_logits": logits, "end_logits": logits, "answer_type_logits": logits[:, :5]}
+
+
+def test_predict_runs_in_the_trainer_s_evaluation_mode(monkeypatch):
+    """`distqa predict`'s forward passes (window_bests) use evaluation's own eval_mode: eval, no
+    gradients, the autocast asked for; the model's mode is restored afterwards."""
+    import datasets
+
+    rows = {
+        "example_id": ["1", "2", "3"],
+        "input_ids": [[1, 2, 3, 4, 5, 6]] * 3,
+        "token_map": [[-1, 0, 1, 2, 3, 4]] * 3,
+    }
+    rows |= {"attention_mask": [[1] * 6] * 3, "token_type_ids": [[0] * 6] * 3}
+    monkeypatch.setattr("distqa.nq.prepare.load_features", lambda folder: datasets.Dataset.from_dict(rows))
+    model = ModeProbe()
+    kwargs = {"device": torch.device("cpu"), "batch_size": 2, "pad_id": 0, "max_len": 8}
+    bests = window_bests(model, Path("unused"), **kwargs, autocast_dtype=torch.bfloat16)
+    assert [b.example_id for b in bests] == ["1", "2", "3"]
+    assert model.seen == [(False, False, True)] * 2 and model.training
+    window_bests(model, Path("unused"), **kwargs)  # no autocast asked for (CPU predict): none
+    assert model.seen[2:] == [(False, False, False)] * 2 and model.training
 
 
 def example(candidates):

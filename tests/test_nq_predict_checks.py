@@ -11,9 +11,9 @@ import pytest
 
 from conftest import ROOT, SMALL, TESTS, subprocess_env
 from distqa.cli import main
-from distqa.config import load_config
+from distqa.models import load_tokenizer
 from distqa.nq.data import resolve_features
-from distqa.nq.task import load_tokenizer
+from distqa.registry import load_config
 from distqa.trainer import train
 
 SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
@@ -78,7 +78,7 @@ def test_the_right_tokenizer_predicts_and_says_no_thresholds_were_saved(tmp_path
     cache = tmp_path / "cache"
     valid = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", f"task.cache_dir={cache}"]
     cfg = load_config(None, [*valid, "task.keep_unknown=0.3", "seed=7"])
-    folder = resolve_features(cfg, str(SAMPLE), load_tokenizer(cfg), training=False)
+    folder = resolve_features(cfg, str(SAMPLE), load_tokenizer(cfg.model), training=False)
     assert [p.name for p in cache.iterdir()] == [folder.name]
 
     proc = predict(tmp_path, tiny_run, f"model.tokenizer={minilm_dir}")

@@ -94,6 +94,21 @@ def test_gzip_input_blank_lines_and_a_missing_last_newline(tmp_path):
     assert Counter(written.splitlines()) == Counter(line.rstrip(b"\r\n") for line in lines if line.strip())
 
 
+def test_the_figure_read_is_the_input_s_size_on_disk(tmp_path, capsys):
+    """0.5 MB of input says 0.5 MB read (not both passes' 1.0 MB); a .gz input, its compressed size."""
+    lines = generated(30)
+    pad = 500_000 - len(b"".join(lines))
+    lines[-1] = lines[-1].replace(b'"q?"', b'"q?' + b" " * pad + b'"', 1)  # a longer question: still JSON
+    assert len(b"".join(lines)) == 500_000
+    code, out = run(tmp_path, lines, "--valid", "3")
+    assert code == 0
+    assert "(0.5 MB read in " in capsys.readouterr().out.strip().splitlines()[-1]
+    assert split.split_file(tmp_path / "in.jsonl", out, 3, overwrite=True).bytes_read == 500_000
+    packed = tmp_path / "in.jsonl.gz"
+    packed.write_bytes(gzip.compress(b"".join(lines)))
+    assert split.split_file(packed, tmp_path / "gz", 3).bytes_read == packed.stat().st_size
+
+
 def test_existing_outputs_need_overwrite_and_a_failed_split_keeps_them(tmp_path, capsys, monkeypatch):
     assert run(tmp_path, LINES, "--valid", "3")[0] == 0
     out = tmp_path / "out"

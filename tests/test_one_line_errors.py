@@ -15,8 +15,8 @@ import pytest
 
 from conftest import ROOT, TESTS, run_train, subprocess_env
 from distqa import outcome
-from distqa.config import load_config
 from distqa.errors import DistqaError
+from distqa.registry import load_config
 
 NQ_SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
 

@@ -55,7 +55,7 @@ def test_a_run_file_that_is_a_link_is_refused_before_the_lock_is_taken(tmp_path,
 
 def test_a_run_into_a_folder_whose_config_yaml_is_a_link_stops_and_leaves_its_target_alone(tmp_path):
     from conftest import SMALL
-    from distqa.config import load_config
+    from distqa.registry import load_config
     from distqa.trainer import train
 
     out = tmp_path / "run"

@@ -16,9 +16,9 @@ from torch import nn
 
 from conftest import SMALL, load_weights, max_abs_diff
 from distqa.checkpoint import verify_checkpoint
-from distqa.config import load_config
 from distqa.errors import ConfigError, DistqaError
 from distqa.parallel import state_bytes, transformer_blocks
+from distqa.registry import load_config
 from distqa.trainer import train
 
 # AdamW with dropout and DataLoader workers: activation checkpointing must replay dropout's masks.

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import TESTS
+from distqa import config_layers
 from distqa.cli import main
-from distqa.config import load_config, setting
+from distqa.config import setting
 from distqa.errors import DistqaError
+from distqa.registry import load_config
 from distqa.task import SETTINGS_FILE, given_task_keys, with_trained_settings, write_task_settings
 
 SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
@@ -62,7 +64,7 @@ class ForkSettings:
 
 
 def fork_config(*overrides: str):
-    return load_config(None, ["task.name=fork:Task", *overrides], settings_of=lambda name: ForkSettings)
+    return config_layers.load_config(None, ["task.name=fork:Task", *overrides], settings_of=lambda name: ForkSettings)
 
 
 def test_infinite_settings_are_saved_as_strict_json_and_read_back(tmp_path):
@@ -99,12 +101,11 @@ def test_an_export_without_settings_keeps_the_defaults_and_says_so(tmp_path, cap
 
 def test_given_keys_come_from_the_overrides_and_the_config_file(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("task:\n  max_query_len: 32\ndata:\n  keep_unknown: 0.1\n  train: dummy\n")
-    keys = ["max_seq_len", "doc_stride", "max_query_len", "keep_unknown", "dummy_size", "skip_bad_lines"]
-    overrides = ["task.max_seq_len=128", "data.doc_stride=64", "task=nq", "train.lr=1e-4"]
-    given = given_task_keys(str(config), overrides, keys)
-    assert given == {"max_seq_len", "doc_stride", "name", "max_query_len", "keep_unknown"}
-    assert given_task_keys(None, [], keys) == set()
+    config.write_text("task:\n  max_query_len: 32\ndata:\n  train: dummy\n")
+    overrides = ["task.max_seq_len=128", "task.doc_stride=64", "task=nq", "train.lr=1e-4"]
+    given = given_task_keys(str(config), overrides)
+    assert given == {"max_seq_len", "doc_stride", "name", "max_query_len"}
+    assert given_task_keys(None, []) == set()
 
 
 @pytest.mark.parametrize(

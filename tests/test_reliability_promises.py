@@ -22,11 +22,12 @@ from torch.utils.data import Dataset
 
 from conftest import ROOT, checkpoint_weights, metrics_rows, subprocess_env
 from distqa import runlock, sampler
-from distqa.config import Config, load_config
+from distqa.config import Config
 from distqa.dist import DistInfo, cleanup, init_distributed
-from distqa.guards import loader_worker_init
+from distqa.registry import load_config
 from distqa.task import Batch
 from distqa.trainer import Trainer, train
+from distqa.worker_signals import loader_worker_init
 from toy_task import ToyClassificationTask
 
 # The toy task (tests/toy_task.py): a 2-layer classifier, a step takes a millisecond.
@@ -153,7 +154,7 @@ _GROUP_SIGTERM = """
 import os, signal, sys
 import torch
 from distqa import sampler
-from distqa.config import load_config
+from distqa.registry import load_config
 from distqa.dist import DistInfo
 
 got = []

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+import pytest
+
+from conftest import ROOT, free_port
 
 RUN_LOCAL = ROOT / "scripts" / "run_local.sh"
 
 
-def run_local(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def run_local(tmp_path: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
     """run_local.sh with a stand-in torchrun first on PATH that records that it was started."""
     fake = tmp_path / "bin" / "torchrun"
     fake.parent.mkdir(exist_ok=True)
@@ -24,6 +27,7 @@ def run_local(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         "NPROC_PER_NODE": "2",
         # The distqa under test (a checkout's src/ may come before the installed one).
         "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        **extra_env,
     }
     return subprocess.run(
         ["bash", str(RUN_LOCAL), *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -66,3 +70,48 @@ def test_the_check_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "0 []"
+
+
+def test_master_port_gives_a_rendezvous_hosted_here_at_that_port(tmp_path):
+    """Two users of one host each pick a port; MASTER_ADDR defaults to localhost."""
+    port = free_port()
+    proc = run_local(tmp_path, "--config", "configs/quickstart.yaml", MASTER_PORT=str(port))
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "torchrun-args.txt").read_text().split()
+    assert "--standalone" not in args
+    assert args[: args.index("--nproc-per-node")] == [
+        "--nnodes",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+        "--rdzv-conf",
+        "is_host=1",
+    ]
+    proc = run_local(tmp_path, "--config", "configs/quickstart.yaml", MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
+    assert proc.returncode == 0, proc.stderr
+    assert f"127.0.0.1:{port}" in (tmp_path / "torchrun-args.txt").read_text().split()
+
+
+def test_a_taken_master_port_is_one_line_and_torchrun_never_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_local(tmp_path, "--config", "configs/quickstart.yaml", MASTER_PORT=str(port))
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"run_local.sh: error: port {port} is already in use") and "MASTER_PORT" in line
+    assert not (tmp_path / "torchrun-args.txt").exists()
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "65536", "29500x"])
+def test_a_master_port_that_is_no_port_number_is_one_line(tmp_path, port):
+    proc = run_local(tmp_path, "--config", "configs/quickstart.yaml", MASTER_PORT=port)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"run_local.sh: error: MASTER_PORT={port} is not a port number (1-65535): "
+        "set a free port, or unset it for any free one"
+    ]
+    assert not (tmp_path / "torchrun-args.txt").exists()

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from conftest import SMALL, TESTS, launch, run_train, wait_for_step
-from distqa.config import load_config
 from distqa.errors import DistqaError
+from distqa.registry import load_config
 from distqa.trainer import train
 
 pytestmark = pytest.mark.slow

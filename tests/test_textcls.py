@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import run_train, subprocess_env
-from distqa.config import load_config
 from distqa.errors import ConfigError, DistqaError
+from distqa.registry import load_config
 from distqa.textcls.data import Example, read_examples
 from distqa.textcls.metric import accuracy_and_macro_f1
 

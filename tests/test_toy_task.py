@@ -17,7 +17,7 @@ from toy_task import BlobsDataset, ToyClassifier, ToySettings
 def test_toy_classifier_trains_through_the_generic_trainer(tmp_path):
     """In this process (one rank, the global batch of 2 x 16): this is about the seam; the toy
     tasks below go through torchrun with 2 processes."""
-    from distqa.config import load_config
+    from distqa.registry import load_config
     from distqa.trainer import train
 
     out = tmp_path / "toy"
@@ -66,8 +66,8 @@ def test_core_never_imports_the_nq_task():
 
 
 def test_task_names_are_checked():
-    from distqa.config import load_config
     from distqa.errors import ConfigError
+    from distqa.registry import load_config
 
     for name, message in [
         ("nosuch", "neither"),
@@ -83,8 +83,9 @@ def test_a_task_owns_typed_settings_listed_saved_and_compared(tmp_path, capsys):
     """task.KEY from the task's Config: typed, checked with a suggestion, in --help and config.yaml,
     and a change on resume is refused like a core key's."""
     from distqa.cli import main
-    from distqa.config import load_config, to_yaml
+    from distqa.config import to_yaml
     from distqa.errors import ConfigError
+    from distqa.registry import load_config
     from distqa.trainer import train
 
     cfg = load_config(None, ["task=toy_task:ToyClassificationTask", "task.size=64"])
@@ -111,7 +112,7 @@ def test_a_task_owns_typed_settings_listed_saved_and_compared(tmp_path, capsys):
 
 
 def test_task_state_is_checkpointed_and_non_tensor_batch_values_reach_the_loss(tmp_path):
-    from distqa.config import load_config
+    from distqa.registry import load_config
     from distqa.trainer import train
 
     args = ["task=toy_task:CountingTask", "task.size=64", "data.num_workers=0", "train.batch_size=8"]

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, SGD, load_weights, max_abs_diff, subprocess_env
-from distqa.config import load_config
 from distqa.errors import DistqaError
+from distqa.registry import load_config
 from distqa.trainer import train
 from toy_task import StepCounterTask
 

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from conftest import SMALL, load_weights, max_abs_diff
-from distqa.config import load_config
 from distqa.errors import ConfigError, DistqaError
+from distqa.registry import load_config
 from distqa.trainer import train
 
 
@@ -36,7 +36,8 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path, capsys):
     # The end-of-run plot of loss, learning rate and throughput, beside metrics.jsonl, titled after the run.
     png = (a / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert Image.open(a / "metrics.png").text["Title"].startswith("task nq, model tiny, data dummy\nlr 3e-05")
+    title = Image.open(a / "metrics.png").text["Title"]
+    assert title.startswith("task nq, ") and "\nlr 3e-05 (linear), global batch 2; output" in title
     # Not a terminal: no progress bar, but a line per logged step (train.log_every=1), and the last
     # lines say where the results are.
     assert "\r" not in out + err
@@ -163,7 +164,7 @@ def test_loader_workers_leave_the_process_group_but_still_die_on_their_parents_s
 
     from torch.utils.data import DataLoader
 
-    from distqa.guards import loader_worker_init
+    from distqa.worker_signals import loader_worker_init
 
     loader = DataLoader(list(range(64)), batch_size=2, num_workers=1, worker_init_fn=loader_worker_init)
     batches = iter(loader)
@@ -182,7 +183,7 @@ def test_loader_workers_leave_the_process_group_but_still_die_on_their_parents_s
 _RACE = """
 import os, signal, sys
 from torch.utils.data import DataLoader
-from distqa.guards import loader_worker_init, sigterm_held
+from distqa.worker_signals import loader_worker_init, sigterm_held
 
 got = []
 signal.signal(signal.SIGTERM, lambda *_: got.append(1))
@@ -216,7 +217,7 @@ def test_a_sigterm_while_loader_workers_start_reaches_only_the_training_process(
 def test_the_replica_checksum_is_exact_whatever_the_thread_count():
     """Nodes may run other thread counts (their CPUs differ): a float sum of identical weights then
     differs in its last bits, and the replica check raised a false alarm (seen: spread 7e-15)."""
-    from distqa.guards import _checksum
+    from distqa.replicas import _checksum
 
     weights = torch.randn(1000, 384)
     threads = torch.get_num_threads()

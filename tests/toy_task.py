@@ -247,7 +247,7 @@ class TrainerProbeTask(EvalProbeTask):
 
 
 def _count(args) -> int:
-    from distqa.config import load_config
+    from distqa.registry import load_config
 
     cfg = load_config(args.config, args.overrides)  # the task's own settings, as for train
     print(f"{len(BlobsDataset(cfg.task.size, cfg.seed))} examples")

@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from distqa.config import Config
 from distqa.dist import DistInfo, all_gather_objects
 from distqa.errors import ConfigError
+
+if TYPE_CHECKING:  # for hints only
+    from distqa.config import Config
 
 # Keys that may differ between nodes: each is a path or a resource of the node itself, and what
 # it leads to is compared on its own (the training data by its fingerprint, `distqa.data_identity`;

@@ -6,7 +6,8 @@ Layout of `output_dir/checkpoints/step-N/`:
   .metadata, __R_0.distcp   train.parallel=fsdp: model and optimizer as every rank's shards, written
                         with torch.distributed.checkpoint (`distqa.sharded`); loads on any process count
   rng-rank{R}.pt        every RNG of rank R: Python, NumPy, torch CPU and CUDA
-  trainer_state.json    step, epoch, position in the epoch, global batch, and the resolved config
+  trainer_state.json    step, epoch, position in the epoch, global batch, the resolved config, the
+                        task's state and the open log window (`distqa.checkpoint_manager.TrainerState`)
 
   manifest.json         size and SHA-256 of every file above, checked before a checkpoint is used
 
@@ -28,7 +29,7 @@ import random
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ from distqa.checkpoint_verify import verify_checkpoint as verify_checkpoint
 from distqa.dist import DistInfo, all_gather_objects, broadcast_object, gather_to_main
 from distqa.durable import fsync_path
 from distqa.errors import DistqaError
+from distqa.rank0 import raise_on_every_rank, reason, with_free_space
 
 
 def capture_rng_state(device: torch.device) -> dict[str, Any]:
@@ -66,22 +68,31 @@ def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _write(
-    tmp: Path, model: nn.Module | None, training_state: dict, rng_states: list, trainer_state: dict, hashed: dict
-) -> None:
-    """Rank 0's files, then the manifest of every file (`hashed`: the shards, hashed by their writers)."""
-    if model is not None:
-        save_model(model, str(tmp / "model.safetensors"))
-    torch.save(training_state, tmp / "training_state.pt")
-    for rank, rng in enumerate(rng_states):
+class _RankZeroFiles(NamedTuple):
+    """What rank 0 writes itself; `hashed`: the shards, hashed by their writers."""
+
+    model: nn.Module | None  # None: the model is in the shards
+    training_state: dict[str, Any]
+    rng_states: list[Any]
+    trainer_state: dict[str, Any]
+    hashed: dict[str, Any]
+
+
+def _write(tmp: Path, files: _RankZeroFiles) -> None:
+    """Rank 0's files, then the manifest of every file."""
+    if files.model is not None:
+        save_model(files.model, str(tmp / "model.safetensors"))
+    torch.save(files.training_state, tmp / "training_state.pt")
+    for rank, rng in enumerate(files.rng_states):
         torch.save(rng, tmp / f"rng-rank{rank}.pt")
-    (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
-    files = sorted(p for p in tmp.iterdir() if p.is_file())
+    (tmp / STATE_FILE).write_text(json.dumps(files.trainer_state, indent=2) + "\n")
+    written = sorted(p for p in tmp.iterdir() if p.is_file())
+    hashed = files.hashed
     # Shards are listed as their writers hashed them, even where a network file system's listing
     # here lags behind: a shard missing later fails the manifest check, not the resume.
-    manifest = dict(sorted({**{p.name: manifest_entry(p) for p in files if p.name not in hashed}, **hashed}.items()))
+    manifest = dict(sorted({**{p.name: manifest_entry(p) for p in written if p.name not in hashed}, **hashed}.items()))
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-    for path in [*files, tmp / MANIFEST_FILE, tmp]:
+    for path in [*written, tmp / MANIFEST_FILE, tmp]:
         fsync_path(path)
 
 
@@ -113,69 +124,102 @@ def save_checkpoint(
     step = int(trainer_state["step"])
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     rng_states = gather_to_main(capture_rng_state(info.device), info)
-    problem: str | None = None
-    if info.is_main and still_holding is not None:
-        problem = _not_held(still_holding(), final)
-    created = False
-    if info.is_main and not problem:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            created = True
-            tmp.mkdir(parents=True)
-        except OSError as err:
-            problem = _cannot_write(final, root, err)
+    problem, created = _open_folder(tmp, final, root, still_holding) if info.is_main else (None, False)
     hashed: dict[str, Any] = {}
     if sharded:  # every rank writes its shards into rank 0's folder (shared: checked at start)
-        problem = broadcast_object(problem)  # type: ignore[assignment]
-        if not problem:
-            try:
-                hashed = {
-                    path.name: manifest_entry(path) for path in sharded_ckpt.write_shards(tmp, model, optimizer, info)
-                }
-            except (OSError, RuntimeError) as err:
-                problem = _cannot_write(final, root, err)
-            # Every rank learns whether every rank's shards are written, and all their hashes.
-            parts = all_gather_objects((problem, hashed), info)
-            problem = next((p for p, _ in parts if p), None)
-            hashed = {name: e for _, part in parts for name, e in part.items()}
-            missing = [name for name in hashed if info.is_main and not (tmp / name).is_file()]
-            if missing and not problem:  # written, but not where rank 0 looks: not one shared folder
-                problem = (
-                    f"cannot write checkpoint {final}: {', '.join(missing)} were written where rank 0 cannot "
-                    "see them; output_dir must be on storage every node shares"
-                )
+        problem, hashed = _write_shards(tmp, final, root, model, optimizer, info, problem)
     if info.is_main and not problem:
-        try:
-            training_state = {
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(),
-                **({} if sharded else {"optimizer": optimizer.state_dict()}),
-            }
-            _write(tmp, None if sharded else model, training_state, rng_states, trainer_state, hashed)
-            # Last look before anything outside .tmp-step-N changes: a lock taken over during the
-            # write means the folder is another run's now (its step-N, its older checkpoints).
-            problem = _not_held(still_holding(), final) if still_holding is not None else None
-            if not problem:
-                if final.exists():  # saving the same step again (e.g. a finished run restarted)
-                    shutil.rmtree(final)
-                tmp.rename(final)
-                fsync_path(root)
-                for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-                    if old != final:
-                        shutil.rmtree(old, ignore_errors=True)
-        except (OSError, RuntimeError, SafetensorError) as err:
-            # A full disk surfaces as OSError, as torch.save's RuntimeError or as safetensors' own
-            # error, depending on which file was being written.
-            problem = _cannot_write(final, root, err)
+        training_state = {
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            **({} if sharded else {"optimizer": optimizer.state_dict()}),
+        }
+        files = _RankZeroFiles(None if sharded else model, training_state, rng_states, trainer_state, hashed)
+        problem = _publish(tmp, final, root, files, keep=keep, still_holding=still_holding)
     if problem and created:
         # Ours (only rank 0 creates it); a takeover seen before it was created leaves the folder,
         # maybe the new holder's, alone.
         shutil.rmtree(tmp, ignore_errors=True)
     # Replaces a barrier: nobody reads or prunes before rank 0 is done, and all learn how it went.
-    problem = broadcast_object(problem)
-    if problem:
-        raise DistqaError(str(problem))
+    raise_on_every_rank(problem)
     return final
+
+
+def _open_folder(
+    tmp: Path, final: Path, root: Path, still_holding: Callable[[], str | None] | None
+) -> tuple[str | None, bool]:
+    """Rank 0: a fresh `.tmp-step-N` (problem, whether it is ours to remove on failure)."""
+    problem = _not_held(still_holding(), final) if still_holding is not None else None
+    if problem:
+        return problem, False
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        return _cannot_write(final, root, err), True
+    return None, True
+
+
+def _write_shards(
+    tmp: Path,
+    final: Path,
+    root: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    info: DistInfo,
+    problem: str | None,
+) -> tuple[str | None, dict[str, Any]]:
+    """Every rank: its shards into `tmp`; (the first problem of any rank, every shard's hash)."""
+    problem = broadcast_object(problem)  # type: ignore[assignment]
+    if problem:
+        return problem, {}
+    hashed: dict[str, Any] = {}
+    try:
+        hashed = {path.name: manifest_entry(path) for path in sharded_ckpt.write_shards(tmp, model, optimizer, info)}
+    except (OSError, RuntimeError) as err:
+        problem = _cannot_write(final, root, err)
+    # Every rank learns whether every rank's shards are written, and all their hashes.
+    parts = all_gather_objects((problem, hashed), info)
+    problem = next((p for p, _ in parts if p), None)
+    hashed = {name: e for _, part in parts for name, e in part.items()}
+    missing = [name for name in hashed if info.is_main and not (tmp / name).is_file()]
+    if missing and not problem:  # written, but not where rank 0 looks: not one shared folder
+        problem = (
+            f"cannot write checkpoint {final}: {', '.join(missing)} were written where rank 0 cannot "
+            "see them; output_dir must be on storage every node shares"
+        )
+    return problem, hashed
+
+
+def _publish(
+    tmp: Path,
+    final: Path,
+    root: Path,
+    files: _RankZeroFiles,
+    *,
+    keep: int,
+    still_holding: Callable[[], str | None] | None,
+) -> str | None:
+    """Rank 0: its files and the manifest, then `tmp` renamed to `final` and old ones pruned."""
+    try:
+        _write(tmp, files)
+        # Last look before anything outside .tmp-step-N changes: a lock taken over during the
+        # write means the folder is another run's now (its step-N, its older checkpoints).
+        problem = _not_held(still_holding(), final) if still_holding is not None else None
+        if problem:
+            return problem
+        if final.exists():  # saving the same step again (e.g. a finished run restarted)
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_path(root)
+        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    except (OSError, RuntimeError, SafetensorError) as err:
+        # A full disk surfaces as OSError, as torch.save's RuntimeError or as safetensors' own
+        # error, depending on which file was being written.
+        return _cannot_write(final, root, err)
+    return None
 
 
 def _not_held(lost: str | None, final: Path) -> str | None:
@@ -184,11 +228,9 @@ def _not_held(lost: str | None, final: Path) -> str | None:
 
 def _cannot_write(final: Path, root: Path, err: BaseException) -> str:
     previous = [p.name for p in list_checkpoints(root)]
-    reason = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [type(err).__name__])[0]
-    with contextlib.suppress(OSError):  # a full disk shows in some writers' errors only as a short write
-        reason += f"; {shutil.disk_usage(root).free / 2**20:.1f} MiB free there"
+    why = with_free_space(reason(err), root)
     return (
-        f"cannot write checkpoint {final} ({reason[:300]}); "
+        f"cannot write checkpoint {final} ({why[:300]}); "
         + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")
         + ": free space in output_dir (or lower train.keep_checkpoints) and run again to resume"
     )

@@ -1,16 +1,18 @@
-"""The run's checkpoints as one object: what they hold is registered once, then saved and restored.
+"""The run's checkpoints as one object over registered stateful parts (torchtitan's
+`CheckpointManager(states={...})`): what a checkpoint holds is listed once, in `Parts`, and saving
+and restoring walk that one list.
 
 `distqa.checkpoint` writes and verifies the files; this is the trainer's side of it: the parts of
-the run (model, optimizer, schedule, scaler, the task's own state) and the trainer's state
-(step, data position, settings, data identity), the run lock that must still be held when a
-checkpoint is published, and what a resume restores, RNG streams included.
+the run (model, optimizer, schedule, scaler: their own files; the task's state and the trainer's
+state: trainer_state.json), the run lock that must still be held when a checkpoint is published,
+and what a resume restores, RNG streams included.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,20 +20,72 @@ from torch import nn
 from distqa import checkpoint as ckpt
 from distqa.config import Config
 from distqa.dist import DistInfo, print0
+from distqa.metrics import ThroughputMeter
 from distqa.optim import apply_settings
 from distqa.runlock import RunLock
 from distqa.sampler import derive_seed, seed_everything
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """The trainer's own part of a checkpoint (trainer_state.json): where the run is (step, data
+    position), what it is (global batch, planned length, settings, data identity), and the open
+    log window, so that the first loss logged after a resume averages the same steps as an
+    uninterrupted run's."""
+
+    cfg: Config
+    info: DistInfo
+    meter: ThroughputMeter
+    global_batch: int
+    total_steps: int
+    epoch_steps: int
+    data_identity: dict[str, Any]
+    step: int = 0  # the last finished step
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank calls it: the log window is summed over the ranks."""
+        return {
+            "step": self.step,
+            "epoch": self.step // self.epoch_steps,
+            "step_in_epoch": self.step % self.epoch_steps,
+            "global_batch": self.global_batch,
+            # The planned length: a rerun can tell a finished run before it builds any data.
+            "total_steps": self.total_steps,
+            "world_size": self.info.world_size,
+            "config": dataclasses.asdict(self.cfg),
+            "data": self.data_identity,
+            "log_window": self.meter.window(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        # (A checkpoint written before the window was saved has none: the first loss then averages
+        # only the steps since the resume.)
+        self.meter.resume_window(state.get("log_window"), is_main=self.info.is_main)
+
+
 @dataclasses.dataclass
 class Parts:
-    """What a checkpoint holds besides the trainer's own state. `task` has state_dict/load_state_dict."""
+    """Everything a checkpoint holds, registered once. The first four have files of their own
+    (`distqa.checkpoint`); `task` and `trainer` are Stateful and ride in trainer_state.json (the
+    task's state as its "task" entry, written by rank 0)."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: torch.amp.GradScaler
-    task: Any
+    task: Stateful
+    trainer: TrainerState
+
+    def files(self) -> dict[str, Any]:
+        """The parts `checkpoint.save_checkpoint` and `load_checkpoint` store in their own files."""
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
 
     def checked_tensors(self, *, with_optimizer: bool) -> list[torch.Tensor]:
         """What the finiteness check covers: parameters and buffers; with the optimizer's
@@ -49,36 +103,21 @@ class CheckpointManager:
     def __init__(self, root: Path, cfg: Config, info: DistInfo, *, sharded: bool, lock: RunLock | None) -> None:
         self.root, self.cfg, self.info, self.sharded, self.lock = root, cfg, info, sharded, lock
         self.parts: Parts | None = None
-        self.run: dict[str, Any] = {}
 
-    def track(self, parts: Parts, *, global_batch: int, total_steps: int, data_identity: dict[str, Any]) -> None:
-        """The parts every checkpoint holds, and what the trainer state records of the run."""
+    def track(self, parts: Parts) -> None:
+        """The parts every checkpoint holds, from now on."""
         self.parts = parts
-        self.run = {"global_batch": global_batch, "total_steps": total_steps, "data": data_identity}
 
-    def save(self, step: int, epoch_steps: int) -> Path:
-        """Every rank calls it; `step-N` appears whole or not at all (`checkpoint.save_checkpoint`)."""
+    def save(self) -> Path:
+        """Every rank calls it, at the trainer state's step; `step-N` appears whole or not at all
+        (`checkpoint.save_checkpoint`)."""
         assert self.parts is not None, "track() the parts first"
         p, info = self.parts, self.info
-        state = {
-            "step": step,
-            "epoch": step // epoch_steps,
-            "step_in_epoch": step % epoch_steps,
-            "global_batch": self.run["global_batch"],
-            # The planned length: a rerun can tell a finished run before it builds any data.
-            "total_steps": self.run["total_steps"],
-            "world_size": info.world_size,
-            "config": dataclasses.asdict(self.cfg),
-            "data": self.run["data"],
-            "task": p.task.state_dict() if info.is_main else {},
-        }
+        state = {**p.trainer.state_dict(), "task": p.task.state_dict() if info.is_main else {}}
         return ckpt.save_checkpoint(
             self.root,
+            **p.files(),
             keep=self.cfg.train.keep_checkpoints,
-            model=p.model,
-            optimizer=p.optimizer,
-            scheduler=p.scheduler,
-            scaler=p.scaler,
             trainer_state=state,
             info=info,
             sharded=self.sharded,
@@ -96,18 +135,11 @@ class CheckpointManager:
             # Different dropout masks per rank: identical masks would correlate the ranks' noise.
             seed_everything(derive_seed(cfg.seed, info.rank))
             return 0
-        state = ckpt.load_checkpoint(
-            directory,
-            model=p.model,
-            optimizer=p.optimizer,
-            scheduler=p.scheduler,
-            scaler=p.scaler,
-            info=info,
-            sharded=self.sharded,
-        )
+        state = ckpt.load_checkpoint(directory, **p.files(), info=info, sharded=self.sharded)
         # Settings that may change on resume (lr, weight decay, ...) win over the restored ones.
         apply_settings(p.optimizer, p.scheduler, cfg.train)
         p.task.load_state_dict(state.get("task") or {})
+        p.trainer.load_state_dict(state)
         if not state["rng_restored"]:
             seed_everything(derive_seed(cfg.seed, info.rank, state["step"]))
             print(
@@ -117,4 +149,4 @@ class CheckpointManager:
                 flush=True,
             )
         print0(f"resumed from {directory} at step {state['step']}")
-        return int(state["step"])
+        return p.trainer.step

@@ -12,25 +12,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from distqa import outcome
+from distqa.argparsing import Parser, selected_task
 from distqa.config import describe_keys
 from distqa.errors import DistqaError, PeerLost, Preempted
 
 
-def _task_in(argv: Sequence[str]) -> str | None:
-    """The task an argument list selects (`task.name=X` or `task=X`), for `--help` to list its keys."""
-    found = None
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key in ("task", "task.name"):
-            found = value
-    return found
-
-
-def _keys_reference(task: str | None = None) -> str:
-    """Every key with its default and meaning; the task's own keys too (the default task's, or
-    the one named on the command line)."""
+def _keys_reference(task: str | None = None, config_note: str = "") -> str:
+    """Every key with its default and meaning; the task's own keys too (the default task's, or the
+    one named on the command line or in its --config file; `config_note`: why that file did not say)."""
     from distqa.config import TaskSettings, default_config
-    from distqa.tasks import settings_class
+    from distqa.registry import settings_class
 
     name = task or TaskSettings().name
     try:
@@ -43,7 +34,7 @@ def _keys_reference(task: str | None = None) -> str:
         shown = "null" if default is None else repr(default) if isinstance(default, str) else default
         lines.append(f"  {key} = {shown}")
         lines.extend(textwrap.wrap(help_text, width=88, initial_indent=" " * 6, subsequent_indent=" " * 6))
-    return "\n".join(lines) + note
+    return "\n".join(lines) + note + (f"\n({config_note})" if config_note else "")
 
 
 def _whole_words(formatter: type[argparse.HelpFormatter]) -> type[argparse.HelpFormatter]:
@@ -60,8 +51,17 @@ def _add_settings(command: argparse.ArgumentParser, example: str = "train.lr=1e-
     """The settings every command that reads the config takes: a YAML file, then overrides
     (`example`: overrides that matter to this command, for its --help)."""
     command.formatter_class = _whole_words(command.formatter_class)
-    command.add_argument("--config", metavar="FILE", help="YAML file of settings (see configs/)")
-    command.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=f"dotted overrides, e.g. {example}")
+    command.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of settings (see configs/); its task's keys and commands join --help",
+    )
+    command.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help=f"dotted overrides, before, between or after the options, e.g. {example}",
+    )
 
 
 DESCRIPTION = """\
@@ -82,8 +82,8 @@ example (Natural Questions, 2 processes on this machine):
 
 def _add_task_commands(commands: Any, task: str | None) -> None:
     """The commands tasks bring (`Task.add_commands`): every built-in task's, and those of the
-    fork's task named on the command line (`task.name=module:Class`)."""
-    from distqa.tasks import BUILTIN_COMMANDS, BUILTIN_TASKS, task_class
+    fork's task named on the command line (`task.name=module:Class`) or in its --config file."""
+    from distqa.registry import BUILTIN_COMMANDS, BUILTIN_TASKS, task_class
 
     for target in BUILTIN_COMMANDS.values():
         module_name, _, attr = target.partition(":")
@@ -95,16 +95,19 @@ def _add_task_commands(commands: Any, task: str | None) -> None:
             pass  # reported when the command loads its configuration
 
 
-def build_parser(task: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(task: str | None = None, config_note: str = "") -> argparse.ArgumentParser:
+    """`distqa`'s parser, with the keys and commands of `task` (None: the default task's);
+    `config_note`: why the --config file named no task (see `selected_task`)."""
+    parser = Parser(
         prog="distqa", description=DESCRIPTION, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.config_note = config_note
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = commands.add_parser(
         "train",
         help="train a model (run it under torchrun for several processes)",
         description="Train with DDP. Settings: defaults < --config FILE < KEY=VALUE overrides.",
-        epilog=_keys_reference(task),
+        epilog=_keys_reference(task, config_note),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_settings(train)
@@ -122,7 +125,8 @@ def build_parser(task: str | None = None) -> argparse.ArgumentParser:
         "alternating rounds, time the steps after a warm-up, and write DIR/bench.json and DIR/bench.png: "
         "samples/s and tokens/s (the median of the repeats and their spread), scaling efficiency, the "
         "step-time breakdown, and MFU on GPUs; implausible figures are warned about on stderr. Keys as "
-        "for train.",
+        "for train. MASTER_PORT (and MASTER_ADDR, default localhost) picks the rendezvous port; "
+        "default: a free one.",
     )
     bench.add_argument("--nproc", required=True, metavar="N[,N...]", help="process counts, e.g. 1,2")
     bench.add_argument("--output", required=True, metavar="DIR", help="folder for bench.json, bench.png, runs/")
@@ -151,13 +155,16 @@ def build_parser(task: str | None = None) -> argparse.ArgumentParser:
     )
     _add_settings(bench)
 
+    from distqa.newtask import add_command as add_new_task  # imports no torch: --help stays quick
+
+    add_new_task(commands, _add_settings)
     _add_task_commands(commands, task)
     return parser
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
-        from distqa.config import load_config
+        from distqa.registry import load_config
 
         # Checked before the trainer (and torch with it) is imported: a mistake is said at once.
         # --check-config stops there (launch scripts run it once before torchrun, so a mistake is
@@ -193,7 +200,8 @@ def run_and_exit() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(_task_in(argv)).parse_args(argv)
+    # KEY=VALUE may come anywhere among a command's options (argparsing.Parser.parse_args).
+    args = build_parser(*selected_task(argv)).parse_args(argv)
     try:
         return _run(args)
     except Preempted as err:

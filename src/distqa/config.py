@@ -1,54 +1,69 @@
-"""Typed configuration: nested dataclasses, a YAML file, then `key=value` overrides.
+"""Typed configuration: the schema of every setting, as nested dataclasses.
 
-OmegaConf merges the three layers against the dataclass schema, so an unknown key or a value of the
-wrong type is caught before anything runs; range and choice checks live in `__post_init__`. Every
-field carries a one-line `help` that `distqa train --help` prints, so the schema is the reference.
+Each field is declared with `setting`: its one-line help (`distqa train --help` prints it, so the
+schema is the reference) and its rules (what a change means on resume, whether +-inf is allowed).
+Range and choice checks live in `__post_init__`. `distqa.config_layers` loads the defaults, a YAML
+file and `KEY=VALUE` overrides against it; a task's own settings join under `task.`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf import OmegaConf
 
 from distqa.config_checks import check_choice as _check_choice
-from distqa.config_checks import check_finite, check_floats, check_min, check_not_a_section, check_sections, suggest
-from distqa.config_checks import raise_config_error as _raise_config_error
+from distqa.config_checks import (
+    check_finite,
+    check_min,
+)
 from distqa.errors import ConfigError
 
+RESUME_RULES = ("silent", "applied")
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with its help text attached (read by `describe_keys`)."""
+
+def setting(default: Any, help: str, *, resume: str | None = None, finite: bool = True) -> Any:
+    """A dataclass field with its help text (printed by `--help`, via `describe_keys`) and its rules.
+
+    `resume` says what a change means when a run resumes from a checkpoint (read by
+    `distqa.resume.resume_kind`, for the core's keys and a task's alike): "silent" (how the run is
+    operated, nothing computed changes), "applied" (takes effect from the resume step on, with a
+    warning); without it the change is refused (it changes the model, the data or the optimizer
+    the checkpoint holds). A float setting must be finite unless declared `finite=False` (then
+    +-inf is allowed, never nan). A dataclass as `default` is a section of settings.
+    """
+    if resume not in (None, *RESUME_RULES):
+        raise ValueError(f"setting(resume={resume!r}): use one of {RESUME_RULES} or leave it out (refused)")
+    metadata: dict[str, Any] = {"help": help}
+    if resume is not None:
+        metadata["resume"] = resume
+    if not finite:
+        metadata["finite"] = False
     if isinstance(default, type) and dataclasses.is_dataclass(default):
-        return field(default_factory=default, metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
-
-
-# Public names for tasks' own Config dataclasses: `setting(default, help, resume="silent")`.
-# `resume` says what a change on resume means: "silent" (nothing computed changes), "applied"
-# (takes effect from the resume step, with a warning); without it the change is refused.
-# A float setting must be finite unless declared with `finite=False` (then +-inf is allowed).
-def setting(default: Any, help: str, **kw: Any) -> Any:
-    return _f(default, help, **kw)
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class ModelConfig:
-    name: str = _f(
+    name: str = setting(
         "tiny",
         "'tiny', 'bert-base-random' or 'bert-large-random' (random BERTs built from a config, no "
         "download), a Hugging Face id, or a local folder",
     )
-    tokenizer: str | None = _f(None, "tokenizer id or folder (default: model.name; none for 'tiny')")
-    dropout: float | None = _f(None, "dropout for every dropout rate of the encoder (default: keep its own)")
-    attn_implementation: str | None = _f(
-        None, "attention kernel: sdpa | eager | flash_attention_2 (default: SDPA where supported)"
+    tokenizer: str | None = setting(None, "tokenizer id or folder (default: model.name; none for 'tiny')")
+    dropout: float | None = setting(
+        None, "dropout for every dropout rate of the encoder (default: keep its own)", resume="applied"
+    )
+    attn_implementation: str | None = setting(
+        None,
+        "attention kernel: sdpa | eager | flash_attention_2 (default: SDPA where supported)",
+        resume="silent",
     )
 
     def __post_init__(self) -> None:
@@ -59,15 +74,19 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = _f(
+    # Applied, not refused: the same data at another path is fine (the fingerprint is compared on its own).
+    train: str = setting(
         "dummy",
-        "training data, as the task reads it (nq: 'dummy', an NQ JSONL file, or a folder `distqa prepare` wrote)",
+        "training data, as the task reads it: a file or folder (see the task's docs), or 'dummy' for the "
+        "task's synthetic data",
+        resume="applied",
     )
-    valid: str | None = _f(None, "validation data, as the task reads it (default: none)")
-    num_workers: int | None = _f(
+    valid: str | None = setting(None, "validation data, as the task reads it (default: none)", resume="silent")
+    num_workers: int | None = setting(
         None,
         "DataLoader worker processes per rank (0 = load in the training process; "
         "default: this rank's share of the node's CPUs, less one, at most 8)",
+        resume="silent",
     )
 
     def __post_init__(self) -> None:
@@ -81,58 +100,84 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = _f(-1, "optimizer steps to run; > 0 overrides train.epochs")
-    epochs: int = _f(1, "passes over the training data (when train.max_steps <= 0)")
-    batch_size: int = _f(8, "examples per micro-batch per process")
-    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
-    global_batch: int = _f(
+    # The run's length may change on resume: the schedule is rebuilt for the new length.
+    max_steps: int = setting(-1, "optimizer steps to run; > 0 overrides train.epochs", resume="silent")
+    epochs: int = setting(1, "passes over the training data (when train.max_steps <= 0)", resume="silent")
+    # With the same global batch (compared on its own), another split over processes and micro-batches.
+    batch_size: int = setting(8, "examples per micro-batch per process", resume="applied")
+    grad_accum: int = setting(1, "micro-batches accumulated per optimizer step", resume="applied")
+    # Silent: what it changes, the global batch, is compared on its own.
+    global_batch: int = setting(
         0,
         "examples per optimizer step over all processes; when > 0, train.grad_accum is derived from it, "
         "train.batch_size and the process count, so that the data order and the schedule stay the same "
         "when an elastic run loses or gains nodes",
+        resume="silent",
     )
-    parallel: str = _f(
+    parallel: str = setting(
         "ddp",
         "ddp (a whole model per process) | fsdp (FSDP2: weights, gradients and optimizer state sharded "
         "over the processes, for models one GPU cannot hold)",
     )
-    activation_checkpointing: bool = _f(
-        False, "recompute each transformer block's activations in the backward pass instead of keeping them"
+    # The same arithmetic, recomputed.
+    activation_checkpointing: bool = setting(
+        False,
+        "recompute each transformer block's activations in the backward pass instead of keeping them",
+        resume="silent",
     )
-    optimizer: str = _f("adamw", "adamw | sgd")
-    lr: float = _f(3e-5, "peak learning rate")
-    momentum: float = _f(0.0, "SGD momentum (train.optimizer=sgd only)")
-    lr_schedule: str = _f("linear", "linear | constant | cosine, after warm-up")
-    warmup_ratio: float = _f(0.1, "fraction of the steps spent warming the learning rate up from 0")
-    weight_decay: float = _f(0.01, "decoupled weight decay (never on biases and LayerNorm weights)")
-    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
-    precision: str = _f("fp32", "fp32 | bf16 | fp16 (fp16 uses a gradient scaler)")
-    compile: bool = _f(False, "torch.compile the model (faster steps on GPU after a compile warm-up)")
-    static_graph: bool = _f(
-        True, "tell DDP the same parameters get gradients every step (not used with grad_accum > 1 or compile)"
+    optimizer: str = setting("adamw", "adamw | sgd")
+    lr: float = setting(3e-5, "peak learning rate", resume="applied")
+    momentum: float = setting(0.0, "SGD momentum (train.optimizer=sgd only)", resume="applied")
+    lr_schedule: str = setting("linear", "linear | constant | cosine, after warm-up", resume="applied")
+    warmup_ratio: float = setting(
+        0.1, "fraction of the steps spent warming the learning rate up from 0", resume="applied"
     )
-    find_unused_parameters: bool = _f(
+    weight_decay: float = setting(
+        0.01, "decoupled weight decay (never on biases and LayerNorm weights)", resume="applied"
+    )
+    max_grad_norm: float = setting(1.0, "clip the global gradient norm to this (0 = no clipping)", resume="applied")
+    precision: str = setting("fp32", "fp32 | bf16 | fp16 (fp16 uses a gradient scaler)", resume="applied")
+    compile: bool = setting(
+        False, "torch.compile the model (faster steps on GPU after a compile warm-up)", resume="silent"
+    )
+    static_graph: bool = setting(
+        True,
+        "tell DDP the same parameters get gradients every step (not used with grad_accum > 1 or compile)",
+        resume="silent",
+    )
+    find_unused_parameters: bool = setting(
         False,
         "let DDP find parameters a step did not use (a model with an unused head); costs a graph walk per step",
+        resume="silent",
     )
-    deterministic: bool = _f(False, "use deterministic kernels only (slower on GPU; CPU runs are already)")
-    checkpoint_every: int = _f(500, "save a checkpoint every N steps (and always at the end)")
-    keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0 = keep all)")
-    term_grace_s: float = _f(30.0, "after SIGTERM: seconds the platform allows for the last checkpoint")
-    check_replicas: bool = _f(False, "debug: check every step that all ranks hold identical parameters")
-    check_finite: bool = _f(
+    deterministic: bool = setting(
+        False, "use deterministic kernels only (slower on GPU; CPU runs are already)", resume="silent"
+    )
+    checkpoint_every: int = setting(500, "save a checkpoint every N steps (and always at the end)", resume="silent")
+    keep_checkpoints: int = setting(3, "keep the newest N checkpoints (0 = keep all)", resume="silent")
+    term_grace_s: float = setting(
+        30.0, "after SIGTERM: seconds the platform allows for the last checkpoint", resume="silent"
+    )
+    check_replicas: bool = setting(
+        False, "debug: check every step that all ranks hold identical parameters", resume="silent"
+    )
+    check_finite: bool = setting(
         False,
         "check every step that the weights are finite (by default only on the steps that log, save or export)",
+        resume="silent",
     )
-    log_every: int = _f(10, "log metrics every N steps")
-    eval_every: int = _f(0, "evaluate on data.valid every N steps (0: only at the end)")
-    resume: str = _f(
+    log_every: int = setting(10, "log metrics every N steps", resume="silent")
+    eval_every: int = setting(0, "evaluate on data.valid every N steps (0: only at the end)", resume="silent")
+    resume: str = setting(
         "auto",
         "auto (newest usable checkpoint in output_dir) | never (start afresh; an earlier run's files are "
         "moved to output_dir/earlier-runs/) | a checkpoint folder",
+        resume="silent",
     )
-    allow_data_change: bool = _f(
-        False, "resume even though the training data differs from the checkpoint's (length or fingerprint)"
+    allow_data_change: bool = setting(
+        False,
+        "resume even though the training data differs from the checkpoint's (length or fingerprint)",
+        resume="silent",
     )
 
     def __post_init__(self) -> None:
@@ -191,7 +236,7 @@ class TaskSettings:
     """`task.name`, plus the selected task's own settings: a `Task` subclass declares them as a
     dataclass in its `Config` attribute, and `load_config` merges them in under `task.`."""
 
-    name: str = _f("nq", "'nq', 'textcls' or 'package.module:TaskClass' (see docs/fork.md)")
+    name: str = setting("nq", "'nq', 'textcls' or 'package.module:TaskClass' (see docs/fork.md)")
 
 
 # numpy's and the DataLoader's seeds are 32-bit: a seed outside fails deep inside the first step.
@@ -200,12 +245,14 @@ MAX_SEED = 2**32 - 1
 
 @dataclass
 class Config:
-    output_dir: str = _f("results/run", "folder for config.yaml, metrics, checkpoints and the final model")
-    seed: int = _f(42, f"seed for weights, data order, dropout and synthetic data (0..{MAX_SEED})")
-    task: TaskSettings = _f(TaskSettings, "")
-    model: ModelConfig = _f(ModelConfig, "")
-    data: DataConfig = _f(DataConfig, "")
-    train: TrainConfig = _f(TrainConfig, "")
+    output_dir: str = setting(
+        "results/run", "folder for config.yaml, metrics, checkpoints and the final model", resume="silent"
+    )
+    seed: int = setting(42, f"seed for weights, data order, dropout and synthetic data (0..{MAX_SEED})")
+    task: TaskSettings = setting(TaskSettings, "")
+    model: ModelConfig = setting(ModelConfig, "")
+    data: DataConfig = setting(DataConfig, "")
+    train: TrainConfig = setting(TrainConfig, "")
 
     def __post_init__(self) -> None:
         if not 0 <= self.seed <= MAX_SEED:
@@ -254,81 +301,16 @@ def default_config(settings: type | None = None) -> Config:
     return cfg
 
 
-def _read_yaml(path: str) -> DictConfig:
-    if not Path(path).is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        layer = OmegaConf.load(path)
-    except Exception as err:  # yaml's many parser errors: report the file, not the internals
-        raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from err
-    if not isinstance(layer, DictConfig):
-        raise ConfigError(f"config file {path} is not a mapping of settings")
-    if isinstance(layer.get("task"), str):  # `task: NAME`, the shorthand of `task: {name: NAME}`
-        layer["task"] = {"name": layer["task"]}
-    return layer
-
-
-def _task_name(layer: DictConfig | None, items: list[str]) -> str:
-    for item in reversed(items):
-        if item.startswith("task.name="):
-            return item.partition("=")[2]
-    if layer is not None and isinstance(layer.get("task"), DictConfig) and "name" in layer["task"]:
-        return str(layer["task"]["name"])
-    return TaskSettings().name
-
-
-def load_config(
-    path: str | None = None,
-    overrides: tuple[str, ...] | list[str] = (),
-    *,
-    settings_of: Callable[[str], type] | None = None,
-) -> Config:
-    """Defaults < YAML file < `key=value` overrides, checked against the schema.
-
-    The task is found first (`task.name`, or the shorthand `task=NAME`), so that its own settings
-    (`settings_of(name)`, by default the task's `Config`) are typed and checked like every other key.
-    """
-    layer = _read_yaml(path) if path is not None else None
-    items = []
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form KEY=VALUE{suggest(item, [])}")
-        key, _, value = item.partition("=")
-        items.append(f"task.name={value}" if key == "task" else item)
-    if settings_of is None:
-        from distqa.tasks import settings_class as settings_of
-    defaults = default_config(settings_of(_task_name(layer, items)))
-    from distqa.tasks import moved_to_task
-
-    task_keys = {f.name for f in dataclasses.fields(defaults.task)} - {"name"}
-    layer, items = moved_to_task(task_keys - {f.name for f in dataclasses.fields(DataConfig)}, layer, items)
-    known = [k for k, _, _ in describe_keys(defaults)]
-    merged = OmegaConf.structured(defaults)
-    if layer is not None:
-        check_sections(OmegaConf.to_container(layer), defaults, str(path))
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as err:
-            _raise_config_error(err, str(path), known)
-    for item in items:
-        check_not_a_section(item.partition("=")[0], known)
-        try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        except ConfigKeyError as err:
-            # OmegaConf names only the first unknown part (`trian`); the key as typed says more.
-            typed = item.partition("=")[0]
-            raise ConfigError(f"unknown config key '{typed}' in the command line{suggest(typed, known)}") from err
-        except OmegaConfBaseException as err:
-            _raise_config_error(err, "the command line", known)
-    try:
-        check_floats(OmegaConf.to_container(merged), defaults)
-        cfg = OmegaConf.to_object(merged)  # instantiates the dataclasses: runs every __post_init__
-    except OmegaConfBaseException as err:
-        if isinstance(err.__cause__, ConfigError):
-            raise err.__cause__ from None
-        _raise_config_error(err, "the configuration", known)
-    assert isinstance(cfg, Config)
-    return cfg
+def setting_field(cfg: Config, key: str) -> dataclasses.Field | None:
+    """The dataclass field behind a dotted key of `cfg` (its metadata holds the help and the rules
+    of `setting`); None for a key `cfg` does not have."""
+    node: Any = cfg
+    *sections, name = key.split(".")
+    for section in sections:
+        node = getattr(node, section, None)
+        if not dataclasses.is_dataclass(node):
+            return None
+    return next((f for f in dataclasses.fields(node) if f.name == name), None)
 
 
 def to_yaml(cfg: Config) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -78,18 +79,28 @@ def check_not_a_section(key: str, known: list[str]) -> None:
 
 
 def suggest(key: str, known: list[str]) -> str:
-    """The closest full key: first one with the same last part (`data.max_seq_len` ->
-    `task.max_seq_len` once it moved), else the closest spelling of the whole key."""
+    """The closest full key: first one with the same last part (`model.lr` -> `train.lr`), else the
+    closest spelling of the whole key."""
     last = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == last]
     close = same_leaf[:1] or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def raise_config_error(err: OmegaConfBaseException, source: str, known: list[str]) -> None:
+def unknown_key(key: str, source: str, known: list[str], renamed: Mapping[str, str]) -> ConfigError:
+    """The error for a key the schema does not have: its new name when it was renamed (`renamed`:
+    old full key -> new one, `distqa.config_layers.renamed_keys`), else the closest known key."""
+    if key in renamed:
+        return ConfigError(f"unknown config key '{key}' in {source}: {key} is now {renamed[key]}; give {renamed[key]}")
+    return ConfigError(f"unknown config key '{key}' in {source}{suggest(key, known)}")
+
+
+def raise_config_error(
+    err: OmegaConfBaseException, source: str, known: list[str], renamed: Mapping[str, str]
+) -> NoReturn:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, ConfigKeyError):
-        raise ConfigError(f"unknown config key '{key}' in {source}{suggest(key, known)}") from err
+        raise unknown_key(key, source, known, renamed) from err
     # OmegaConf's own message names the expected type and the value it got; keep its first line.
     detail = str(err).splitlines()[0]
     raise ConfigError(f"bad value for '{key}' in {source}: {detail}") from err

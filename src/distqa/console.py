@@ -10,11 +10,13 @@ report) come from rank 0 alone, without colour codes in a file.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -122,13 +124,54 @@ def _short_name(name: str) -> str:
     return name if len(parts) <= 2 else str(Path(*parts[-2:]))
 
 
-def run_title(cfg: Any, global_batch: int) -> str:
-    """What was trained, on what, how, and where it went: the title of metrics.png."""
-    data = cfg.data.train if cfg.data.train == "dummy" else Path(cfg.data.train).name
-    return (
-        f"task {cfg.task.name}, model {_short_name(cfg.model.name)}, data {data}\n"
-        f"lr {cfg.train.lr:g} ({cfg.train.lr_schedule}), global batch {global_batch}; output {cfg.output_dir}"
-    )
+# The core settings a task may read besides its own (`task.*`): named in the plot's title when the
+# task says it uses them (its `core_settings`), or, when it does not say, when they differ from
+# their defaults (a fork that reads neither leaves them at their defaults).
+_CORE_SHOWN = {"model.name": "model", "data.train": "data"}
+
+
+def _changed(settings: Any) -> dict[str, Any]:
+    """The fields of a settings dataclass that differ from their defaults, by name."""
+    if not dataclasses.is_dataclass(settings):
+        return {}
+    changed = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if value != default:
+            changed[f.name] = value
+    return changed
+
+
+def run_title(cfg: Any, global_batch: int, *, uses: Collection[str] | None = None) -> str:
+    """What was trained, on what, how, and where it went: the title of metrics.png. It names the
+    task, the core settings it uses (`uses`: of model.name and data.train; None: those changed
+    from their defaults) and its own settings that differ from their defaults."""
+    what = [f"task {cfg.task.name}"]
+    for key, label in _CORE_SHOWN.items():
+        section, name = key.split(".")
+        if key in uses if uses is not None else name in _changed(getattr(cfg, section)):
+            value = str(getattr(getattr(cfg, section), name))
+            # A model by its last two folders, a data file by its name.
+            shown = _short_name(value) if key == "model.name" or value == "dummy" else Path(value).name
+            what.append(f"{label} {shown}")
+    # (task.name: the title's first words already.)
+    what += [f"{name} {value}" for name, value in _changed(cfg.task).items() if name != "name"]
+    first = ", ".join(what)
+    if len(first) > 100:  # the title must fit the figure's width
+        first = first[:99] + "…"
+    how = f"lr {cfg.train.lr:g} ({cfg.train.lr_schedule}), global batch {global_batch}; output {cfg.output_dir}"
+    return f"{first}\n{how}"
+
+
+def dataset_size(dataset: Any) -> str:
+    """The training set's size for the start line. A task whose items are not examples (NQ's
+    features: windows of a document) says its example count as the dataset's `num_examples`."""
+    items = len(dataset)
+    examples = getattr(dataset, "num_examples", None)
+    if examples is None or examples == items:
+        return f"{items} examples"
+    return f"{examples} examples ({items} features)"
 
 
 def outputs_summary(out: Path, *, plotted: bool) -> str:

@@ -1,23 +1,41 @@
 """What happens after a training step: a plain function of the step number and the settings.
 
-The trainer acts on the plan; deciding it here keeps the loop short and lets the rules (the last
-step always logs, evaluates and saves; weights are checked before anything of a step is written)
-be tested without training anything.
+The trainer acts on the plan (HF's TrainerControl: should_log, should_evaluate, should_save,
+should_training_stop); deciding it here keeps the loop short and lets the rules (the last step
+always logs, evaluates and saves; weights are checked before anything of a step is written; a
+SIGTERM means a checkpoint, then the stop) be tested without training anything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from distqa.config import TrainConfig
+if TYPE_CHECKING:
+    from distqa.config import TrainConfig
 
 
 @dataclass(frozen=True)
 class AfterStep:
+    """What the trainer does after a step, in this order: check, log (with the evaluation), check
+    the replicas, save, stop. Nothing of a step is written before its weights are checked."""
+
     log: bool  # reduce the meters and write a metrics line
     evaluate: bool  # run the task's evaluation (into the same metrics line)
     save: bool  # write a checkpoint
     check_weights: bool  # check that the weights are finite before any of the above is written
+    check_replicas: bool = False  # compare the replicas' weights across ranks (train.check_replicas)
+    last: bool = False  # the run's last step
+    stop: bool = False  # end the run here: SIGTERM (set by `on_stop_request`)
+    check_optimizer: bool = False  # check the optimizer state too, before a save not planned for
+
+    def on_stop_request(self, requested: bool) -> AfterStep:
+        """The plan once the ranks agreed whether a SIGTERM arrived: checkpoint, then stop. At the
+        last step a SIGTERM changes nothing (the run saves and exports as planned). A save the plan
+        did not foresee has its optimizer state checked first: the weights check left it out."""
+        if not requested or self.last:
+            return self
+        return replace(self, stop=True, save=True, check_optimizer=not self.save)
 
 
 def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs: bool = True) -> AfterStep:
@@ -29,7 +47,14 @@ def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs:
     save = step % train.checkpoint_every == 0 or (last and save_outputs)
     # Every step that writes (metrics, a checkpoint; the last one, which logs, before the export) is
     # checked, so non-finite weights are never saved; train.check_finite checks every step, to name the first.
-    return AfterStep(log=log, evaluate=evaluate, save=save, check_weights=log or save or train.check_finite)
+    return AfterStep(
+        log=log,
+        evaluate=evaluate,
+        save=save,
+        check_weights=log or save or train.check_finite,
+        check_replicas=train.check_replicas,
+        last=last,
+    )
 
 
 def diverged_hint(train: TrainConfig) -> str:

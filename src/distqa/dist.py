@@ -15,14 +15,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distqa.config import TrainConfig
 from distqa.errors import DistqaError
+
+if TYPE_CHECKING:  # for hints only
+    from distqa.config import TrainConfig
 
 
 @dataclass(frozen=True)

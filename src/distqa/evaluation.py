@@ -14,9 +14,11 @@ task's `eval_step` per batch, and rank 0 gets every output in dataset order for 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,6 +54,21 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
     return task.compute_metrics(gathered, step) if info.is_main else {}
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module, device_type: str, autocast_dtype: torch.dtype | None) -> Iterator[None]:
+    """Eval mode (dropout off), no gradients and the run's autocast (none when `autocast_dtype` is
+    None); the model's own mode back afterwards. Evaluation during training and `distqa predict`
+    both run their forward passes under it, so the two agree."""
+    was_training = model.training
+    model.eval()
+    try:
+        enabled = autocast_dtype is not None
+        with torch.no_grad(), torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=enabled):
+            yield
+    finally:
+        model.train(was_training)
+
+
 def run_evaluation(
     task: Any, model: nn.Module, info: DistInfo, *, step: int, autocast_dtype: torch.dtype | None
 ) -> dict[str, float]:
@@ -60,16 +77,8 @@ def run_evaluation(
     start = time.perf_counter()
     # A fork's evaluate(model, info) may predate the step argument.
     extra = {"step": step} if "step" in inspect.signature(task.evaluate).parameters else {}
-    was_training = model.training
-    model.eval()
-    try:
-        with (
-            torch.no_grad(),
-            torch.autocast(info.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None),
-        ):
-            metrics = task.evaluate(model, info, **extra)
-    finally:
-        model.train(was_training)
+    with eval_mode(model, info.device.type, autocast_dtype):
+        metrics = task.evaluate(model, info, **extra)
     if metrics:  # rank 0's; none at all means the task has nothing to evaluate (no data.valid)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         print0(f"eval at step {step}: {shown} ({time.perf_counter() - start:.1f} s)")

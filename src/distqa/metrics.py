@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from distqa.dist import DistInfo, all_reduce_sum, broadcast_object
+from distqa.dist import DistInfo, all_reduce_sum
 from distqa.durable import open_append, write_atomically
-from distqa.errors import DistqaError
+from distqa.rank0 import raise_on_every_rank
 
 
 class ThroughputMeter:
@@ -43,6 +43,18 @@ class ThroughputMeter:
 
     def restart_clock(self) -> None:
         self._start = time.perf_counter()
+
+    def window(self) -> list[float]:
+        """[loss sum, micro-batches] of the open log window over every rank, for a checkpoint.
+        Every rank must call it (it all-reduces). Examples and tokens are not kept: a rate needs
+        the time they took, which a resumed process does not know."""
+        return all_reduce_sum(self._sums[:2].clone()).tolist()
+
+    def resume_window(self, window: list[float] | None, *, is_main: bool) -> None:
+        """Go on with a checkpoint's open window: rank 0 holds its sums (the all-reduce at log time
+        then adds them once), the other ranks start from zero."""
+        if window and is_main:
+            self._sums[0], self._sums[1] = float(window[0]), float(window[1])
 
     def reduce_and_reset(self) -> dict[str, float]:
         """Global figures since the last call. Every rank must call it (it all-reduces)."""
@@ -100,7 +112,6 @@ class MetricsWriter:
 
     def __init__(self, output_dir: Path, info: DistInfo, *, resume_step: int = 0) -> None:
         self.enabled = info.is_main
-        self.distributed = info.is_distributed
         self.path = output_dir / "metrics.jsonl"
         self._tb: SummaryWriter | None = None
         if self.enabled:
@@ -124,11 +135,7 @@ class MetricsWriter:
     def log(self, record: dict[str, Any]) -> None:
         """Rank 0 appends the record; every rank calls it and learns whether that worked (a rank 0
         that stopped alone would leave the others waiting in their next collective)."""
-        problem = self._write(record) if self.enabled else None
-        if self.distributed:
-            problem = broadcast_object(problem)  # type: ignore[assignment]
-        if problem:
-            raise DistqaError(str(problem))
+        raise_on_every_rank(self._write(record) if self.enabled else None)
 
     def _write(self, record: dict[str, Any]) -> str | None:
         # JSON has no infinity: a threshold that keeps nothing is written as null.
@@ -165,10 +172,18 @@ class MetricsWriter:
             self._tb = None
 
 
+def _number(value: Any) -> float:
+    # A field of the wrong type in an otherwise good line is a gap in its curve, not a crash.
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
+_TRAIN_PANELS = (("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s (all ranks)"))
+
+
 def plot_metrics(metrics_path: Path, png_path: Path, *, title: str | None = None) -> bool:
-    """Loss, learning rate and throughput against step, from metrics.jsonl, as one PNG titled
-    `title` (default: the folder of metrics.jsonl); also the PNG's Title field. False: nothing to
-    draw, no file written."""
+    """Loss, learning rate, throughput and each validation metric against step, from
+    metrics.jsonl, as one PNG titled `title` (default: the folder of metrics.jsonl); also the PNG's
+    Title field. False: nothing to draw, no file written."""
     # A bare Figure on the Agg canvas: no display on training machines, and no pyplot (its
     # import and global figure registry cost every run about half a second for one picture).
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -177,38 +192,32 @@ def plot_metrics(metrics_path: Path, png_path: Path, *, title: str | None = None
     records = [record for _, record in read_metrics(metrics_path)[0]]
     if not records:
         return False  # nothing to draw; a figure of empty axes would only mislead
-
-    def number(value: Any) -> float:
-        # A field of the wrong type in an otherwise good line is a gap in its curve, not a crash.
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-
-    steps = [r["step"] for r in records]
-    panels = [("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s (all ranks)")]
-    # Every validation metric a task logs (`eval_*`), whatever the task: one panel, one curve each.
+    # Every validation metric a task logs (`eval_*`), whatever the task: a panel each, as their
+    # scales differ (a loss near 3, an F1 near 0.6, a count of thousands).
     eval_keys = sorted(
-        {k for r in records for k, v in r.items() if k.startswith("eval_") and not math.isnan(number(v))}
+        {k for r in records for k, v in r.items() if k.startswith("eval_") and not math.isnan(_number(v))}
     )
-    fig = Figure(figsize=(8, 7 + 2 * bool(eval_keys)))
+    panels = [*_TRAIN_PANELS, *((key, f"validation {key[len('eval_') :]}") for key in eval_keys)]
+    fig = Figure(figsize=(8, 1.1 + 1.9 * len(panels)))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(panels) + bool(eval_keys), 1, sharex=True)
+    axes = fig.subplots(len(panels), 1, sharex=True)
     for ax, (key, label) in zip(axes, panels):
-        ax.plot(steps, [number(r.get(key)) for r in records], marker="." if len(steps) < 50 else None)
+        points = [(r["step"], _number(r.get(key))) for r in records]
+        if key.startswith("eval_"):  # evaluated on some steps only: the points, joined
+            points = [(step, value) for step, value in points if not math.isnan(value)]
+        sparse = key.startswith("eval_") or len(points) < 50
+        ax.plot(*zip(*points), marker="o" if key.startswith("eval_") else "." if sparse else None)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    if eval_keys:
-        ax = axes[len(panels)]
-        for key in eval_keys:
-            points = [(r["step"], number(r.get(key))) for r in records]
-            points = [(step, value) for step, value in points if not math.isnan(value)]
-            ax.plot(*zip(*points), marker="o", label=key[len("eval_") :])
-        ax.set_ylabel("validation")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
     axes[-1].set_xlabel("step")
     title = title or str(metrics_path.parent)
     fig.suptitle(title)
     fig.tight_layout()
-    # Rendered in memory, then written without following a link planted at png_path.
+    return _save_png(fig, png_path, title)
+
+
+def _save_png(fig: Any, png_path: Path, title: str) -> bool:
+    """Rendered in memory, then written without following a link planted at png_path."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, metadata={"Title": title})
     try:

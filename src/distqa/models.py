@@ -3,6 +3,8 @@
 that cannot be loaded.
 
     model = build_hf_model(AutoModelForSequenceClassification, cfg.model, num_labels=3)
+    tokenizer = load_tokenizer(cfg.model, required=True)
+    check_model_fits(model, cfg.model, max_seq_len=cfg.task.max_seq_len, tokenizer=tokenizer)
 
 `model.name` is a `RANDOM_MODELS` name (built from a config, random weights, no download), a
 Hugging Face id, or a local folder.
@@ -11,14 +13,16 @@ Hugging Face id, or a local folder.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, BertConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, BertConfig, PretrainedConfig
 
-from distqa.config import ModelConfig
 from distqa.errors import DistqaError
+
+if TYPE_CHECKING:  # for hints only
+    from distqa.config import ModelConfig
 
 # `model.name=tiny`: bert-base-uncased's vocabulary and positions, a fraction of its width and
 # depth. Random weights, no download: for smoke runs, tests and the quick start.
@@ -98,6 +102,56 @@ def build_hf_model(
         raise load_error("model", cfg.name, err, "model.name") from err
     except ValueError as err:  # e.g. an architecture without this kind of head
         raise DistqaError(f"model.name={cfg.name!r} cannot be used as {auto_class.__name__}: {err}") from err
+
+
+def load_tokenizer(cfg: ModelConfig, *, required: bool = False) -> Any | None:
+    """The tokenizer `model.tokenizer` (default: `model.name`) names.
+
+    A RANDOM_MODELS name has none of its own ('tiny' has bert-base-uncased's vocabulary size, but
+    loading that tokenizer would need a download): None, which a task on synthetic ids accepts, or,
+    for a task that reads text (`required`), an error saying to set model.tokenizer.
+    """
+    name = cfg.tokenizer or cfg.name
+    if name in RANDOM_MODELS:
+        if required:
+            raise DistqaError(
+                f"model.name={name!r} has no tokenizer: set model.tokenizer to one with a matching vocabulary "
+                "(a Hugging Face id or a local folder)"
+            )
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise load_error("tokenizer", name, err, "model.tokenizer") from err
+
+
+def check_model_fits(
+    model: nn.Module, cfg: ModelConfig, *, max_seq_len: int, tokenizer: Any | None, exported: bool = False
+) -> None:
+    """Refuse a model that cannot take the task's inputs when it is built, not with an index error
+    in the middle of a run: `task.max_seq_len` past its position embeddings, or a tokenizer whose ids
+    run past its embedding table. For an `exported` model (a command that runs it) the tokenizer must
+    be the one it was trained with, so its vocabulary must also be about as large (models round
+    theirs up a little for fast kernels); a much smaller one turns words into the wrong ids."""
+    config = getattr(model, "config", None)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and max_seq_len > max_positions:
+        raise DistqaError(
+            f"task.max_seq_len={max_seq_len} exceeds the {max_positions} positions model {cfg.name!r} was built for"
+        )
+    vocab_size = getattr(config, "vocab_size", None)
+    if tokenizer is None or vocab_size is None:
+        return
+    name, size = cfg.tokenizer or cfg.name, len(tokenizer)
+    if exported and (size > vocab_size or size < 0.95 * vocab_size):
+        raise DistqaError(
+            f"tokenizer {name} has {size} entries but the model's vocabulary has {vocab_size}: "
+            "set model.tokenizer to the tokenizer the model was trained with"
+        )
+    if size > vocab_size:
+        raise DistqaError(
+            f"tokenizer {name!r} has {size} tokens, more than model {cfg.name!r}'s vocabulary of {vocab_size}"
+        )
 
 
 def pad_collate(

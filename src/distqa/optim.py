@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_scheduler
 
-from distqa.config import TrainConfig
+if TYPE_CHECKING:  # for hints only
+    from distqa.config import TrainConfig
 
 # transformers' names for our three schedules; all three warm up linearly from 0 first.
 _SCHEDULES = {"linear": "linear", "constant": "constant_with_warmup", "cosine": "cosine"}

@@ -1,8 +1,8 @@
 """The run's folder: claimed by one run at a time, its records written atomically, and the final
 model written into it atomically.
 
-Rank 0 does the file work; every rank learns how it went (a broadcast), so that no rank waits in a
-collective for a rank 0 that has already failed.
+Rank 0 does the file work; every rank learns how it went (`distqa.rank0.on_rank0`), so that no
+rank waits in a collective for a rank 0 that has already failed.
 
 Nothing distqa writes in output_dir goes through a symbolic link: a link planted there
 (`config.yaml` -> a file of the user's) would make a run overwrite whatever it points to. `claim`
@@ -19,22 +19,16 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from distqa.dist import DistInfo, broadcast_object
+from distqa.dist import DistInfo
 from distqa.durable import fsync_path, read_no_link, write_atomically
 from distqa.errors import DistqaError
+from distqa.rank0 import on_rank0, reason
 from distqa.runlock import LOCK_NAME, RunLock
 
 CONFIG_FILE = "config.yaml"
 HISTORY_DIR = "config-history"
 # What a run writes in output_dir (and `train.resume=never` moves into earlier-runs/).
 RUN_PATHS = (CONFIG_FILE, "metrics.jsonl", LOCK_NAME, "checkpoints", "model", "tb", "metrics.png", HISTORY_DIR)
-
-
-def _raise_on_every_rank(problem: str | None) -> None:
-    """Rank 0's outcome to every rank: each raises the same one line, or none does."""
-    problem = broadcast_object(problem)  # type: ignore[assignment]
-    if problem:
-        raise DistqaError(str(problem))
 
 
 def linked_run_path(output_dir: Path) -> str | None:
@@ -53,33 +47,29 @@ def claim(output_dir: Path, info: DistInfo) -> RunLock | None:
     """Create output_dir and take its run lock (rank 0; None elsewhere). Raises on every rank if
     the folder cannot be written, one of its run files is a symbolic link (checked before the
     lock is taken: run.lock itself may be one), or another run holds it."""
-    problem: str | None = None
     lock: RunLock | None = None
-    if info.is_main:
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            problem = linked_run_path(output_dir)
-            if problem is None:
-                lock = RunLock(output_dir)
-                lock.acquire()
-        except OSError as err:
-            problem = f"output_dir={str(output_dir)!r} cannot be written: {err.strerror or err}"
-        except DistqaError as err:
-            problem = str(err)
-    _raise_on_every_rank(problem)
+
+    def take() -> None:
+        nonlocal lock  # rank 0's alone: a lock does not travel to the other ranks
+        output_dir.mkdir(parents=True, exist_ok=True)
+        linked = linked_run_path(output_dir)
+        if linked is not None:
+            raise DistqaError(linked)
+        lock = RunLock(output_dir)
+        lock.acquire()
+
+    on_rank0(info, take, failure=lambda err: f"output_dir={str(output_dir)!r} cannot be written: {reason(err)}")
     return lock
 
 
 def write_text(path: Path, text: str, info: DistInfo) -> None:
     """Rank 0 replaces a small file (config.yaml) atomically: written aside, fsynced and renamed
     over it, never through a link; every rank raises if that failed."""
-    problem: str | None = None
-    if info.is_main:
-        try:
-            write_atomically(path, text.encode("utf-8"))
-        except OSError as err:
-            problem = f"output_dir={str(path.parent)!r} cannot be written: {err.strerror or err}"
-    _raise_on_every_rank(problem)
+    on_rank0(
+        info,
+        lambda: write_atomically(path, text.encode("utf-8")),
+        failure=lambda err: f"output_dir={str(path.parent)!r} cannot be written: {reason(err)}",
+    )
 
 
 def archive_config(output_dir: Path, step: int, info: DistInfo) -> Path | None:
@@ -88,30 +78,31 @@ def archive_config(output_dir: Path, step: int, info: DistInfo) -> Path | None:
     that step. Nothing to keep (no config.yaml): a no-op. An existing history file is never
     overwritten: the copy takes the next free name (`<step>-2.yaml`, ...). Returns the copy on
     rank 0 (None elsewhere, and when there was nothing to keep); a failure is one line on every rank."""
-    problem: str | None = None
-    kept: Path | None = None
-    if info.is_main:
-        source, history = output_dir / CONFIG_FILE, output_dir / HISTORY_DIR
+    source, history = output_dir / CONFIG_FILE, output_dir / HISTORY_DIR
+
+    def keep() -> Path | None:
         try:
-            try:
-                data = read_no_link(source)
-            except FileNotFoundError:
-                data = None
-            if data is not None:
-                if history.is_symlink():
-                    raise OSError(f"{history} is a symbolic link")
-                history.mkdir(exist_ok=True)
-                kept, n = history / f"{step}.yaml", 2
-                while kept.exists() or kept.is_symlink():  # one writer (the lock's holder): no race
-                    kept, n = history / f"{step}-{n}.yaml", n + 1
-                write_atomically(kept, data)
-        except OSError as err:
-            problem = (
-                f"cannot keep the earlier {source} as {history / f'{step}.yaml'} ({err.strerror or err}): "
-                "free space in output_dir (or remove the link named) and run again"
-            )
-    _raise_on_every_rank(problem)
-    return kept
+            data = read_no_link(source)
+        except FileNotFoundError:
+            return None
+        if history.is_symlink():
+            raise OSError(f"{history} is a symbolic link")
+        history.mkdir(exist_ok=True)
+        kept, n = history / f"{step}.yaml", 2
+        while kept.exists() or kept.is_symlink():  # one writer (the lock's holder): no race
+            kept, n = history / f"{step}-{n}.yaml", n + 1
+        write_atomically(kept, data)
+        return kept
+
+    kept = on_rank0(
+        info,
+        keep,
+        failure=lambda err: (
+            f"cannot keep the earlier {source} as {history / f'{step}.yaml'} ({reason(err)}): "
+            "free space in output_dir (or remove the link named) and run again"
+        ),
+    )
+    return kept if info.is_main else None
 
 
 def _remove(path: Path) -> None:
@@ -133,10 +124,10 @@ def export_atomically(save: Callable[[Path], None], directory: Path, info: DistI
     it into place, so `directory` is always a whole export: the previous one, or the new one. A
     failure (a full disk) leaves the previous export as it was and is one line on every rank;
     `note` says what the user can do then."""
-    problem: str | None = None
-    if info.is_main:
-        tmp = directory.with_name(f".tmp-{directory.name}")
-        old = directory.with_name(f".old-{directory.name}")
+    tmp = directory.with_name(f".tmp-{directory.name}")
+    old = directory.with_name(f".old-{directory.name}")
+
+    def export() -> None:
         try:
             _remove(tmp)
             _remove(old)
@@ -148,10 +139,10 @@ def export_atomically(save: Callable[[Path], None], directory: Path, info: DistI
             shutil.rmtree(old, ignore_errors=True)
         except (OSError, RuntimeError, ValueError, SafetensorError, DistqaError) as err:
             # (DistqaError: a task's save_model, or rebuilding a sharded model, that cannot load
-            # what it needs.) Rank 0 alone runs `save`: the others learn of it just below.
+            # what it needs.) Rank 0 alone runs `save`: the others learn of it from on_rank0.
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not directory.exists():
                 old.rename(directory)
-            reason = getattr(err, "strerror", None) or (str(err).strip().splitlines() or [type(err).__name__])[0]
-            problem = f"cannot write {directory} ({reason}): {note}"
-    _raise_on_every_rank(problem)
+            raise DistqaError(f"cannot write {directory} ({reason(err)}): {note}") from err
+
+    on_rank0(info, export)

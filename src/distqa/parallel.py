@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distqa.config import TrainConfig
 from distqa.dist import AUTOCAST_DTYPES, DistInfo, data_parallel
+
+if TYPE_CHECKING:  # for hints only
+    from distqa.config import TrainConfig
 
 
 def configure_backends(train: TrainConfig, device: torch.device) -> None:

@@ -2,13 +2,12 @@
 
 Rank 0 decides (it verifies manifests, newest first) and broadcasts the choice, so every rank loads
 the same checkpoint. Every setting falls in one of three kinds when it differs from the
-checkpoint's (a test walks every key of the schema):
-- `RESUME_SILENT`: how the run is operated, not what it computes;
-- `RESUME_APPLIED`: takes effect from the resume step on, and a warning names it;
-- everything else changes what the checkpoint's state means (the model, the data, the optimizer's
+checkpoint's, as its field declares it (`distqa.config.setting(..., resume=...)`, for the core's
+keys and a task's own `task.*` keys alike; a test walks every key of the schema):
+- "silent": how the run is operated, not what it computes;
+- "applied": takes effect from the resume step on, and a warning names it;
+- undeclared: it changes what the checkpoint's state means (the model, the data, the optimizer's
   kind, the seed): refused in one line naming the key, never a traceback at the first step.
-A task's own keys (`task.*`) say their kind in their field's metadata (`resume="silent"` or
-`"applied"`); without it, a change is refused.
 The data itself is compared by fingerprint (`distqa.data_identity`), so a moved file is fine and a
 changed one is refused unless `train.allow_data_change=true`.
 """
@@ -23,48 +22,12 @@ from typing import Any
 
 from distqa.agreement import flatten
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
-from distqa.config import Config
-from distqa.dist import DistInfo, broadcast_object, print0
+from distqa.config import Config, setting_field
+from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
 from distqa.outdir import RUN_PATHS
+from distqa.rank0 import on_rank0, reason
 from distqa.runlock import LOCK_NAME
-
-RESUME_SILENT = {
-    "output_dir",
-    "model.attn_implementation",
-    "data.valid",
-    "data.num_workers",
-    "train.max_steps",  # the schedule is rebuilt for the new length
-    "train.epochs",
-    "train.compile",
-    "train.activation_checkpointing",  # the same arithmetic, recomputed
-    "train.static_graph",
-    "train.find_unused_parameters",
-    "train.deterministic",
-    "train.checkpoint_every",
-    "train.keep_checkpoints",
-    "train.term_grace_s",
-    "train.check_replicas",
-    "train.check_finite",
-    "train.log_every",
-    "train.eval_every",
-    "train.resume",
-    "train.allow_data_change",
-    "train.global_batch",  # what it changes, the global batch, is compared on its own
-}
-RESUME_APPLIED = {
-    "model.dropout",
-    "data.train",  # same data at another path (the fingerprint is compared separately)
-    "train.batch_size",  # with the same global batch: another split over processes
-    "train.grad_accum",
-    "train.lr",
-    "train.momentum",
-    "train.lr_schedule",
-    "train.warmup_ratio",
-    "train.weight_decay",
-    "train.max_grad_norm",
-    "train.precision",
-}
 
 # Files of a run in output_dir that `train.resume=never` moves aside before starting afresh: all
 # it writes there but the lock of the run that moves them.
@@ -72,17 +35,10 @@ RUN_FILES = tuple(name for name in RUN_PATHS if name != LOCK_NAME)
 
 
 def resume_kind(cfg: Config, key: str) -> str:
-    """ "silent", "applied" or "refused": what a change of `key` means when resuming."""
-    if key in RESUME_SILENT:
-        return "silent"
-    if key in RESUME_APPLIED:
-        return "applied"
-    if key.startswith("task.") and key != "task.name":
-        fields = {f.name: f for f in dataclasses.fields(cfg.task)}
-        kind = fields[key[5:]].metadata.get("resume") if key[5:] in fields else None
-        if kind in ("silent", "applied"):
-            return kind
-    return "refused"
+    """ "silent", "applied" or "refused": what a change of `key` means when resuming, as its field
+    declares it (`setting(..., resume=...)`; without it, and for a key the schema lacks: refused)."""
+    found = setting_field(cfg, key)
+    return "refused" if found is None else found.metadata.get("resume", "refused")
 
 
 def set_aside_earlier_run(output_dir: Path) -> Path | None:
@@ -102,21 +58,14 @@ def set_aside_earlier_run(output_dir: Path) -> Path | None:
 
 def choose_checkpoint(output_dir: Path, mode: str, info: DistInfo) -> Path | None:
     """The checkpoint to continue from, decided by rank 0 (which verifies the manifests) and
-    broadcast, so every rank loads the same one."""
+    broadcast, so every rank loads the same one (or raises the same error)."""
     root = output_dir / "checkpoints"
-    choice: Path | None = None
-    problem: str | None = None
-    if info.is_main:
-        try:
-            choice = _choose(output_dir, root, mode)
-        except ConfigError as err:
-            problem = str(err)
-        except OSError as err:
-            problem = f"cannot read the checkpoints in {root}: {err.strerror or err}"
-    problem, choice = broadcast_object((problem, choice))  # type: ignore[misc]
-    if problem:
-        raise ConfigError(str(problem))
-    return choice
+    return on_rank0(
+        info,
+        lambda: _choose(output_dir, root, mode),
+        failure=lambda err: f"cannot read the checkpoints in {root}: {reason(err)}",
+        error=ConfigError,
+    )
 
 
 def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:

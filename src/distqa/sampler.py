@@ -17,16 +17,18 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from distqa.config import Config
 from distqa.dist import DistInfo, default_num_workers
 from distqa.errors import ConfigError
-from distqa.guards import loader_worker_init, sigterm_held
+from distqa.worker_signals import loader_worker_init, sigterm_held
+
+if TYPE_CHECKING:  # for hints only
+    from distqa.config import Config
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, grad_accum: int, world_size: int) -> int:
@@ -88,6 +90,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 yield mine[micro * self.batch_size : (micro + 1) * self.batch_size].tolist()
 
 
+# Names the loader's stream in `derive_seed`, apart from the per-rank seeds (seed, rank[, step]).
+LOADER_STREAM = 0x6C6F6164  # "load"
+
+
 def derive_seed(*parts: int) -> int:
     """One 32-bit seed from several numbers, without the collisions of `seed + rank`."""
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
@@ -116,7 +122,7 @@ def training_batches(
     )
     # The loader draws its workers' base seed from this generator, not from the global RNG:
     # otherwise creating a loader after a resume would shift the dropout stream.
-    generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+    generator = torch.Generator().manual_seed(derive_seed(cfg.seed, epoch, LOADER_STREAM))
     workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
     loader = DataLoader(
         dataset,
@@ -130,7 +136,7 @@ def training_batches(
         # default on Linux, start them with nothing held); elsewhere that protection is best effort.
         multiprocessing_context="fork" if workers and sys.platform.startswith("linux") else None,
     )
-    # Its workers must not die of a SIGTERM sent while they start (guards.loader_worker_init). (The
+    # Its workers must not die of a SIGTERM sent while they start (worker_signals.loader_worker_init). (The
     # caller's previous epoch's workers end after this returns, outside the hold.)
     with sigterm_held():
         return iter(loader)

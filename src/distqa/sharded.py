@@ -39,9 +39,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from distqa.dist import DistInfo, all_gather_objects, broadcast_object
+from distqa.dist import DistInfo, all_gather_objects
 from distqa.errors import DistqaError
 from distqa.parallel import all_finite
+from distqa.rank0 import on_rank0, reason
 
 METADATA_FILE = ".metadata"
 _TOKEN_FILE = ".distqa-shared-check"
@@ -52,18 +53,15 @@ def require_shared(folder: Path, info: DistInfo) -> None:
     (a file with a random name and content), so that a run whose nodes do not share output_dir
     stops before its first step, not at its first checkpoint hours later. (A name never used before
     cannot be answered from a network file system's cache of names that do not exist.)"""
-    token, problem = (secrets.token_hex(16), None) if info.is_main else (None, None)
-    path = folder / f"{_TOKEN_FILE}-{token}"
-    if info.is_main:
-        try:
-            for stale in folder.glob(f"{_TOKEN_FILE}-*"):  # left by a run killed right here (one run per folder)
-                stale.unlink(missing_ok=True)
-            path.write_text(str(token))
-        except OSError as err:
-            problem = f"cannot write in output_dir {folder} ({err.strerror or err})"
-    token, problem = broadcast_object((token, problem))  # type: ignore[misc]
-    if problem:
-        raise DistqaError(str(problem))
+
+    def write_token() -> str:
+        for stale in folder.glob(f"{_TOKEN_FILE}-*"):  # left by a run killed right here (one run per folder)
+            stale.unlink(missing_ok=True)
+        token = secrets.token_hex(16)
+        (folder / f"{_TOKEN_FILE}-{token}").write_text(token)
+        return token
+
+    token = on_rank0(info, write_token, failure=lambda err: f"cannot write in output_dir {folder} ({reason(err)})")
     path = folder / f"{_TOKEN_FILE}-{token}"
     try:
         seen = path.read_text() == token

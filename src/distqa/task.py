@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -25,14 +25,14 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from distqa.config import Config as RunConfig
-from distqa.config import DataConfig
 from distqa.data_identity import fingerprint
-from distqa.dist import DistInfo
 from distqa.errors import ConfigError, DistqaError
 from distqa.evaluation import evaluate_dataset
 from distqa.flops import ModelShape, model_shape
-from distqa.tasks import task_class
+
+if TYPE_CHECKING:  # for hints only: the configuration and the process group know no task
+    from distqa.config import Config as RunConfig
+    from distqa.dist import DistInfo
 
 # Tensors go to the device; other values (example ids, say) reach `loss` as the collate made them.
 Batch = Mapping[str, Any]
@@ -43,13 +43,20 @@ class Task(ABC):
 
     A task's own settings are a dataclass in `Config`: its fields become `task.KEY` settings, typed,
     checked, listed by `distqa train task.name=... --help`, saved with the run and compared on resume
-    (a field's metadata `resume="silent"` or `"applied"` allows a change on resume; any other change
-    is refused). In the task they are `self.cfg.task`, an instance of `Config`.
+    (declared with `distqa.config.setting(default, help, resume="silent" | "applied")` a change on
+    resume is allowed; any other change is refused). In the task they are `self.cfg.task`, an
+    instance of `Config`. Optional on that class: `renamed_keys` (a ClassVar mapping an old full
+    key to its new one, for the error an old name gets) and `ensure_dummy_examples(count)` (with
+    data.train=dummy, hold at least `count` synthetic examples; `distqa bench` calls it).
     """
 
     @dataclass
     class Config:
         pass
+
+    # Which core settings besides its own the task reads, of `model.name` and `data.train`: the
+    # title of metrics.png names those (None: the ones changed from their defaults).
+    core_settings: ClassVar[tuple[str, ...] | None] = None
 
     @classmethod
     def add_commands(cls, commands: Any, add_settings: Callable[..., None]) -> None:
@@ -165,11 +172,6 @@ class Task(ABC):
         return write_task_settings(self.cfg.task, directory)
 
 
-def load_task(cfg: RunConfig) -> Task:
-    """Instantiate the task named by `cfg.task.name` ("nq", "textcls" or "package.module:ClassName")."""
-    return task_class(cfg.task.name)(cfg)
-
-
 # The task settings a model was trained with travel in its export: a command that runs the model
 # (`distqa predict`) must build its inputs the same way (windows of task.max_seq_len tokens, ...),
 # and a wrong window length gives a plausible, wrong result rather than an error.
@@ -236,29 +238,23 @@ def read_task_settings(directory: Path) -> dict[str, Any] | None:
     return record["task"]
 
 
-def given_task_keys(config_path: str | None, overrides: Collection[str], task_keys: Collection[str]) -> set[str]:
+def given_task_keys(config_path: str | None, overrides: Collection[str]) -> set[str]:
     """The `task.*` keys (without the prefix) that a command's --config file and KEY=VALUE overrides
-    set, `task=NAME` and the old `data.KEY` names of task keys included (see
-    `distqa.tasks.moved_to_task`). Call it after `load_config` has accepted both."""
-    moved = set(task_keys) - {f.name for f in dataclasses.fields(DataConfig)}
+    set, `task=NAME` included. Call it after `load_config` has accepted both."""
     given: set[str] = set()
     layer = OmegaConf.load(config_path) if config_path is not None else None
     if isinstance(layer, DictConfig):
-        task, data = layer.get("task"), layer.get("data")
+        task = layer.get("task")
         if isinstance(task, str):  # the shorthand `task: NAME`
             given.add("name")
         elif isinstance(task, DictConfig):
             given.update(str(key) for key in task)
-        if isinstance(data, DictConfig):
-            given.update(str(key) for key in data if key in moved)
     for item in overrides:
         key = item.partition("=")[0]
         if key == "task":
             given.add("name")
         elif key.startswith("task."):
             given.add(key[5:].split(".")[0])
-        elif key.startswith("data.") and key[5:] in moved:
-            given.add(key[5:])
     return given
 
 
@@ -314,11 +310,24 @@ def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str
                 f"task.{key}={_shown(value)}: using {mine} (leave task.{key} out to use the trained value)"
             )
     before = cfg.task
-    try:  # OmegaConf types the file's values like the command line's ("inf" in a float field)
-        merged = OmegaConf.merge(OmegaConf.structured(cfg.task), taken)
+    cfg.task = _merged(cfg.task, taken, path)
+    changed = [key for key in taken if getattr(cfg.task, key) != getattr(before, key)]
+    if changed:  # what the file changed, for a log that explains the run's windows
+        print(
+            f"trained settings from {path}: " + ", ".join(f"task.{k}={_shown(getattr(cfg.task, k))}" for k in changed)
+        )
+    return cfg
+
+
+def _merged(settings: Any, taken: dict[str, Any], path: Path) -> Any:
+    """`settings` with the values `taken` from the file at `path`, typed and checked as on the
+    command line (OmegaConf reads "inf" into a float field); a bad value names the file and the fix."""
+    fields = {f.name: f for f in dataclasses.fields(settings)}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(settings), taken)
         for key in taken:  # before __post_init__, whose range checks nan would pass
             _check_float(key, merged[key], fields[key])
-        cfg.task = OmegaConf.to_object(merged)
+        return OmegaConf.to_object(merged)
     except ConfigError as err:  # a range check of the settings' __post_init__: it names the key
         raise ConfigError(f"{path}: {err}: {_FIX}") from err
     except OmegaConfBaseException as err:
@@ -326,9 +335,3 @@ def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str
             raise ConfigError(f"{path}: {err.__cause__}: {_FIX}") from err
         where = f"task.{err.full_key}: " if getattr(err, "full_key", None) else ""
         raise ConfigError(f"{path}: {where}{str(err).splitlines()[0]}: {_FIX}") from err
-    changed = [key for key in taken if getattr(cfg.task, key) != getattr(before, key)]
-    if changed:  # what the file changed, for a log that explains the run's windows
-        print(
-            f"trained settings from {path}: " + ", ".join(f"task.{k}={_shown(getattr(cfg.task, k))}" for k in changed)
-        )
-    return cfg

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from distqa.config import Config
@@ -25,10 +27,33 @@ from distqa.steptimer import StepTimer
 from distqa.task import Task
 
 
-def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tuple[dict[str, Any], nn.Module]:
-    """Run `cfg.train.max_steps` optimizer steps; time those after the first `warmup`."""
+def _batches(cfg: Config, task: Task, info: DistInfo, dataset: Any) -> Iterator[dict[str, torch.Tensor]]:
+    """The trainer's sampler, so both loops see the same batches in the same order: with padding
+    to each batch's longest sequence, other batches would be other amounts of work."""
+    num_workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
+    for epoch in itertools.count():
+        sampler = GlobalBatchSampler(
+            len(dataset),
+            batch_size=cfg.train.batch_size,
+            grad_accum=cfg.train.grad_accum,
+            rank=info.rank,
+            world_size=info.world_size,
+            seed=cfg.seed,
+            epoch=epoch,
+        )
+        loader = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=task.collate,
+            num_workers=num_workers,
+            pin_memory=info.device.type == "cuda",
+        )
+        yield from loader
+
+
+def _build(cfg: Config, task: Task, info: DistInfo, timer: StepTimer) -> tuple[nn.Module, DDP | None, nn.Module, Any]:
+    """(raw model, its DDP wrapper or None, the model to call, the training dataset)."""
     torch.manual_seed(cfg.seed)
-    timer = StepTimer(info.device, warmup=warmup)
     with local_main_first(info):
         raw = task.build_model().to(info.device)
         dataset = task.build_train_dataset()
@@ -41,37 +66,20 @@ def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tup
         ddp.register_comm_hook(None, timer.comm_hook)
     if cfg.train.compile:
         model = torch.compile(model)
+    return raw, ddp, model, dataset
+
+
+def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tuple[dict[str, Any], nn.Module]:
+    """Run `cfg.train.max_steps` optimizer steps; time those after the first `warmup`."""
+    timer = StepTimer(info.device, warmup=warmup)
+    raw, ddp, model, dataset = _build(cfg, task, info, timer)
     optimizer = torch.optim.AdamW(
         raw.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=info.device.type == "cuda"
     )
     scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16")
-    num_workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
     dtype = autocast_dtype(cfg.train.precision)
     accum = cfg.train.grad_accum
-
-    def batches():
-        # The trainer's sampler, so both loops see the same batches in the same order: with
-        # padding to each batch's longest sequence, other batches would be other amounts of work.
-        for epoch in itertools.count():
-            sampler = GlobalBatchSampler(
-                len(dataset),
-                batch_size=cfg.train.batch_size,
-                grad_accum=accum,
-                rank=info.rank,
-                world_size=info.world_size,
-                seed=cfg.seed,
-                epoch=epoch,
-            )
-            loader = DataLoader(
-                dataset,
-                batch_sampler=sampler,
-                collate_fn=task.collate,
-                num_workers=num_workers,
-                pin_memory=info.device.type == "cuda",
-            )
-            yield from loader
-
-    stream = batches()
+    stream = _batches(cfg, task, info, dataset)
     model.train()
     for _ in range(cfg.train.max_steps):
         timer.step_begin()

@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from distqa import rdzv_check
 from distqa.bench.report import add_scaling, implausible, plot, summarize
-from distqa.config import load_config
+from distqa.config import Config
 from distqa.errors import ConfigError, DistqaError
+from distqa.registry import load_config
 
 LOOPS = ("trainer", "baseline")
 
@@ -99,15 +101,41 @@ def worker_env(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def rendezvous_args(environ: Mapping[str, str]) -> list[str]:
+    """torchrun's rendezvous options: standalone (any free port) unless MASTER_PORT is set, so that
+    two users of one host can each pick a port; then a c10d rendezvous hosted here on
+    MASTER_ADDR (default localhost):MASTER_PORT, as scripts/run_local.sh does."""
+    text = environ.get("MASTER_PORT", "")
+    if not text:
+        return ["--standalone"]
+    if not (text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= 65535):
+        raise ConfigError(
+            f"MASTER_PORT={text} is not a port number (1-65535): set a free port, or unset it for any free one"
+        )
+    # is_host=1: a port taken after the check fails the launch instead of joining another run's store.
+    endpoint = f"{environ.get('MASTER_ADDR') or 'localhost'}:{int(text)}"
+    return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-conf=is_host=1"]
+
+
+def check_port(environ: Mapping[str, str]) -> None:
+    """With MASTER_PORT, one line before a launch if the port is taken or MASTER_ADDR is not this host."""
+    if environ.get("MASTER_PORT"):
+        try:
+            rdzv_check.check(environ.get("MASTER_ADDR") or "localhost", int(environ["MASTER_PORT"]), "MASTER_ADDR", 5.0)
+        except rdzv_check.CheckFailed as err:
+            raise DistqaError(str(err)) from None
+
+
 def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[str, Any]:
     name = f"np{nproc}-{loop}-{repeat}"
     result, log = out / "runs" / f"{name}.json", out / "runs" / f"{name}.log"
     result.unlink(missing_ok=True)
+    check_port(os.environ)  # before each launch: the port is this host's, and others may take it meanwhile
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *rendezvous_args(os.environ),
         f"--nproc-per-node={nproc}",
         "-m",
         "distqa.bench.worker",
@@ -120,7 +148,11 @@ def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[st
         *args.overrides,
     ]
     env = worker_env(nproc, os.environ)
-    print(f"distqa bench: {loop}, {nproc} process(es), run {repeat + 1} of {args.repeats}: log in {log}", flush=True)
+    where = next((a.split("=", 1)[1] for a in command if a.startswith("--rdzv-endpoint=")), None)
+    at = f", rendezvous at {where}" if where else ""  # the user's MASTER_PORT; torchrun's free port otherwise
+    print(
+        f"distqa bench: {loop}, {nproc} process(es), run {repeat + 1} of {args.repeats}{at}: log in {log}", flush=True
+    )
     with log.open("w") as sink:
         # A session of its own, so that a timeout or Ctrl-C stops torchrun *and* its workers
         # (killing torchrun alone would leave the workers waiting in a collective).
@@ -140,7 +172,8 @@ def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[st
     return json.loads(result.read_text())
 
 
-def run_bench(args: Any) -> dict[str, Any]:
+def _checked(args: Any) -> tuple[list[int], Config]:
+    """The process counts and the settings, every option checked before anything is launched."""
     nprocs = parse_nproc(args.nproc)
     # Two warm-up steps at least: DDP's first step all-reduces at the end of backward (static
     # graph) and its second re-orders the gradient buckets; neither is the steady state.
@@ -150,18 +183,18 @@ def run_bench(args: Any) -> dict[str, Any]:
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise ConfigError(f"--peak-tflops={args.peak_tflops} must be > 0")
     cfg = load_config(args.config, args.overrides)  # a bad key fails here, before any launch
+    rendezvous_args(os.environ)  # and a bad MASTER_PORT
     if args.baseline and cfg.train.parallel != "ddp":
         raise ConfigError(
             f"--baseline is a hand-written DDP loop: it has no train.parallel={cfg.train.parallel} "
             "counterpart; leave --baseline out"
         )
     _check_devices(nprocs)
-    out = Path(args.output)
-    try:
-        (out / "runs").mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DistqaError(f"--output {out} cannot be created: {err.strerror or err}") from err
+    return nprocs, cfg
 
+
+def _rounds(nprocs: list[int], args: Any, out: Path) -> list[tuple[int, list[dict], list[dict]]]:
+    """(process count, trainer runs, baseline runs) per process count, from `--repeats` rounds."""
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {(n, loop): [] for n in nprocs for loop in LOOPS}
     for repeat in range(args.repeats):
         # Round by round, every process count once per round, so that a change of the machine's
@@ -174,7 +207,11 @@ def run_bench(args: Any) -> dict[str, Any]:
         for nproc in order:
             for loop in loops if args.baseline else ("trainer",):
                 runs[nproc, loop].append(_launch(nproc, loop, repeat, args, out))
-    rows = [(n, runs[n, "trainer"], runs[n, "baseline"]) for n in nprocs]
+    return [(n, runs[n, "trainer"], runs[n, "baseline"]) for n in nprocs]
+
+
+def _result(args: Any, cfg: Config, rows: list[tuple[int, list[dict], list[dict]]]) -> dict[str, Any]:
+    """bench.json's content: the setting of the first run, then one summarized row per process count."""
     first = rows[0][1][0]
     result: dict[str, Any] = {
         "command": "distqa bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
@@ -201,6 +238,17 @@ def run_bench(args: Any) -> dict[str, Any]:
     }
     add_scaling(result["runs"])
     result["warnings"] = implausible(result["runs"])
+    return result
+
+
+def run_bench(args: Any) -> dict[str, Any]:
+    nprocs, cfg = _checked(args)
+    out = Path(args.output)
+    try:
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DistqaError(f"--output {out} cannot be created: {err.strerror or err}") from err
+    result = _result(args, cfg, _rounds(nprocs, args, out))
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "bench.png")
     return result

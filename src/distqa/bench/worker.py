@@ -23,15 +23,16 @@ from typing import Any
 import torch
 
 from distqa.bench.baseline import run_baseline
-from distqa.config import Config, load_config
+from distqa.config import Config
 from distqa.console import quiet_libraries
 from distqa.dist import DistInfo, barrier, cleanup, gather_to_main, init_distributed, local_main_first
 from distqa.errors import DistqaError
 from distqa.flops import device_name
-from distqa.guards import watch_parent
 from distqa.parallel import state_bytes
+from distqa.parent_watch import watch_parent
+from distqa.registry import load_config, load_task
 from distqa.steptimer import PHASES, StepTimer
-from distqa.task import Task, load_task
+from distqa.task import Task
 from distqa.trainer import Trainer
 
 
@@ -46,11 +47,11 @@ def _bench_config(args: argparse.Namespace) -> Config:
     cfg.train.checkpoint_every = cfg.train.max_steps + 1
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.resolve_global_batch(world_size)  # as the trainer does; the baseline loop reads grad_accum too
-    if cfg.data.train == "dummy" and hasattr(cfg.task, "dummy_size"):  # a task with a synthetic dataset
+    grow = getattr(cfg.task, "ensure_dummy_examples", None)  # a task with a synthetic dataset
+    if cfg.data.train == "dummy" and grow is not None:
         # Keep the whole run inside one epoch: a new epoch starts new DataLoader workers, whose
         # start-up would land in the measured steps of large world sizes only.
-        needed = cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum * world_size
-        cfg.task.dummy_size = max(cfg.task.dummy_size, needed)
+        grow(cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum * world_size)
     return cfg
 
 
@@ -69,7 +70,7 @@ def _total(state: dict[str, int]) -> int:
     return sum(state.values())
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--loop", choices=("trainer", "baseline"), required=True)
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
@@ -78,8 +79,65 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--config")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def _record(args: argparse.Namespace, cfg: Config, info: DistInfo, parts: list[dict], shape: dict) -> dict[str, Any]:
+    """Rank 0's JSON object from every rank's summary: sums, the slowest rank, per-phase means."""
+    return {
+        "loop": args.loop,
+        "world_size": info.world_size,
+        "device": device_name(info.device),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "threads_per_process": torch.get_num_threads(),
+        "precision": cfg.train.precision,
+        "parallel": cfg.train.parallel,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+        "compile": cfg.train.compile,
+        "seq_len": getattr(cfg.task, "max_seq_len", None),  # a text task's; None for others
+        "batch_size": cfg.train.batch_size,
+        "grad_accum": cfg.train.grad_accum,
+        "steps": parts[0]["steps"],
+        "seconds": max(p["seconds"] for p in parts),
+        "samples": sum(p["samples"] for p in parts),
+        "tokens": sum(p["tokens"] for p in parts),
+        "phase_ms": {k: sum(p["phase_ms"][k] for p in parts) / len(parts) for k in PHASES},
+        "peak_memory_gib": max((p.get("peak_memory_gib", 0.0) for p in parts), default=0.0) or None,
+        # The largest rank's (with FSDP, shards of uneven tensors differ by a few bytes).
+        "state_bytes": max((p["state_bytes"] for p in parts if "state_bytes" in p), key=_total, default=None),
+        **shape,
+    }
+
+
+def _shape(task: Task, model: torch.nn.Module) -> dict[str, Any]:
+    try:
+        return dataclasses.asdict(task.model_shape(model))
+    except DistqaError as err:  # a model without a HF config: throughput without FLOPs
+        return {"non_embedding_params": None, "layers": None, "hidden_size": None, "flops_note": str(err)}
+
+
+def _measure_on_device(
+    cfg: Config, task: Task, info: DistInfo, args: argparse.Namespace
+) -> tuple[dict, torch.nn.Module]:
+    """`_measure`, with the peak GPU memory and a one-line out-of-memory error."""
+    if info.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(info.device)
+    try:
+        summary, model = _measure(cfg, task, info, args.loop, args.warmup)
+    except torch.OutOfMemoryError as err:  # scripts/bench_gpu.sh looks for the largest batch this way
+        raise DistqaError(
+            f"out of GPU memory at train.batch_size={cfg.train.batch_size}"
+            + (f", task.max_seq_len={cfg.task.max_seq_len}" if hasattr(cfg.task, "max_seq_len") else "")
+            + f": {str(err).splitlines()[0]}"
+        ) from err
+    if info.device.type == "cuda":
+        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(info.device) / 2**30
+    return summary, model
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
     cfg = _bench_config(args)
     watch_parent()  # a bench launch killed with its torchrun leaves no worker behind either
     info = init_distributed()
@@ -87,51 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with local_main_first(info):
             task = load_task(cfg)
-        if info.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(info.device)
-        try:
-            summary, model = _measure(cfg, task, info, args.loop, args.warmup)
-        except torch.OutOfMemoryError as err:  # scripts/bench_gpu.sh looks for the largest batch this way
-            raise DistqaError(
-                f"out of GPU memory at train.batch_size={cfg.train.batch_size}"
-                + (f", task.max_seq_len={cfg.task.max_seq_len}" if hasattr(cfg.task, "max_seq_len") else "")
-                + f": {str(err).splitlines()[0]}"
-            ) from err
-        if info.device.type == "cuda":
-            summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(info.device) / 2**30
+        summary, model = _measure_on_device(cfg, task, info, args)
         parts = gather_to_main(summary, info)
         if info.is_main:
-            try:
-                shape: dict[str, Any] = dataclasses.asdict(task.model_shape(model))
-            except DistqaError as err:  # a model without a HF config: throughput without FLOPs
-                shape = {"non_embedding_params": None, "layers": None, "hidden_size": None, "flops_note": str(err)}
-            result = {
-                "loop": args.loop,
-                "world_size": info.world_size,
-                "device": device_name(info.device),
-                "torch": torch.__version__,
-                "host": platform.node(),
-                "threads_per_process": torch.get_num_threads(),
-                "precision": cfg.train.precision,
-                "parallel": cfg.train.parallel,
-                "activation_checkpointing": cfg.train.activation_checkpointing,
-                "compile": cfg.train.compile,
-                "seq_len": getattr(cfg.task, "max_seq_len", None),  # a text task's; None for others
-                "batch_size": cfg.train.batch_size,
-                "grad_accum": cfg.train.grad_accum,
-                "steps": parts[0]["steps"],
-                "seconds": max(p["seconds"] for p in parts),
-                "samples": sum(p["samples"] for p in parts),
-                "tokens": sum(p["tokens"] for p in parts),
-                "phase_ms": {k: sum(p["phase_ms"][k] for p in parts) / len(parts) for k in PHASES},
-                "peak_memory_gib": max((p.get("peak_memory_gib", 0.0) for p in parts), default=0.0) or None,
-                # The largest rank's (with FSDP, shards of uneven tensors differ by a few bytes).
-                "state_bytes": max((p["state_bytes"] for p in parts if "state_bytes" in p), key=_total, default=None),
-                **shape,
-            }
             path = Path(args.result)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=2) + "\n")
+            path.write_text(json.dumps(_record(args, cfg, info, parts, _shape(task, model)), indent=2) + "\n")
         # Free DDP's reducer and its gloo work before the process group goes, and leave together:
         # a rank that tears gloo down while a peer still talks to it, or whose gloo threads still
         # hold tensors when the interpreter exits, can abort ("terminate called without an

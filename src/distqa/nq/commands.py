@@ -1,7 +1,7 @@
 """Natural Questions' own commands: `distqa prepare`, `predict`, `score`, `download` and `split`.
 
-Added to the command line by `NQTask.add_commands` (and for the CLI without importing torch: the
-handlers import what they need when they run).
+Added to the command line through the task registry (`distqa.registry.BUILTIN_COMMANDS`), without
+importing torch: the handlers import what they need when they run.
 """
 
 from __future__ import annotations
@@ -12,6 +12,13 @@ from typing import Any
 
 
 def add_commands(commands: Any, add_settings: Callable[..., None]) -> None:
+    """`Task.add_commands` for Natural Questions: prepare, predict, score, download, split."""
+    _add_prepare_and_predict(commands, add_settings)
+    _add_file_commands(commands)
+
+
+def _add_prepare_and_predict(commands: Any, add_settings: Callable[..., None]) -> None:
+    """The commands that read the configuration (--config and KEY=VALUE)."""
     prepare = commands.add_parser(
         "prepare",
         help="turn Natural Questions JSONL into cached model features",
@@ -47,6 +54,9 @@ def add_commands(commands: Any, add_settings: Callable[..., None]) -> None:
     add_settings(predict, example="train.batch_size=64 task.cache_dir=features")
     predict.set_defaults(run=_predict)
 
+
+def _add_file_commands(commands: Any) -> None:
+    """The commands that only read and write files, without settings."""
     score = commands.add_parser(
         "score",
         help="the competition metric of a submission against gold NQ JSONL",
@@ -84,11 +94,11 @@ def add_commands(commands: Any, add_settings: Callable[..., None]) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> None:
-    from distqa.config import load_config
     from distqa.console import quiet_libraries
     from distqa.errors import ConfigError
     from distqa.nq.data import feature_settings, tokenizer_name
     from distqa.nq.prepare import prepare_features
+    from distqa.registry import load_config
 
     if args.num_proc < 1:
         raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
@@ -119,15 +129,15 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def _predict(args: argparse.Namespace) -> None:
-    from dataclasses import fields
+    from distqa.registry import load_config
 
-    from distqa.config import load_config
+    # A settings mistake is said before torch and transformers are imported (seconds).
+    cfg = load_config(args.config, args.overrides)
     from distqa.nq.predict import predict
     from distqa.task import given_task_keys
 
-    cfg = load_config(args.config, args.overrides)
     # The model's saved task settings apply unless the user set a key (then with a warning if it differs).
-    given = given_task_keys(args.config, args.overrides, [f.name for f in fields(cfg.task)])
+    given = given_task_keys(args.config, args.overrides)
     counts = predict(cfg, args.input, args.checkpoint, args.output, given=given)
     print(
         f"wrote {args.output}: {counts['examples']} examples, {counts['long']} long and {counts['short']} short answers"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -82,9 +83,16 @@ class FeatureDataset(Dataset):
     """A memory-mapped prepared folder, restricted to the columns a step needs."""
 
     def __init__(self, folder: Path, columns: list[str]) -> None:
-        from distqa.nq.prepare import load_features  # see resolve_features
+        from distqa.nq.prepare import FINGERPRINT_FILE, load_features  # see resolve_features
 
         self.data = load_features(folder).select_columns(columns)
+        # The documents the features came from, for the start line (a document gives one feature
+        # per window): `distqa prepare` counts them in the folder's stamp.
+        try:
+            docs = json.loads((Path(folder) / FINGERPRINT_FILE).read_text()).get("docs")
+        except (OSError, ValueError, AttributeError):
+            docs = None
+        self.num_examples = docs if isinstance(docs, int) and not isinstance(docs, bool) else None
 
     def __len__(self) -> int:
         return len(self.data)

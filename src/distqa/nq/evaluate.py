@@ -8,7 +8,6 @@ thresholds that maximise F1, and reports the competition metric (`score_predicti
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from distqa.evaluation import eval_mode, to_device
 from distqa.nq.data import pad_collate
 from distqa.nq.postprocess import (
     WindowBest,
@@ -44,7 +44,6 @@ def window_best_spans(model: nn.Module, batch: dict[str, Any]) -> list[WindowBes
     )
 
 
-@torch.no_grad()
 def window_bests(
     model: nn.Module,
     folder: Path,
@@ -60,19 +59,11 @@ def window_bests(
 
     data = load_features(folder).select_columns(EVAL_COLUMNS)
     loader = DataLoader(data, batch_size=batch_size, collate_fn=lambda items: pad_collate(items, pad_id, max_len))
-    was_training = model.training
-    model.eval()
     out: list[WindowBest] = []
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    )
-    try:
+    # The trainer's evaluation mode (eval, no gradients, autocast), so predictions match its own.
+    with eval_mode(model, device.type, autocast_dtype):
         for batch in loader:
-            on_device = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-            with autocast:
-                out.extend(window_best_spans(model, on_device))
-    finally:
-        model.train(was_training)
+            out.extend(window_best_spans(model, to_device(batch, device)))
     return out
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from pathlib import Path
 
@@ -12,13 +11,14 @@ from distqa.config import Config, ModelConfig
 from distqa.console import quiet_libraries
 from distqa.dist import autocast_dtype
 from distqa.errors import DistqaError
+from distqa.models import check_model_fits, load_tokenizer
 from distqa.nq.data import resolve_features
 from distqa.nq.evaluate import final_answers, window_bests
 from distqa.nq.model import BertJointQA
 from distqa.nq.postprocess import group_by_example
 from distqa.nq.reader import NQReader
 from distqa.nq.submission import write_submission
-from distqa.nq.task import THRESHOLDS_FILE, load_tokenizer
+from distqa.nq.thresholds import THRESHOLDS_FILE, read_thresholds
 from distqa.task import with_trained_settings
 
 
@@ -34,17 +34,6 @@ def model_folder(path: str | Path) -> Path:
 # Files a saved tokenizer consists of (any one will do): without them, AutoTokenizer would build a
 # BERT tokenizer with only its 5 special tokens from config.json, and every word would become [UNK].
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spiece.model", "vocab.json")
-
-
-def check_tokenizer(tokenizer: object, vocab_size: int, name: str) -> None:
-    """Refuse a tokenizer that cannot be this model's: its ids must fit the embedding, and its
-    vocabulary must be about as large (models round theirs up a little for fast kernels)."""
-    size = len(tokenizer)  # type: ignore[arg-type]
-    if size > vocab_size or size < 0.95 * vocab_size:
-        raise DistqaError(
-            f"tokenizer {name} has {size} entries but the model's vocabulary has {vocab_size}: "
-            "set model.tokenizer to the tokenizer the model was trained with"
-        )
 
 
 def predict(
@@ -63,15 +52,15 @@ def predict(
             "set model.tokenizer to the tokenizer of its vocabulary, e.g. model.tokenizer=bert-base-uncased"
         )
     cfg.model = ModelConfig(name=str(folder), tokenizer=cfg.model.tokenizer or str(folder))
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg.model)
     if tokenizer is None:
         raise DistqaError(f"{folder} has no tokenizer files: set model.tokenizer")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = BertJointQA.from_pretrained(folder).to(device)
-    check_tokenizer(tokenizer, model.config.vocab_size, str(cfg.model.tokenizer))
+    check_model_fits(model, cfg.model, max_seq_len=cfg.task.max_seq_len, tokenizer=tokenizer, exported=True)
     thresholds_path = folder / THRESHOLDS_FILE
     # Without thresholds (a run with no data.valid) every example gets its best answer.
-    thresholds = json.loads(thresholds_path.read_text()) if thresholds_path.is_file() else {}
+    thresholds = read_thresholds(thresholds_path) if thresholds_path.is_file() else {}
     if thresholds:
         print(f"thresholds from {thresholds_path}: long {thresholds.get('long')}, short {thresholds.get('short')}")
     else:

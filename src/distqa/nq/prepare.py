@@ -113,6 +113,60 @@ class PrepareResult:
         return self.docs / self.seconds if self.seconds else 0.0
 
 
+def _fast_tokenizer(name: str) -> Any:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as err:  # the hub unreachable, or a name neither cached nor a folder
+        raise load_error("tokenizer", name, err, "model.tokenizer") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise DistqaError(f"tokenizer {name!r} has no fast (Rust) version, which prepare needs")
+    return tokenizer
+
+
+def _shard_stats(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The counts each worker wrote (those that got as far as writing them)."""
+    return [json.loads(Path(s["stats"]).read_text()) for s in shards if Path(s["stats"]).is_file()]
+
+
+def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, staging: Path) -> datasets.Dataset:
+    """Every shard's features in one dataset, built by up to `num_proc` processes."""
+    try:
+        dataset = datasets.Dataset.from_generator(
+            _generate,
+            features=FEATURES,
+            gen_kwargs={"shards": shards},  # a list: datasets gives each process its share
+            num_proc=min(len(shards), num_proc) if num_proc > 1 else None,
+            cache_dir=str(staging / "cache"),
+        )
+    except Exception:
+        # A worker's own error explains more than the wrapper `datasets` raises around it.
+        stats = _shard_stats(shards)
+        errors = [s["error"] for s in stats if "error" in s]
+        if errors:
+            raise DistqaError(errors[0]) from None
+        if sum(s["features"] for s in stats) == 0:
+            raise DistqaError(
+                f"{source} produced no features (no examples, or every window dropped: "
+                "task.keep_unknown keeps that fraction of windows without an answer)"
+            ) from None
+        raise
+    errors = [s["error"] for s in _shard_stats(shards) if "error" in s]
+    if errors:
+        raise DistqaError(errors[0])
+    return dataset
+
+
+def _summary(target: Path, stats: list[dict[str, Any]]) -> PrepareResult:
+    return PrepareResult(
+        target,
+        reused=False,
+        docs=sum(s["docs"] for s in stats),
+        features=sum(s["features"] for s in stats),
+        bad_lines=sorted(b for s in stats for b in s["bad_lines"]),
+        seconds=max(s["finished"] for s in stats) - min(s["started"] for s in stats),
+    )
+
+
 def prepare_features(
     input_path: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -126,13 +180,7 @@ def prepare_features(
     source, target = Path(input_path), Path(output_dir)
     if not source.is_file():
         raise DistqaError(f"{source} does not exist or is not a file")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    except (OSError, ValueError) as err:  # the hub unreachable, or a name neither cached nor a folder
-        raise load_error("tokenizer", tokenizer_name, err, "model.tokenizer") from None
-    if not getattr(tokenizer, "is_fast", False):
-        raise DistqaError(f"tokenizer {tokenizer_name!r} has no fast (Rust) version, which prepare needs")
-    fp = fingerprint(source, tokenizer, settings)
+    fp = fingerprint(source, _fast_tokenizer(tokenizer_name), settings)
     stamp = target / FINGERPRINT_FILE
     recorded = _read_stamp(stamp)
     if recorded is not None and recorded.get("fingerprint") == fp:
@@ -140,7 +188,6 @@ def prepare_features(
     staging = _open_staging(target)
     committing = False
     try:
-        ranges = byte_ranges(source, max(1, num_proc))
         shards = [
             {
                 "path": str(source),
@@ -150,44 +197,10 @@ def prepare_features(
                 "skip_bad_lines": skip_bad_lines,
                 "stats": str(staging / f"stats-{i}.json"),
             }
-            for i, r in enumerate(ranges)
+            for i, r in enumerate(byte_ranges(source, max(1, num_proc)))
         ]
-
-        def shard_stats() -> list[dict[str, Any]]:
-            return [json.loads(Path(s["stats"]).read_text()) for s in shards if Path(s["stats"]).is_file()]
-
-        try:
-            dataset = datasets.Dataset.from_generator(
-                _generate,
-                features=FEATURES,
-                gen_kwargs={"shards": shards},  # a list: datasets gives each process its share
-                num_proc=min(len(shards), num_proc) if num_proc > 1 else None,
-                cache_dir=str(staging / "cache"),
-            )
-        except Exception:
-            # A worker's own error explains more than the wrapper `datasets` raises around it.
-            errors = [s["error"] for s in shard_stats() if "error" in s]
-            if errors:
-                raise DistqaError(errors[0]) from None
-            if sum(s["features"] for s in shard_stats()) == 0:
-                raise DistqaError(
-                    f"{source} produced no features (no examples, or every window dropped: "
-                    "task.keep_unknown keeps that fraction of windows without an answer)"
-                ) from None
-            raise
-        stats = shard_stats()
-        errors = [s["error"] for s in stats if "error" in s]
-        if errors:
-            raise DistqaError(errors[0])
-        staged = staging / "dataset"
-        result = PrepareResult(
-            target,
-            reused=False,
-            docs=sum(s["docs"] for s in stats),
-            features=sum(s["features"] for s in stats),
-            bad_lines=sorted(b for s in stats for b in s["bad_lines"]),
-            seconds=max(s["finished"] for s in stats) - min(s["started"] for s in stats),
-        )
+        dataset = _generate_all(source, shards, num_proc, staging)
+        result = _summary(target, _shard_stats(shards))
         record = {
             "fingerprint": fp,
             "docs": result.docs,
@@ -195,9 +208,9 @@ def prepare_features(
             "bad_lines": len(result.bad_lines),
         }
         try:
-            dataset.save_to_disk(str(staged))
+            dataset.save_to_disk(str(staging / "dataset"))
             committing = True
-            _commit(target, staged, json.dumps(record, indent=2))
+            _commit(target, staging / "dataset", json.dumps(record, indent=2))
         except OSError as err:  # a full disk, a folder made read-only meanwhile
             raise DistqaError(f"cannot write features to {target}: {_reason(err)}") from None
         return result

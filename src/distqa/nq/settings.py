@@ -7,6 +7,7 @@ torch with it) is imported, so a mistake is reported at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from distqa.config import check_min, setting
 from distqa.errors import ConfigError
@@ -14,6 +15,21 @@ from distqa.errors import ConfigError
 
 @dataclass
 class NQSettings:
+    # These keys were `data.*` before they became the task's own (before any release): an old name
+    # is refused like any unknown key, and the error gives the new one.
+    renamed_keys: ClassVar[dict[str, str]] = {
+        f"data.{key}": f"task.{key}"
+        for key in (
+            "max_seq_len",
+            "doc_stride",
+            "max_query_len",
+            "keep_unknown",
+            "skip_bad_lines",
+            "cache_dir",
+            "dummy_size",
+        )
+    }
+
     max_seq_len: int = setting(512, "tokens per input sequence, special tokens included")
     doc_stride: int = setting(128, "document tokens between the starts of two windows (at most a window's length)")
     max_query_len: int = setting(64, "question tokens kept (the rest is cut)")
@@ -25,6 +41,11 @@ class NQSettings:
         None, "where prepared features are cached (default: HF_HOME/distqa/features)", resume="silent"
     )
     dummy_size: int = setting(4096, "number of examples in the DummyDataset (data.train=dummy)")
+
+    def ensure_dummy_examples(self, count: int) -> None:
+        """With data.train=dummy, let the DummyDataset hold at least `count` examples (`distqa bench`
+        keeps its measured steps inside one epoch this way, whichever task it runs)."""
+        self.dummy_size = max(self.dummy_size, count)
 
     def __post_init__(self) -> None:
         check_min("task.max_seq_len", self.max_seq_len, 8)

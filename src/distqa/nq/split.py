@@ -130,6 +130,8 @@ class SplitResult:
     output: Path
     train: int
     valid: int
+    # The input's size on disk (compressed for a .gz), what `ls -l` shows: the split reads it twice
+    # (two passes), and a figure of both passes read as twice the file's size.
     bytes_read: int
     seconds: float
 
@@ -160,19 +162,18 @@ def _choose(source: Path, valid: int, seed: int) -> tuple[set[bytes], int]:
     return set(heapq.nsmallest(valid, seen)), len(seen)
 
 
-def _write(source: Path, staging: Path, chosen: set[bytes], seed: int) -> tuple[int, int, int]:
-    """Pass 2: copy each line into staging's train.jsonl or valid.jsonl; (train, valid, bytes read)."""
-    counts, read = [0, 0], 0
+def _write(source: Path, staging: Path, chosen: set[bytes], seed: int) -> tuple[int, int]:
+    """Pass 2: copy each line into staging's train.jsonl or valid.jsonl; (train, valid)."""
+    counts = [0, 0]
     paths = [staging / "train.jsonl", staging / "valid.jsonl"]
     with paths[0].open("wb", buffering=1 << 20) as train, paths[1].open("wb", buffering=1 << 20) as held_out:
         for _, line, key in _examples(source, seed):
             out = key in chosen
             (held_out if out else train).write(line if line.endswith(b"\n") else line + b"\n")
             counts[out] += 1
-            read += len(line)
     for path in paths:
         fsync_path(path)
-    return counts[0], counts[1], read
+    return counts[0], counts[1]
 
 
 def _move_into_place(staging: Path, output: Path) -> None:
@@ -193,6 +194,7 @@ def split_file(
     if valid < 1:
         raise DistqaError(f"--valid {valid}: the number of validation examples must be at least 1")
     _check_paths(source, output, overwrite)
+    size = source.stat().st_size
     started = time.perf_counter()
     chosen, examples = _choose(source, valid, seed)
 
@@ -201,12 +203,12 @@ def split_file(
     try:
         output.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".split-staging-", dir=output))
-        train, held_out, read = _write(source, staging, chosen, seed)
+        train, held_out = _write(source, staging, chosen, seed)
         if (train + held_out, held_out) != (examples, valid):
             raise DistqaError(f"{source} changed while it was being split: run the split again")
         record = {
             "input": str(source.resolve()),
-            "input_bytes": source.stat().st_size,
+            "input_bytes": size,
             "valid": valid,
             "seed": seed,
             "train_examples": train,
@@ -223,4 +225,4 @@ def split_file(
             shutil.rmtree(staging, ignore_errors=True)
         if created and output.is_dir() and not any(output.iterdir()):
             output.rmdir()
-    return SplitResult(output, train, held_out, 2 * read, time.perf_counter() - started)
+    return SplitResult(output, train, held_out, size, time.perf_counter() - started)

@@ -2,56 +2,34 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import AutoTokenizer
 
 from distqa.config import Config
 from distqa.errors import DistqaError
-from distqa.models import RANDOM_MODELS, load_error
-from distqa.nq.commands import add_commands as add_nq_commands
+from distqa.models import check_model_fits, load_tokenizer
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features, train_data_fingerprint
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
 from distqa.nq.model import BertJointQA, bert_joint_loss
 from distqa.nq.postprocess import WindowBest, group_by_example
 from distqa.nq.settings import NQSettings
+from distqa.nq.thresholds import THRESHOLDS_FILE, thresholds_json
 from distqa.task import Batch, Task
-
-
-def load_tokenizer(cfg: Config) -> Any | None:
-    """The tokenizer `model.tokenizer` (default: `model.name`) names; none for a bare random model.
-
-    'tiny' and 'bert-base-random' have bert-base-uncased's vocabulary size but no tokenizer of
-    their own: dummy data needs none, and loading bert-base-uncased's would need a download.
-    """
-    name = cfg.model.tokenizer or cfg.model.name
-    if name in RANDOM_MODELS:
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as err:
-        raise load_error("tokenizer", name, err, "model.tokenizer") from err
-
-
-THRESHOLDS_FILE = "distqa_thresholds.json"
 
 
 class NQTask(Task):
     Config = NQSettings  # the task.* keys (max_seq_len, doc_stride, ...): distqa.nq.settings
-
-    @classmethod
-    def add_commands(cls, commands: Any, add_settings: Any) -> None:
-        add_nq_commands(commands, add_settings)  # prepare, predict, score, download
+    core_settings = ("model.name", "data.train")
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
-        self.tokenizer = load_tokenizer(cfg)
+        # None for a random model ('tiny'): the DummyDataset needs no tokenizer.
+        self.tokenizer = load_tokenizer(cfg.model)
         if cfg.data.valid is not None and cfg.data.valid == "dummy":
             raise DistqaError("data.valid=dummy: validation needs Natural Questions data (a JSONL file)")
         self._valid_folder: Path | None = None
@@ -60,17 +38,7 @@ class NQTask(Task):
 
     def build_model(self) -> nn.Module:
         model = BertJointQA.build(self.cfg.model)
-        max_positions = getattr(model.config, "max_position_embeddings", None)
-        if max_positions is not None and self.cfg.task.max_seq_len > max_positions:
-            raise DistqaError(
-                f"task.max_seq_len={self.cfg.task.max_seq_len} exceeds the {max_positions} positions "
-                f"model {self.cfg.model.name!r} was built for"
-            )
-        if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
-            raise DistqaError(
-                f"tokenizer {self.cfg.model.tokenizer or self.cfg.model.name!r} has {len(self.tokenizer)} tokens, "
-                f"more than model {self.cfg.model.name!r}'s vocabulary of {model.config.vocab_size}"
-            )
+        check_model_fits(model, self.cfg.model, max_seq_len=self.cfg.task.max_seq_len, tokenizer=self.tokenizer)
         self._vocab_size = model.config.vocab_size
         return model
 
@@ -140,4 +108,4 @@ class NQTask(Task):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))
         if self.thresholds is not None:  # chosen on data.valid; `distqa predict` applies them
-            (directory / THRESHOLDS_FILE).write_text(json.dumps(self.thresholds, indent=2) + "\n")
+            (directory / THRESHOLDS_FILE).write_text(thresholds_json(self.thresholds))

@@ -10,40 +10,25 @@ output_dir/model loads with `AutoModelForSequenceClassification` and `AutoTokeni
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 from distqa.config import Config
 from distqa.errors import DistqaError
-from distqa.models import RANDOM_MODELS, build_hf_model, load_error
+from distqa.models import build_hf_model, check_model_fits, load_tokenizer
 from distqa.task import Batch, Task
 from distqa.textcls.data import Example, ExampleDataset, read_examples
 from distqa.textcls.metric import accuracy_and_macro_f1
 from distqa.textcls.settings import TextClsSettings
 
 
-def load_tokenizer(cfg: Config) -> Any:
-    """The tokenizer of `model.tokenizer` (default: `model.name`); text needs one, so a random
-    model must name it."""
-    name = cfg.model.tokenizer or cfg.model.name
-    if name in RANDOM_MODELS:
-        raise DistqaError(
-            f"model.name={name!r} has no tokenizer: set model.tokenizer to one with a matching vocabulary "
-            "(a Hugging Face id or a local folder)"
-        )
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as err:
-        raise load_error("tokenizer", name, err, "model.tokenizer") from err
-
-
 class TextClsTask(Task):
     Config = TextClsSettings  # task.labels, task.text_column, ...: distqa.textcls.settings
+    core_settings = ("model.name", "data.train")
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg)
@@ -54,7 +39,7 @@ class TextClsTask(Task):
         for key, value in (("data.train", cfg.data.train), ("data.valid", cfg.data.valid)):
             if value == "dummy":
                 raise DistqaError(f"{key}=dummy: textcls has no synthetic data; give a .csv or .jsonl file")
-        self.tokenizer = load_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(cfg.model, required=True)  # text needs one: a random model must name it
 
     def build_model(self) -> nn.Module:
         model = build_hf_model(
@@ -65,17 +50,7 @@ class TextClsTask(Task):
             id2label=dict(enumerate(self.labels)),
             label2id={name: i for i, name in enumerate(self.labels)},
         )
-        max_positions = getattr(model.config, "max_position_embeddings", None)
-        if max_positions is not None and self.cfg.task.max_seq_len > max_positions:
-            raise DistqaError(
-                f"task.max_seq_len={self.cfg.task.max_seq_len} exceeds the {max_positions} positions "
-                f"model {self.cfg.model.name!r} was built for"
-            )
-        if len(self.tokenizer) > model.config.vocab_size:  # ids past the embedding table fail mid-run
-            raise DistqaError(
-                f"tokenizer {self.cfg.model.tokenizer or self.cfg.model.name!r} has {len(self.tokenizer)} tokens, "
-                f"more than model {self.cfg.model.name!r}'s vocabulary of {model.config.vocab_size}"
-            )
+        check_model_fits(model, self.cfg.model, max_seq_len=self.cfg.task.max_seq_len, tokenizer=self.tokenizer)
         return model
 
     def build_train_dataset(self) -> Dataset:

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The GPU acceptance suite (tests/test_gpu.py, marker gpu) on a machine that has a GPU, torch and
+# pytest but not this repository's .venv, and no package index: a lent GPU machine. Run it from
+# anywhere in the checkout:
+#
+#     bash scripts/gpu_check.sh [PYTEST_ARGS...]     (e.g. -k sigterm: one test again)
+#
+# The packages that machine lacks travel as wheels in WHEELS (default .whl/, ignored by git; how
+# to fetch them: the comment at the end of this file) are installed into SITE, then
+# PYTHONPATH=SITE:src, so distqa runs from the checkout with no install. Writes, under $OUT when
+# set (else results/gpu/): gpu_tests.log (pytest's output) and gpu_figures.json (the versions, the
+# GPU, each test's outcome and the figures the tests recorded: differences against their
+# tolerances, compile time, peak memory). Exits with pytest's status (0 when every test passed or
+# was skipped, e.g. without a GPU).
+#
+#   PYTHON       interpreter with torch (default: python3)
+#   WHEELS       folder of wheels to install first (default: .whl; empty: install nothing)
+#   SITE         where they go (default: /tmp/site)
+#   GPU_WORKERS  pytest-xdist workers on a GPU: groups of launches side by side (default: 5)
+#   TIMEOUT      seconds per test, where pytest-timeout is installed (default: 300)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+WHEELS=${WHEELS-.whl}
+SITE=${SITE:-/tmp/site}
+DEST=${OUT:-results/gpu}
+mkdir -p "$DEST"
+LOG=$DEST/gpu_tests.log
+FIGURES=$DEST/gpu_figures.json
+RAW=$(mktemp -d)
+trap 'rm -rf "$RAW"' EXIT
+
+if [[ -n $WHEELS ]] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISTQA_GPU_FIGURES=$RAW/figures.json
+
+# What the suite runs on, first in the log: a failure further down often reads differently
+# once the versions are known.
+: > "$LOG"
+"$PYTHON" - > "$RAW/env.json" 2>> "$LOG" <<'EOF' || { cat "$LOG"; exit 1; }
+import importlib, json, platform, sys
+import torch
+env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+for name in ("transformers", "tokenizers", "datasets", "omegaconf", "pyarrow", "numpy", "distqa"):
+    try:
+        module = importlib.import_module(name)
+        env[name] = getattr(module, "__version__", "?") + f" ({module.__file__})"
+    except Exception as err:  # a missing wheel shows here, before forty tracebacks below
+        env[name] = f"cannot import: {type(err).__name__}: {err}"
+print(json.dumps(env, indent=2))
+EOF
+tee -a "$LOG" < "$RAW/env.json"
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG" || true
+fi
+
+args=(-m gpu -p no:cacheprovider -rA -v --junitxml="$RAW/junit.xml" tests/test_gpu.py "$@")
+if "$PYTHON" -c 'import pytest_timeout' 2> /dev/null; then
+  args+=(--timeout "${TIMEOUT:-300}")
+fi
+# Side by side only with a GPU: without one every test skips at once, and xdist's lines would
+# leave out each skip's reason.
+if [[ $gpus -gt 0 ]] && "$PYTHON" -c 'import xdist' 2> /dev/null; then
+  args+=(-n "${GPU_WORKERS:-5}" --dist loadgroup)
+fi
+echo "+ $PYTHON -m pytest ${args[*]}" | tee -a "$LOG"
+status=0
+"$PYTHON" -m pytest "${args[@]}" 2>&1 | tee -a "$LOG" || status=${PIPESTATUS[0]}
+
+"$PYTHON" - "$RAW" "$FIGURES" "$status" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+raw, figures, status = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+outcomes = {}
+if (raw / "junit.xml").is_file():
+    for case in ET.parse(raw / "junit.xml").iter("testcase"):
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[case.get("name")] = {"outcome": kinds[0] if kinds else "passed", "seconds": float(case.get("time", 0))}
+result = {
+    "pytest_exit_status": status,
+    "environment": json.loads((raw / "env.json").read_text()),
+    "tests": outcomes,
+    "figures": json.loads((raw / "figures.json").read_text()) if (raw / "figures.json").is_file() else {},
+}
+figures.write_text(json.dumps(result, indent=2) + "\n")
+print(f"figures: {figures}")
+EOF
+echo "log: $LOG; pytest exit status $status"
+exit "$status"
+
+# The wheels, fetched once where pip's index is reachable (Python 3.12, x86-64), for a machine
+# that has torch, tokenizers, safetensors, pyarrow, numpy, pandas, fsspec, huggingface_hub and the
+# test tools but not the rest of requirements.txt:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl transformers==5.23.0 datasets==5.2.0 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19 \
+#     regex==2026.11.19

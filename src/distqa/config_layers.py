@@ -1,0 +1,100 @@
+"""The three layers of a run's settings: the defaults < a YAML file < `KEY=VALUE` overrides.
+
+OmegaConf merges them against the schema (`distqa.config`), the selected task's own `task.*` keys
+included, so an unknown key or a value of the wrong type is caught before anything runs, in one
+line naming the key and where it was given. This module knows no task: the caller hands in the
+lookup of a task's settings class (`distqa.registry.load_config` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from distqa.config import Config, TaskSettings, default_config, describe_keys
+from distqa.config_checks import (
+    check_floats,
+    check_not_a_section,
+    check_sections,
+    raise_config_error,
+    suggest,
+    unknown_key,
+)
+from distqa.errors import ConfigError
+
+
+def _read_yaml(path: str) -> DictConfig:
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        layer = OmegaConf.load(path)
+    except Exception as err:  # yaml's many parser errors: report the file, not the internals
+        raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from err
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"config file {path} is not a mapping of settings")
+    if isinstance(layer.get("task"), str):  # `task: NAME`, the shorthand of `task: {name: NAME}`
+        layer["task"] = {"name": layer["task"]}
+    return layer
+
+
+def _task_name(layer: DictConfig | None, items: list[str]) -> str:
+    for item in reversed(items):
+        if item.startswith("task.name="):
+            return item.partition("=")[2]
+    if layer is not None and isinstance(layer.get("task"), DictConfig) and "name" in layer["task"]:
+        return str(layer["task"]["name"])
+    return TaskSettings().name
+
+
+def load_config(path: str | None, overrides: Sequence[str] = (), *, settings_of: Callable[[str], type]) -> Config:
+    """Defaults < YAML file < `key=value` overrides, checked against the schema.
+
+    The task is found first (`task.name`, or the shorthand `task=NAME`), so that its own settings
+    (`settings_of(name)`: its `Config` dataclass) are typed and checked like every other key. This
+    module knows no task: the caller hands the lookup in (`distqa.registry.load_config` does).
+    """
+    layer = _read_yaml(path) if path is not None else None
+    items = []
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form KEY=VALUE{suggest(item, [])}")
+        key, _, value = item.partition("=")
+        items.append(f"task.name={value}" if key == "task" else item)
+    defaults = default_config(settings_of(_task_name(layer, items)))
+    known = [k for k, _, _ in describe_keys(defaults)]
+    renamed = renamed_keys(defaults)
+    merged = OmegaConf.structured(defaults)
+    if layer is not None:
+        check_sections(OmegaConf.to_container(layer), defaults, str(path))
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            raise_config_error(err, str(path), known, renamed)
+    for item in items:
+        check_not_a_section(item.partition("=")[0], known)
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except ConfigKeyError as err:
+            # OmegaConf names only the first unknown part (`trian`); the key as typed says more.
+            raise unknown_key(item.partition("=")[0], "the command line", known, renamed) from err
+        except OmegaConfBaseException as err:
+            raise_config_error(err, "the command line", known, renamed)
+    try:
+        check_floats(OmegaConf.to_container(merged), defaults)
+        cfg = OmegaConf.to_object(merged)  # instantiates the dataclasses: runs every __post_init__
+    except OmegaConfBaseException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        raise_config_error(err, "the configuration", known, renamed)
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def renamed_keys(cfg: Config) -> dict[str, str]:
+    """Old full key -> new full key, for keys that were renamed: a task's settings class may say
+    `renamed_keys: ClassVar[dict[str, str]] = {"data.max_seq_len": "task.max_seq_len"}`. An old
+    name is refused like any unknown key, with the new name in the error."""
+    return dict(getattr(type(cfg.task), "renamed_keys", {}))

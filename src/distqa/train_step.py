@@ -1,0 +1,106 @@
+"""One optimizer step: `grad_accum` micro-batches per rank, then clipping and the update.
+
+Gradients are reduced once per step, on the last micro-batch (no sync on the others), then
+clipped and applied. The loop around it (`distqa.trainer`) only sequences steps and acts on what
+`distqa.control` decides after each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from distqa import parallel
+from distqa.errors import DistqaError
+from distqa.evaluation import to_device
+
+if TYPE_CHECKING:
+    from distqa.config import TrainConfig
+    from distqa.dist import DistInfo
+    from distqa.metrics import ThroughputMeter
+    from distqa.steptimer import StepTimer
+    from distqa.task import Batch, Task
+
+
+@dataclass
+class TrainStep:
+    """What a step uses. `model` is what the forward pass calls (DDP-wrapped, compiled or FSDP);
+    `raw_model` the module itself (its parameters); `ddp` the DDP wrapper, if any."""
+
+    task: Task
+    model: nn.Module
+    raw_model: nn.Module
+    ddp: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    train: TrainConfig
+    info: DistInfo
+    timer: StepTimer
+    autocast_dtype: torch.dtype | None
+
+    def __call__(self, batches: Iterator[Batch], meter: ThroughputMeter) -> None:
+        accum, timer = self.train.grad_accum, self.timer
+        timer.step_begin()
+        for micro in range(accum):
+            if micro:
+                timer.mark("data")
+            cpu_batch = next(batches)
+            tokens = self.task.count_tokens(cpu_batch)  # on the CPU copy: no device sync
+            samples = len(next(iter(cpu_batch.values())))
+            batch = to_device(cpu_batch, self.info.device)
+            timer.mark("forward_backward")
+            # All-reduce only on the last micro-batch: earlier backward passes just accumulate
+            # locally, which saves (accum - 1) rounds of communication per step.
+            loss = self._forward_backward(batch, sync=micro == accum - 1)
+            meter.add(loss, samples, tokens)
+            timer.count(samples, tokens)
+        timer.mark("optimizer")
+        self._update()
+        timer.mark("other")  # logging, checkpoints, signal checks: until the next step begins
+
+    def _forward_backward(self, batch: Batch, *, sync: bool) -> torch.Tensor:
+        # (self.ddp, not self.model: a compiled model is no DDP instance, but obeys no_sync.)
+        with parallel.gradient_sync(self.raw_model, self.ddp, enabled=sync):
+            with torch.autocast(
+                self.info.device.type,
+                dtype=self.autocast_dtype or torch.float32,
+                enabled=self.autocast_dtype is not None,
+            ):
+                loss = self._loss(batch)
+            # Each micro-batch's loss is a mean over its examples; dividing by accum makes the
+            # accumulated gradient the mean over the whole global batch.
+            self.scaler.scale(loss / self.train.grad_accum).backward()
+        return loss
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        try:
+            return self.task.loss(self.model, batch)
+        except RuntimeError as err:
+            if "find_unused_parameters" not in str(err):
+                raise
+            # DDP's own message is a paragraph; the cause and the switch fit in a line.
+            raise DistqaError(
+                "some parameters got no gradient in a step (a model part the loss does not use): set "
+                "train.find_unused_parameters=true, or leave that part out of the model"
+            ) from err
+
+    def _update(self) -> None:
+        if self.train.max_grad_norm > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
+            parallel.clip_gradients(self.raw_model.parameters(), self.train.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        if self.scaler.is_enabled():
+            # fp16: the scaler skips the optimizer step when gradients overflowed (and then lowers
+            # its scale); the schedule must not advance past a step that never happened.
+            scale = self.scaler.get_scale()
+            self.scaler.update()
+            if self.scaler.get_scale() >= scale:
+                self.scheduler.step()
+        else:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
