@@ -17,6 +17,7 @@ help:
 	@echo "make test-fast  unit tests only (no torchrun launches)"
 	@echo "make test-docker  build the image with the local Docker engine and run containers (minutes)"
 	@echo "make test-download  the tests that pip-install neuro-flow on first use (about 40 s, needs pip's index)"
+	@echo "make check-flow parse .neuro/live.yml offline with neuro-flow, print its jobs and volumes, fail on a bad reference"
 	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 2 minutes)"
 	@echo "make test-safety  no silent wrong result: refusals at two processes, planted files, lock takeovers (minutes)"
 	@echo "make perf-fsdp  train.parallel=fsdp against ddp at two processes, sharded resumes, bench memory (minutes)"
@@ -69,6 +70,13 @@ test-docker: install-dev
 # (tests/test_neuro_flow.py), so they need pip's index once. Skipped, with the reason, without it.
 test-download: install-dev
 	$(BIN)/python -m pytest -m download
+
+# .neuro/live.yml parsed and evaluated offline by neuro-flow's own parser (installed into
+# .venv/neuro-flow on first use, as for test-download), every volumes./images./params. reference
+# checked; one line per volume and job, non-zero exit on a problem.
+.PHONY: check-flow
+check-flow: install
+	$(BIN)/python scripts/check_flow.py
 
 # Nodes lost and started again in a two-host run (network namespaces, root): about 2 minutes, most
 # of it rendezvous timeouts. Not part of `make test`.

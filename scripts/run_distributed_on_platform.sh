@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A multi-node run on Neu.ro: NNODES jobs of .neuro/live.yml's `distributed_training`, one per node.
-# Builds nothing: run `neuro-flow build train_image`, `neuro-flow mkvolumes` and
-# `neuro-flow upload ALL` first. Arguments after `--` go to `distqa train` (default: the job's).
+# Builds nothing: run steps 1-7 of docs/containers.md#neuro first (the image, the volumes, the
+# `download` and `prepare` jobs: configs/bert-base.yaml trains on the split they write).
+# Arguments after `--` go to `distqa train` (default: the job's).
 #
 #   scripts/run_distributed_on_platform.sh 2 -- --config configs/bert-base.yaml output_dir=/app/results/ddp
 #

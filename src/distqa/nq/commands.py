@@ -28,7 +28,12 @@ def _add_prepare_and_predict(commands: Any, add_settings: Callable[..., None]) -
         "task.skip_bad_lines, seed).",
     )
     prepare.add_argument("--input", required=True, metavar="FILE", help="NQ JSONL (train, dev or test format)")
-    prepare.add_argument("--output", required=True, metavar="DIR", help="folder to write the features to")
+    prepare.add_argument(
+        "--output",
+        metavar="DIR",
+        help="folder to write the features to (default: the cache entry `distqa train` looks up for "
+        "data.train/data.valid=FILE with these settings, under task.cache_dir)",
+    )
     prepare.add_argument("--num-proc", type=int, default=1, metavar="N", help="processes (default: 1)")
     prepare.add_argument(
         "--mode",
@@ -104,9 +109,16 @@ def _prepare(args: argparse.Namespace) -> None:
         raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
     cfg = load_config(args.config, args.overrides)
     quiet_libraries(is_main=True)  # datasets' bars on a terminal only; the summary below in any case
+    output = args.output
+    if output is None:  # the entry resolve_features (distqa train) finds for this file and these settings
+        from distqa.models import load_tokenizer
+        from distqa.nq.data import feature_cache_entry
+
+        training = args.mode == "train"
+        output = feature_cache_entry(cfg, args.input, load_tokenizer(cfg.model, required=True), training=training)
     result = prepare_features(
         args.input,
-        args.output,
+        output,
         tokenizer_name=tokenizer_name(cfg),
         settings=feature_settings(cfg, training=args.mode == "train"),
         num_proc=args.num_proc,

@@ -46,27 +46,33 @@ def default_cache_dir() -> Path:
     return Path(hf_home) / "distqa" / "features"
 
 
+def feature_cache_entry(cfg: Config, path: str | Path, tokenizer: Any, *, training: bool) -> Path:
+    """Where `resolve_features` keeps the features of JSONL `path`: task.cache_dir (default
+    HF_HOME/distqa/features) / a key of the file, the tokenizer's contents and the settings."""
+    from distqa.nq.prepare import fingerprint, fingerprint_key  # see resolve_features
+
+    cache_root = Path(cfg.task.cache_dir) if cfg.task.cache_dir else default_cache_dir()
+    return cache_root / fingerprint_key(fingerprint(Path(path), tokenizer, feature_settings(cfg, training=training)))
+
+
 def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) -> Path:
     """The prepared folder for `path`: itself if `distqa prepare` wrote it, else a cache entry,
     prepared now if missing. Call on one process per node first (see `dist.local_main_first`)."""
     # Imported here, not at the top: `prepare` pulls in `datasets` (pandas, pyarrow: about 0.5 s
     # per process), which runs on the DummyDataset never use.
-    from distqa.nq.prepare import FINGERPRINT_FILE, fingerprint, fingerprint_key, prepare_features
+    from distqa.nq.prepare import FINGERPRINT_FILE, prepare_features
 
     source = Path(path)
     if source.is_dir():
         if not (source / FINGERPRINT_FILE).is_file():
             raise DistqaError(f"{source} is a folder but not one `distqa prepare` wrote")
         return source
-    name = tokenizer_name(cfg)
-    settings = feature_settings(cfg, training=training)
-    cache_root = Path(cfg.task.cache_dir) if cfg.task.cache_dir else default_cache_dir()
-    target = cache_root / fingerprint_key(fingerprint(source, tokenizer, settings))
+    target = feature_cache_entry(cfg, source, tokenizer, training=training)
     result = prepare_features(
         source,
         target,
-        tokenizer_name=name,
-        settings=settings,
+        tokenizer_name=tokenizer_name(cfg),
+        settings=feature_settings(cfg, training=training),
         num_proc=os.cpu_count() or 1,
         skip_bad_lines=cfg.task.skip_bad_lines,
     )

@@ -10,8 +10,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from distqa.config import Config
+from distqa.dist import print0
 from distqa.errors import DistqaError
-from distqa.models import check_model_fits, load_tokenizer
+from distqa.models import RANDOM_MODELS, check_model_fits, load_tokenizer
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features, train_data_fingerprint
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
@@ -49,6 +50,11 @@ class NQTask(Task):
         if data.valid is not None:  # prepared here too: this runs on one process per node first
             self._valid_folder = resolve_features(self.cfg, data.valid, self.tokenizer, training=False)
         if data.train == "dummy":
+            if self.cfg.model.name not in RANDOM_MODELS:  # fine-tuning real weights on noise: say so once
+                print0(
+                    f"warning: the pretrained model {self.cfg.model.name} trains on the DummyDataset "
+                    "(data.train=dummy), synthetic data: set data.train to Natural Questions data for a real run"
+                )
             return DummyDataset(
                 own.dummy_size,
                 own.max_seq_len,
