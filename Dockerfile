@@ -6,6 +6,10 @@
 #   docker run --rm --gpus all --shm-size=8g distqa     # every GPU of this host
 #   docker run --rm distqa                              # a CPU host: one process on the CPU
 #
+# `docker stop` (SIGTERM, SIGKILL 10 s later) is a preemption: the current step is checkpointed and
+# the container exits 143. The tiny model's stop takes a few seconds; for a larger model give the
+# step plus its checkpoint time: `docker run --stop-timeout 60` (no instruction here can set it).
+#
 # Built by plain `docker build` and by Kaniko on Neu.ro (`neuro-flow build train_image`), so no
 # BuildKit-only syntax (RUN --mount) here.
 

@@ -27,7 +27,7 @@
 # checks that MASTER_PORT is free here and that MASTER_ADDR leads to this host (distqa.rdzv_check).
 # Exit status: 2 for a missing or contradictory setting, 3 when node 0 does not answer in time,
 # 143 after a SIGTERM that distqa answered with a checkpoint (its `distqa: preempted:` line is then
-# the last line), 0 when every process finished its training (also when a SIGTERM came after that);
+# the last line) or one before torchrun started (nothing to checkpoint yet), 0 when every process finished its training (also when a SIGTERM came after that);
 # otherwise torchrun's (128+N when a signal N killed torchrun).
 set -euo pipefail
 
@@ -37,6 +37,10 @@ die() {
   exit "${2:-2}"
 }
 note() { echo "worker.sh: $*" >&2; }
+# A SIGTERM before torchrun starts (the checks, the wait for node 0) finds nothing to checkpoint: stop
+# at once. Without a trap, bash as a container's PID 1 would ignore it, and `docker stop` would end
+# in SIGKILL after its grace period. Replaced below, once torchrun runs, by the forwarding trap.
+trap 'note "stopped by SIGTERM before training started: nothing to checkpoint"; exit 143' TERM
 
 # pick TARGET VAR...: set TARGET to the value of the first VAR that is set and not empty, and
 # TARGET_FROM to that VAR's name, so that error messages can say where a value came from.

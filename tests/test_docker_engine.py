@@ -171,8 +171,9 @@ def test_docker_stop_is_a_preemption_and_the_same_docker_run_resumes_exactly(bui
             assert proc.poll() is None, f"the run ended before step 41: {stderr_log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, "no step 41 within 600 s"
             time.sleep(0.05)
-        # SIGTERM to the container's PID 1 (worker.sh), then SIGKILL after 60 s: what platforms do.
-        docker("stop", "-t", "60", name, timeout=120)
+        # SIGTERM to the container's PID 1 (worker.sh), then SIGKILL after Docker's default 10 s:
+        # the step, the checkpoint and every process's exit fit in it (docs/reliability.md).
+        docker("stop", name, timeout=120)
         assert proc.wait(timeout=60) == 143, stderr_log.read_text()[-3000:]
         assert docker("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip() == "143"
         last = stderr_log.read_text().strip().splitlines()[-1]
@@ -189,3 +190,131 @@ def test_docker_stop_is_a_preemption_and_the_same_docker_run_resumes_exactly(bui
         assert max_abs_diff(load_weights(out), load_weights(results / "straight")) == 0.0
     finally:
         remove_containers(name)
+
+
+def start_nodes(results: Path, run: str, args: list[str], cwd: Path) -> subprocess.Popen:
+    """scripts/run_docker_nodes.sh 2 ARGS in the background (node 0's log on stdout)."""
+    env = dict(os.environ, IMAGE=IMAGE, RESULTS_DIR=str(results), GPUS_PER_NODE="0", SHM_SIZE="1g",
+               RUN_NAME=run, DATA_DIR=str(cwd / "no-data"))  # fmt: skip
+    script = str(ROOT / "scripts" / "run_docker_nodes.sh")
+    return subprocess.Popen(
+        [script, "2", *args], env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+# How often the two-container stop is repeated: the rank-1 hang it guards against was intermittent.
+STOP_LOOPS = int(os.environ.get("DISTQA_DOCKER_STOP_LOOPS", "2"))
+
+
+def test_docker_stop_of_both_nodes_in_a_loop_checkpoints_every_time_and_resumes(build_log, tmp_path):
+    """Each round: the nodes resume from the previous round's checkpoint, a few steps later both
+    containers get `docker stop -t 10` (Docker's default grace period; the script's own containers
+    would get 60 s), both exit 143 with the preempted line last, and the script reports 143. Then the
+    run goes to its end and equals an uninterrupted two-process run."""
+    args = [*STOP_RUN, "train.max_steps=60", "train.checkpoint_every=1000"]
+    host = tmp_path / "host"
+    run_train([*args, f"output_dir={host}"], nproc=2)
+
+    results = writable_results(tmp_path / "results")
+    out, run = results / "loop", f"{PREFIX}-loop"
+    nodes = [f"{run}-node0", f"{run}-node1"]
+    stopped_at = 0
+    for round_ in range(STOP_LOOPS):
+        proc = start_nodes(results, run, [*args, "output_dir=results/loop"], tmp_path)
+        try:
+            deadline = time.monotonic() + 600
+            while last_step(out) < stopped_at + 2:  # two steps of this round: it runs, past its resume
+                assert proc.poll() is None, f"round {round_}: the run ended early: {proc.stderr.read()[-3000:]}"
+                assert time.monotonic() < deadline, f"round {round_}: no step {stopped_at + 2} within 600 s"
+                time.sleep(0.05)
+            started = time.monotonic()
+            docker("stop", "-t", "10", *nodes, timeout=120)
+            took = time.monotonic() - started
+            _, err = proc.communicate(timeout=120)
+        finally:
+            remove_containers(*nodes)
+        assert proc.returncode == 143, f"round {round_} (stop took {took:.1f} s): {err[-3000:]}"
+        lines = err.strip().splitlines()
+        assert "all 2 nodes stopped by SIGTERM after a checkpoint (exit 143)" in lines[-2], err[-3000:]
+        assert lines[-1].startswith("distqa: preempted: stopped by SIGTERM at step "), lines[-1]
+        step = int(lines[-1].split("at step ")[1].split()[0])
+        assert stopped_at < step < 60
+        assert verify_checkpoint(out / "checkpoints" / f"step-{step}") is None
+        stopped_at = step
+
+    proc = start_nodes(results, run, [*args, "output_dir=results/loop"], tmp_path)
+    try:
+        _, err = proc.communicate(timeout=900)
+    finally:
+        remove_containers(*nodes)
+    assert proc.returncode == 0, err[-3000:]
+    assert max_abs_diff(load_weights(out), load_weights(host)) < 1e-5
+
+
+def samples_per_s(out: Path) -> float:
+    """The median throughput the run logged, its first (warm-up) window left out."""
+    rates = sorted(json.loads(line)["samples_per_s"] for line in (out / "metrics.jsonl").read_text().splitlines()[1:])
+    return rates[len(rates) // 2]
+
+
+def test_two_pinned_containers_keep_up_with_a_two_process_host_run(build_log, tmp_path):
+    """run_docker_nodes.sh 2 gives each container its own half of the CPUs (and worker.sh one thread
+    per CPU): at least 0.8 of the samples/s of one host run with two processes, measured back to back.
+    Other work on a shared host only lowers a figure, so a second round is run when the first falls
+    short, and each side's best counts (before the CPU split: 0.12, docs/benchmarks.md)."""
+    args = ["model.name=tiny", "task.max_seq_len=128", "train.batch_size=8", "train.max_steps=50",
+            "train.log_every=10", "train.checkpoint_every=1000"]  # fmt: skip
+    cpus = len(os.sched_getaffinity(0))
+    results = writable_results(tmp_path / "results")
+    host_rates, docker_rates = [], []
+    for round_ in range(2):
+        host = tmp_path / f"host{round_}"
+        run_train([*args, f"output_dir={host}"], nproc=2)
+        run = f"{PREFIX}-share{round_}"
+        proc = start_nodes(results, run, [*args, f"output_dir=results/two{round_}"], tmp_path)
+        try:
+            stdout, err = proc.communicate(timeout=900)
+        finally:
+            remove_containers(f"{run}-node0", f"{run}-node1")
+        assert proc.returncode == 0, err[-3000:]
+        if cpus >= 2:  # half the CPUs each: worker.sh's line says so
+            assert f"OMP_NUM_THREADS={cpus // 2} ({cpus // 2} CPU(s) / 1 process(es))" in stdout + err
+        host_rates.append(samples_per_s(host))
+        docker_rates.append(samples_per_s(results / f"two{round_}"))
+        print(f"samples/s: host 2 processes {host_rates[-1]:.1f}, 2 containers x 1 process {docker_rates[-1]:.1f}")
+        if max(docker_rates) >= 0.8 * max(host_rates):
+            break
+    assert max(docker_rates) >= 0.8 * max(host_rates), (host_rates, docker_rates)
+
+
+def test_a_node_that_exits_after_node_0_is_gone_still_exits_143(build_log, tmp_path):
+    """Rank 1 made 3 s slower to leave than node 0 (tests/docker_slow_exit): node 0's container, with
+    the store its torchrun hosts, is gone while rank 1 still stops its PeerWatch. A new store client
+    would retry its connect and name lookup for 10 s, twice; within Docker's 10 s both nodes must
+    still exit 143 with the preempted line."""
+    slow = f"{IMAGE}-slow-exit"
+    docker("build", "-q", "--build-arg", f"IMAGE={IMAGE}", "-t", slow, str(ROOT / "tests" / "docker_slow_exit"),
+           timeout=300)  # fmt: skip
+    results = writable_results(tmp_path / "results")
+    run = f"{PREFIX}-slow"
+    nodes = [f"{run}-node0", f"{run}-node1"]
+    args = [*STOP_RUN, "train.checkpoint_every=1000", "output_dir=results/slow"]
+    env = dict(os.environ, IMAGE=slow, RESULTS_DIR=str(results), GPUS_PER_NODE="0", SHM_SIZE="1g", RUN_NAME=run,
+               DATA_DIR=str(tmp_path / "no-data"))  # fmt: skip
+    script = str(ROOT / "scripts" / "run_docker_nodes.sh")
+    proc = subprocess.Popen(
+        [script, "2", *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while last_step(results / "slow") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        docker("stop", "-t", "10", *nodes, timeout=120)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        remove_containers(*nodes)
+        docker("rmi", slow, check=False)
+    # Each node's status as the script read it: 143 twice, or "failed: ...-node1 (exit 137)".
+    assert proc.returncode == 143 and "failed" not in err, err[-3000:]
+    assert proc.returncode == 143 and err.strip().splitlines()[-1].startswith("distqa: preempted: "), err[-3000:]

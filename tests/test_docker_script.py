@@ -112,6 +112,69 @@ def test_ctrl_c_removes_every_container(tmp_path):
     assert docker[-1] == ["network", "rm", "t1-net"]
 
 
+def cpuset_of(run: list[str]) -> str | None:
+    return run[run.index("--cpuset-cpus") + 1] if "--cpuset-cpus" in run else None
+
+
+def test_the_hosts_cpus_are_split_between_nodes_and_a_stop_waits_for_the_checkpoint(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))  # the script splits the CPUs it may run on
+    proc = run_script(tmp_path, "2")
+    assert proc.returncode == 0, proc.stderr
+    runs = [c for c in calls(tmp_path) if c[0] == "run"]
+    half = len(cpus) // 2
+    if half:
+        # Disjoint sets: each container's worker.sh gives its processes only its own cores' threads.
+        assert [cpuset_of(r) for r in runs] == [
+            ",".join(map(str, cpus[:half])),
+            ",".join(map(str, cpus[half : 2 * half])),
+        ]
+        assert all("OMP_NUM_THREADS" not in env_of(r) for r in runs)  # worker.sh derives it from the set
+    else:
+        assert [env_of(r)["OMP_NUM_THREADS"] for r in runs] == ["1", "1"] and "not pinned" in proc.stderr
+    # Docker's own 10 s is usually enough, but a node's checkpoint gets 60 s from a plain `docker stop`.
+    assert all(r[r.index("--stop-timeout") + 1] == "60" for r in runs)
+
+    proc = run_script(tmp_path, "2", CPUS_PER_NODE="0", STOP_TIMEOUT="15", OMP_NUM_THREADS="3")
+    runs = [c for c in calls(tmp_path) if c[0] == "run"][2:]
+    assert [cpuset_of(r) for r in runs] == [None, None]
+    assert [env_of(r)["OMP_NUM_THREADS"] for r in runs] == ["3", "3"]  # the user's own choice is kept
+    assert all(r[r.index("--stop-timeout") + 1] == "15" for r in runs)
+
+    proc = run_script(tmp_path, "2", CPUS_PER_NODE=str(len(cpus)))
+    assert proc.returncode == 2 and f"CPUS_PER_NODE={len(cpus)} x 2 nodes needs" in proc.stderr
+
+
+def test_a_clean_preemption_of_every_node_is_reported_as_such(tmp_path):
+    proc = run_script(tmp_path, "2", FAKE_DOCKER_EXIT="t1-node0=143,t1-node1=143")
+    assert proc.returncode == 143, proc.stderr
+    assert "all 2 nodes stopped by SIGTERM after a checkpoint (exit 143)" in proc.stderr
+    assert "failed" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("distqa: preempted: ")
+    # One node preempted, the other failed: a failure.
+    proc = run_script(tmp_path, "2", FAKE_DOCKER_EXIT="t1-node0=143,t1-node1=137")
+    assert proc.returncode == 1 and "failed: t1-node1 (exit 137)" in proc.stderr
+
+
+def test_sigterm_to_the_script_stops_every_node_with_a_grace_period(tmp_path):
+    proc = subprocess.Popen(
+        [str(SCRIPT), "2"],
+        env=env_for(tmp_path, FAKE_DOCKER_SLEEP="30", STOP_TIMEOUT="20"),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_call(tmp_path, '"wait"', "`docker wait`")
+    proc.send_signal(signal.SIGTERM)  # to the script alone, as a scheduler stops a job
+    _, err = proc.communicate(timeout=20)  # not after `docker wait`'s 30 s
+    assert "stopping every node (docker stop, up to 20s)" in err
+    docker = calls(tmp_path)
+    # docker stop (SIGTERM, SIGKILL after the grace period) before anything is removed.
+    stop = docker.index(["stop", "-t", "20", "t1-node0", "t1-node1"])
+    assert stop < docker.index(["rm", "-f", "t1-node0", "t1-node1"])
+    assert ["inspect", "--format", "{{.State.ExitCode}}", "t1-node1"] in docker
+
+
 def test_usage_errors(tmp_path):
     assert run_script(tmp_path).returncode == 2
     proc = run_script(tmp_path, "two")

@@ -633,3 +633,23 @@ def test_sigterm_after_every_rank_finished_is_a_success(tmp_path):
     (tmp_path / "short").mkdir()
     proc, stderr = sigterm_twice(tmp_path / "short", preempted="0", finished="1")
     assert proc.returncode == 1 and "distqa confirmed no checkpoint" in stderr.splitlines()[-1], stderr
+
+
+def test_sigterm_before_torchrun_starts_ends_at_once_with_143(tmp_path):
+    """A node waiting for node 0 (or still checking its settings) has nothing to checkpoint: a SIGTERM
+    ends it at once. Without a trap, bash as a container's PID 1 ignores SIGTERM, and `docker stop`
+    would end in SIGKILL (137) after its grace period."""
+    env = base_env(tmp_path, WORKER_DRY_RUN="0", NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()), RDZV_TIMEOUT="60")  # fmt: skip
+    proc = subprocess.Popen([str(WORKER)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    while "waiting up to 60s for the master" not in (line := proc.stderr.readline()):
+        assert line, "worker.sh ended before it waited for the master"
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 143
+    assert time.monotonic() - started < 8  # within Docker's 10 s
+    assert stderr.strip().splitlines()[-1] == (
+        "worker.sh: stopped by SIGTERM before training started: nothing to checkpoint"
+    )

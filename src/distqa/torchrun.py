@@ -19,6 +19,7 @@ to the node's file (distqa.outcome, `DISTQA_ERROR_FILE`, made here when no launc
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -88,4 +89,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # torchrun has imported torch, and the interpreter's teardown walks every object of it: about
+    # 2 s on a busy CPU, after the workers are gone. On a `docker stop` that is time out of the
+    # platform's grace period (Docker's 10 s), so the final collections skip them (as distqa's own).
+    gc.freeze()
+    raise SystemExit(code)
