@@ -21,6 +21,8 @@ help:
 	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 2 minutes)"
 	@echo "make test-safety  no silent wrong result: refusals at two processes, planted files, lock takeovers (minutes)"
 	@echo "make perf-fsdp  train.parallel=fsdp against ddp at two processes, sharded resumes, bench memory (minutes)"
+	@echo "make test-comm  gradient compression hooks (fp16, bf16, powersgd) at two processes, PowerSGD's exact resume (minutes)"
+	@echo "make bench-network  two hosts on a capped link (root): speed and bytes per step of each gradient hook (minutes)"
 	@echo "make test-gpu   the GPU acceptance suite (CUDA, NCCL, bf16/fp16, compile, FSDP2, peak memory); skipped without a GPU"
 	@echo "make lint       ruff"
 	@echo "make docs       regenerate docs/keys.md from \`distqa train --help\` (tests/test_docs.py checks it)"
@@ -59,7 +61,7 @@ test: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: install-dev
-	$(BIN)/python -m pytest -m "not slow and not docker and not download and not nodes and not fsdp and not safety"
+	$(BIN)/python -m pytest -m "not slow and not docker and not download and not nodes and not fsdp and not safety and not comm"
 
 # Not part of `make test` (pyproject's addopts leave them out): they need a Docker engine, and the
 # first build makes the stand-in base image (root and debootstrap; minutes). Skipped without an engine.
@@ -91,6 +93,20 @@ perf-fsdp: install-dev
 # launches at two processes beyond make test's 5 minutes.
 test-safety: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m safety
+
+# train.ddp_comm_hook's proofs at two processes (tests/test_comm_hooks.py, marker comm): fp16/bf16/powersgd
+# against none, PowerSGD's exact resume after SIGTERM. torchrun launches beyond make test's 5 minutes.
+.PHONY: test-comm
+test-comm: install-dev
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m comm
+
+# Two hosts (network namespaces, root) on a tbf-capped veth link: samples/s and bytes on the wire per
+# train.ddp_comm_hook (scripts/bench_network.sh; about 6 minutes). Not part of `make test`.
+.PHONY: bench-network
+NETWORK_OUT ?= results/network
+bench-network: install
+	PYTHON=$(CURDIR)/$(BIN)/python scripts/bench_network.sh --rates none,1gbit,100mbit --hooks none,fp16,bf16,powersgd \
+		--steps 20 --warmup 10 --output $(NETWORK_OUT) -- model.name=tiny task.max_seq_len=64 train.batch_size=8
 
 # The GPU acceptance suite (tests/test_gpu.py, marker gpu): about 2 minutes on one GPU, its groups
 # of launches side by side (xdist groups). Without CUDA every test is skipped, one line each with

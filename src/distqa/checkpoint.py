@@ -6,6 +6,8 @@ Layout of `output_dir/checkpoints/step-N/`:
   .metadata, __R_0.distcp   train.parallel=fsdp: model and optimizer as every rank's shards, written
                         with torch.distributed.checkpoint (`distqa.sharded`); loads on any process count
   rng-rank{R}.pt        every RNG of rank R: Python, NumPy, torch CPU and CUDA
+  comm-rank{R}.pt       rank R's gradient-communication state (train.ddp_comm_hook: PowerSGD's
+                        error feedback and memories; `distqa.comm_hooks`)
   trainer_state.json    step, epoch, position in the epoch, global batch, the resolved config, the
                         task's state and the open log window (`distqa.checkpoint_manager.TrainerState`)
 
@@ -27,7 +29,7 @@ import json
 import pickle
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -76,6 +78,7 @@ class _RankZeroFiles(NamedTuple):
     rng_states: list[Any]
     trainer_state: dict[str, Any]
     hashed: dict[str, Any]
+    comm_states: list[Any] | None = None  # per rank, as the RNG states
 
 
 def _write(tmp: Path, files: _RankZeroFiles) -> None:
@@ -85,6 +88,8 @@ def _write(tmp: Path, files: _RankZeroFiles) -> None:
     torch.save(files.training_state, tmp / "training_state.pt")
     for rank, rng in enumerate(files.rng_states):
         torch.save(rng, tmp / f"rng-rank{rank}.pt")
+    for rank, comm in enumerate(files.comm_states or []):
+        torch.save(comm, tmp / f"comm-rank{rank}.pt")
     (tmp / STATE_FILE).write_text(json.dumps(files.trainer_state, indent=2) + "\n")
     written = sorted(p for p in tmp.iterdir() if p.is_file())
     hashed = files.hashed
@@ -106,10 +111,13 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     info: DistInfo,
     keep: int = 0,
+    protect: Collection[str] = (),
     sharded: bool = False,
     still_holding: Callable[[], str | None] | None = None,
+    comm_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `root/step-N` (N = trainer_state["step"]) and keep the newest `keep` (0: all).
+    """Write `root/step-N` (N = trainer_state["step"]) and keep the newest `keep` (0: all), and
+    the folders named in `protect` (the best checkpoint: `distqa.best`).
 
     Every rank must call it. Rank 0 writes into `.tmp-step-N`, fsyncs every file and a manifest of
     their sizes and hashes, then renames the folder: `step-N` appears whole or not at all. If the
@@ -124,6 +132,8 @@ def save_checkpoint(
     step = int(trainer_state["step"])
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     rng_states = gather_to_main(capture_rng_state(info.device), info)
+    # `comm_state`: this rank's part that is not the same on every rank (`Parts.comm_hook`).
+    comm_states = gather_to_main(comm_state, info) if comm_state is not None else None
     problem, created = _open_folder(tmp, final, root, still_holding) if info.is_main else (None, False)
     hashed: dict[str, Any] = {}
     if sharded:  # every rank writes its shards into rank 0's folder (shared: checked at start)
@@ -134,8 +144,10 @@ def save_checkpoint(
             "scaler": scaler.state_dict(),
             **({} if sharded else {"optimizer": optimizer.state_dict()}),
         }
-        files = _RankZeroFiles(None if sharded else model, training_state, rng_states, trainer_state, hashed)
-        problem = _publish(tmp, final, root, files, keep=keep, still_holding=still_holding)
+        files = _RankZeroFiles(
+            None if sharded else model, training_state, rng_states, trainer_state, hashed, comm_states
+        )
+        problem = _publish(tmp, final, root, files, keep=keep, protect=protect, still_holding=still_holding)
     if problem and created:
         # Ours (only rank 0 creates it); a takeover seen before it was created leaves the folder,
         # maybe the new holder's, alone.
@@ -198,6 +210,7 @@ def _publish(
     files: _RankZeroFiles,
     *,
     keep: int,
+    protect: Collection[str],
     still_holding: Callable[[], str | None] | None,
 ) -> str | None:
     """Rank 0: its files and the manifest, then `tmp` renamed to `final` and old ones pruned."""
@@ -212,14 +225,19 @@ def _publish(
             shutil.rmtree(final)
         tmp.rename(final)
         fsync_path(root)
-        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep, {final.name, *protect})
     except (OSError, RuntimeError, SafetensorError) as err:
         # A full disk surfaces as OSError, as torch.save's RuntimeError or as safetensors' own
         # error, depending on which file was being written.
         return _cannot_write(final, root, err)
     return None
+
+
+def prune(root: Path, keep: int, protect: Collection[str] = ()) -> None:
+    """Rank 0: remove all but the newest `keep` checkpoints (0: keep all) and those in `protect`."""
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        if old.name not in protect:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _not_held(lost: str | None, final: Path) -> str | None:
@@ -280,6 +298,11 @@ def load_checkpoint(
     if state["rng_restored"]:
         with _loading(rng_path):
             restore_rng_state(torch.load(rng_path, weights_only=True), info.device)
+    comm_path = directory / f"comm-rank{info.rank}.pt"
+    state["comm_hook"] = None  # none saved (another world size, an older checkpoint): the caller says so
+    if comm_path.is_file():
+        with _loading(comm_path):
+            state["comm_hook"] = torch.load(comm_path, map_location="cpu", weights_only=True)
     return state
 
 

@@ -18,10 +18,13 @@ import torch
 from torch import nn
 
 from distqa import checkpoint as ckpt
+from distqa.best import BEST_NAME, point_at, pointed
+from distqa.comm_hooks import CommHook
 from distqa.config import Config
 from distqa.dist import DistInfo, print0
 from distqa.metrics import ThroughputMeter
 from distqa.optim import apply_settings
+from distqa.rank0 import on_rank0, reason
 from distqa.runlock import RunLock
 from distqa.sampler import derive_seed, seed_everything
 
@@ -47,6 +50,8 @@ class TrainerState:
     epoch_steps: int
     data_identity: dict[str, Any]
     step: int = 0  # the last finished step
+    # train.best_metric's record so far: {"metric", "mode", "value", "step"} (`distqa.best`).
+    best: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank calls it: the log window is summed over the ranks."""
@@ -61,6 +66,8 @@ class TrainerState:
             "config": dataclasses.asdict(self.cfg),
             "data": self.data_identity,
             "log_window": self.meter.window(),
+            "grad_norm_window": self.meter.norm_window(),
+            "best": self.best,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -68,6 +75,11 @@ class TrainerState:
         # (A checkpoint written before the window was saved has none: the first loss then averages
         # only the steps since the resume.)
         self.meter.resume_window(state.get("log_window"), is_main=self.info.is_main)
+        self.meter.resume_norm_window(state.get("grad_norm_window"), is_main=self.info.is_main)
+        # A record of another metric or direction (changed on resume) is no record of this one.
+        best, train = state.get("best"), self.cfg.train
+        same = isinstance(best, dict) and (best.get("metric"), best.get("mode")) == (train.best_metric, train.best_mode)
+        self.best = best if same else None
 
 
 @dataclasses.dataclass
@@ -82,6 +94,8 @@ class Parts:
     scaler: torch.amp.GradScaler
     task: Stateful
     trainer: TrainerState
+    # train.ddp_comm_hook's state, per rank (PowerSGD's error feedback and memories; `distqa.comm_hooks`).
+    comm_hook: CommHook | None = None
 
     def files(self) -> dict[str, Any]:
         """The parts `checkpoint.save_checkpoint` and `load_checkpoint` store in their own files."""
@@ -114,17 +128,45 @@ class CheckpointManager:
         assert self.parts is not None, "track() the parts first"
         p, info = self.parts, self.info
         state = {**p.trainer.state_dict(), "task": p.task.state_dict() if info.is_main else {}}
-        return ckpt.save_checkpoint(
+        best = p.trainer.best
+        # Never pruned: the best so far, and the one `best` names until it is moved on (a crash
+        # between this save and the move must leave it naming a whole checkpoint).
+        protect = {f"step-{best['step']}"} if best else set()
+        named = pointed(self.root) if info.is_main else None
+        if named is not None:
+            protect.add(named.name)
+        final = ckpt.save_checkpoint(
             self.root,
             **p.files(),
             keep=self.cfg.train.keep_checkpoints,
+            protect=protect,
             trainer_state=state,
             info=info,
             sharded=self.sharded,
             # Read again just before the checkpoint is renamed into place: a holder paused inside
             # the write must not publish a checkpoint into a folder another run now owns.
             still_holding=self.lock.verify if self.lock is not None else None,
+            comm_state=p.comm_hook.state_dict() if p.comm_hook is not None else None,
         )
+        if best is not None and best["step"] == p.trainer.step:
+            self._point_best(best["step"])
+        return final
+
+    def _point_best(self, step: int) -> None:
+        """`checkpoints/best` names step-`step` (a whole checkpoint by now); every rank learns how it went."""
+        on_rank0(
+            self.info,
+            lambda: self._point_and_prune(step),
+            failure=lambda err: (
+                f"cannot write {self.root / BEST_NAME} ({reason(err)}): free space in output_dir and run "
+                "again to resume"
+            ),
+        )
+
+    def _point_and_prune(self, step: int) -> None:
+        point_at(self.root, step)
+        # The best before this one was kept while `best` named it: now it goes, unless it is new enough.
+        ckpt.prune(self.root, self.cfg.train.keep_checkpoints, {f"step-{step}"})
 
     def restore(self, directory: Path | None) -> int:
         """Load `directory` into every part; the step to go on from. Without a checkpoint: step 0,
@@ -140,6 +182,10 @@ class CheckpointManager:
         apply_settings(p.optimizer, p.scheduler, cfg.train)
         p.task.load_state_dict(state.get("task") or {})
         p.trainer.load_state_dict(state)
+        # Every rank calls it (they agree on it); one line when PowerSGD's state cannot continue.
+        why = p.comm_hook.load_state_dict(state.get("comm_hook")) if p.comm_hook is not None else None
+        if why:
+            print0(f"warning: train.ddp_comm_hook=powersgd starts its state afresh at step {state['step']}: {why}")
         if not state["rng_restored"]:
             seed_everything(derive_seed(cfg.seed, info.rank, state["step"]))
             print(
@@ -148,5 +194,12 @@ class CheckpointManager:
                 "uninterrupted run",
                 flush=True,
             )
+        best = p.trainer.best
+        # Resumed from an earlier checkpoint than the newest, `best` may name a step of the abandoned
+        # continuation: it names this run's record again (when that checkpoint is still there).
+        if best is not None:
+            folder = self.root / f"step-{best['step']}"
+            if on_rank0(info, lambda: folder.is_dir() and pointed(self.root) != folder):
+                self._point_best(best["step"])
         print0(f"resumed from {directory} at step {state['step']}")
         return p.trainer.step

@@ -155,6 +155,21 @@ def build_parser(task: str | None = None, config_note: str = "") -> argparse.Arg
     )
     _add_settings(bench)
 
+    export = commands.add_parser(
+        "export",
+        help="write a model/ folder from a checkpoint, e.g. the best one (OUTPUT/checkpoints/best)",
+        description="Export the model of a checkpoint as the end of training exports its final one: the task's "
+        "own model files and its settings, from the settings the checkpoint holds. Works in one process, "
+        "without a GPU, for whole (ddp) and sharded (fsdp) checkpoints.",
+    )
+    export.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="OUTPUT/checkpoints/step-N, or OUTPUT/checkpoints/best (train.best_metric)",
+    )
+    export.add_argument("--output", metavar="DIR", help="where to write it (default: OUTPUT/model-step-N)")
+
     from distqa.newtask import add_command as add_new_task  # imports no torch: --help stays quick
 
     add_new_task(commands, _add_settings)
@@ -177,6 +192,10 @@ def _run(args: argparse.Namespace) -> int:
         # whole_process: once complete, every rank tells its node's launcher (distqa.outcome), so a
         # SIGTERM from then on (torchrun then fails) still ends as the success it is.
         train(cfg, whole_process=True)
+    elif args.command == "export":
+        from distqa.export import export_checkpoint
+
+        export_checkpoint(args.checkpoint, args.output)
     elif args.command == "bench":
         from distqa.bench.launch import print_table, run_bench
 

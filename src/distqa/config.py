@@ -150,6 +150,21 @@ class TrainConfig:
         "let DDP find parameters a step did not use (a model with an unused head); costs a graph walk per step",
         resume="silent",
     )
+    # Applied: the reduction's arithmetic changes from the resume step on (PowerSGD's state restarts).
+    ddp_comm_hook: str = setting(
+        "none",
+        "gradient all-reduce: none (DDP's own, fp32) | fp16 | bf16 (16-bit: half the bytes; under "
+        "train.parallel=fsdp the reduce-scatter dtype) | powersgd (low-rank, with error feedback; ddp only)",
+        resume="applied",
+    )
+    powersgd_rank: int = setting(
+        4, "rank of PowerSGD's gradient approximation (larger: closer, more bytes)", resume="applied"
+    )
+    powersgd_start_step: int = setting(
+        10, "steps of plain all-reduce before PowerSGD begins (>= 2: DDP rebuilds its buckets first)", resume="applied"
+    )
+    # Silent: PowerSGD's state is kept per parameter, whatever bucket it lies in.
+    bucket_cap_mb: float = setting(25.0, "MB of gradients per DDP all-reduce bucket", resume="silent")
     deterministic: bool = setting(
         False, "use deterministic kernels only (slower on GPU; CPU runs are already)", resume="silent"
     )
@@ -179,6 +194,16 @@ class TrainConfig:
         "resume even though the training data differs from the checkpoint's (length or fingerprint)",
         resume="silent",
     )
+    # Applied: a changed metric starts its record afresh (the trainer compares it with the saved one).
+    best_metric: str | None = setting(
+        None,
+        "keep the checkpoint with the best value of this evaluation metric (eval_KEY, e.g. eval_f1) as "
+        "checkpoints/best, never pruned; needs an evaluation (data.valid); default: none",
+        resume="applied",
+    )
+    best_mode: str = setting(
+        "max", "max | min: whether a higher or a lower train.best_metric is better", resume="applied"
+    )
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "grad_accum", "checkpoint_every", "log_every"):
@@ -190,6 +215,19 @@ class TrainConfig:
                 "train.check_replicas=true compares the ranks' whole copies of the model, which "
                 "train.parallel=fsdp does not keep (each rank holds a different shard): turn one off"
             )
+        _check_choice("train.ddp_comm_hook", self.ddp_comm_hook, ("none", "fp16", "bf16", "powersgd"))
+        if self.parallel == "fsdp" and self.ddp_comm_hook == "powersgd":
+            raise ConfigError(
+                "train.ddp_comm_hook=powersgd is a DDP hook, and train.parallel=fsdp reduce-scatters shards: "
+                "use train.ddp_comm_hook=bf16 or fp16 with fsdp, or train.parallel=ddp"
+            )
+        check_min("train.powersgd_rank", self.powersgd_rank, 1)
+        if self.powersgd_start_step < 2:
+            raise ConfigError(
+                f"train.powersgd_start_step={self.powersgd_start_step} must be >= 2: PowerSGD's error feedback "
+                "needs DDP's buckets rebuilt after the first step"
+            )
+        check_min("train.bucket_cap_mb", self.bucket_cap_mb, 0.0, strict=True)
         _check_choice("train.lr_schedule", self.lr_schedule, ("linear", "constant", "cosine"))
         _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_min("train.lr", self.lr, 0.0, strict=True)
@@ -204,6 +242,11 @@ class TrainConfig:
             )
         check_min("train.keep_checkpoints", self.keep_checkpoints, 0)
         check_min("train.term_grace_s", self.term_grace_s, 0.0, strict=True)
+        _check_choice("train.best_mode", self.best_mode, ("max", "min"))
+        if self.best_metric is not None and not self.best_metric.startswith("eval_"):
+            raise ConfigError(
+                f"train.best_metric={self.best_metric!r} must name an evaluation metric, eval_KEY (e.g. eval_f1)"
+            )
         check_finite("train.warmup_ratio", self.warmup_ratio)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")

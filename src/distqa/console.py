@@ -71,7 +71,7 @@ def quiet_libraries(*, is_main: bool) -> None:
                 handler.addFilter(_PLAIN_TEXT)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
@@ -96,6 +96,15 @@ class TrainProgress:
         if self._bar is not None:
             self._bar.update(1)
 
+    def first_step(self, seconds: float) -> None:
+        """Right after this process's first step, when that step logs no record: a run whose steps
+        take minutes shows it is moving long before its first `train.log_every` steps are done."""
+        if self._bar is not None:
+            self._bar.set_postfix(first_step=f"{seconds:.1f}s")
+        elif self.enabled:
+            # (Not "step N/M ...": those lines are the logged records, one each.)
+            print(f"first step done in {seconds:.1f} s (step {self.step}/{self.total})", flush=True)
+
     def report(self, record: dict[str, Any]) -> None:
         """After a record is logged (metrics.jsonl holds the same numbers)."""
         if self._bar is not None:
@@ -110,7 +119,7 @@ class TrainProgress:
         return (
             f"step {record['step']}/{self.total} (epoch {record['epoch']:g}): loss {record['loss']:.4f}, "
             f"lr {record['lr']:.3g}, {record['samples_per_s']:.1f} samples/s, "
-            f"{record['tokens_per_s']:.0f} tokens/s, eta {_duration(eta)}"
+            f"{record['tokens_per_s']:.0f} tokens/s, eta {duration(eta)}"
         )
 
     def close(self) -> None:

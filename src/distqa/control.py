@@ -37,6 +37,11 @@ class AfterStep:
             return self
         return replace(self, stop=True, save=True, check_optimizer=not self.save)
 
+    def on_new_best(self) -> AfterStep:
+        """The plan once this step's evaluation improved on train.best_metric's record: a
+        checkpoint of it (kept as checkpoints/best), its optimizer state checked if not planned."""
+        return replace(self, save=True, check_optimizer=self.check_optimizer or not self.save)
+
 
 def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs: bool = True) -> AfterStep:
     """The plan after `step` (1-based) of `total_steps`. `save_outputs=False` (speed runs) skips

@@ -164,6 +164,7 @@ class PeerWatch:
         self.peers = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
         self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store: dist.Store | None = None
+        self.store_lost = False  # a call to the store failed (its host may be gone for good)
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -187,7 +188,18 @@ class PeerWatch:
         # A client of its own, with a short timeout: the trainer's may be busy, and a store that no
         # longer answers must count as silence, not block this thread.
         if self.store is None:
-            self.store = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=10))
+            if self.stopped.is_set() and self.store_lost:
+                # Stopping (a preemption, the end) after the store stopped answering: node 0's store
+                # may be gone with its container, and a new client would retry its connect (and the
+                # name lookup) for its whole timeout, past a `docker stop`'s grace period (issue 26:
+                # rank 1 "hung" after its checkpoint and was killed, exit 137).
+                raise RuntimeError("the store stopped answering: no new client while stopping")
+            # Connecting gives up after one interval (a store that is gone counts as silence at once);
+            # a connected client waits 10 s for an answer.
+            self.store = dist.TCPStore(
+                self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.INTERVAL_S)
+            )
+            self.store.set_timeout(timedelta(seconds=10))
         return self.store.add(self._key(rank), amount)
 
     def _run(self) -> None:
@@ -207,7 +219,7 @@ class PeerWatch:
                 values = {peer: self._add(peer, 0) for peer in list(seen)}
                 answered = time.monotonic()
             except Exception:  # noqa: BLE001 (the store's host is gone, or the network: silence)
-                self.store, values = None, {}
+                self.store, values, self.store_lost = None, {}, True
             now = time.monotonic()
             for peer, value in values.items():
                 if value >= self.DONE:
@@ -264,6 +276,9 @@ def data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> DDP:
         model,
         device_ids=device_ids,
         gradient_as_bucket_view=True,
+        # Gradients per all-reduce: larger buckets mean fewer, longer messages (a slow link's
+        # latency paid less often), smaller ones an earlier start that overlaps the backward pass.
+        bucket_cap_mb=train.bucket_cap_mb,
         static_graph=static,
         # A parameter no step uses (an unused head) makes DDP wait for its gradient forever or fail;
         # a static graph copes with that itself, otherwise DDP must look for them each step.

@@ -33,6 +33,9 @@ class ThroughputMeter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, micro-steps, samples, tokens
+        # Gradient norm before clipping: sum over the window's optimizer steps that had a finite
+        # norm, and their count (an fp16 step whose gradients overflowed is skipped, not averaged).
+        self._norms = torch.zeros(2, dtype=torch.float64, device=device)
         self._start = time.perf_counter()
 
     def add(self, loss: torch.Tensor, samples: int, tokens: int) -> None:
@@ -40,6 +43,17 @@ class ThroughputMeter:
         self._sums[1] += 1
         self._sums[2] += samples
         self._sums[3] += tokens
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """One optimizer step's total gradient norm (the same on every rank: gradients are reduced)."""
+        finite = torch.isfinite(norm)
+        self._norms[0] += torch.where(finite, norm.detach().to(torch.float64), 0.0)
+        self._norms[1] += finite.to(torch.float64)
+
+    def local_counts(self) -> tuple[float, float]:
+        """(examples, tokens) this rank counted since the last log (one host sync: for rare use)."""
+        samples, tokens = self._sums[2:4].tolist()
+        return samples, tokens
 
     def restart_clock(self) -> None:
         self._start = time.perf_counter()
@@ -56,18 +70,32 @@ class ThroughputMeter:
         if window and is_main:
             self._sums[0], self._sums[1] = float(window[0]), float(window[1])
 
+    def norm_window(self) -> list[float]:
+        """[grad-norm sum, steps] of the open log window over every rank (all-reduces), for a checkpoint."""
+        return all_reduce_sum(self._norms.clone()).tolist()
+
+    def resume_norm_window(self, window: list[float] | None, *, is_main: bool) -> None:
+        """As `resume_window`, for the gradient norms."""
+        if window and is_main:
+            self._norms[0], self._norms[1] = float(window[0]), float(window[1])
+
     def reduce_and_reset(self) -> dict[str, float]:
-        """Global figures since the last call. Every rank must call it (it all-reduces)."""
-        sums = all_reduce_sum(self._sums.clone()).tolist()
+        """Global figures since the last call; `grad_norm`: the mean over the window's optimizer
+        steps (absent when none was recorded). Every rank must call it (it all-reduces)."""
+        sums = all_reduce_sum(torch.cat([self._sums, self._norms])).tolist()
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         self._sums.zero_()
+        self._norms.zero_()
         self._start = time.perf_counter()
-        loss_sum, micro_steps, samples, tokens = sums
-        return {
+        loss_sum, micro_steps, samples, tokens, norm_sum, norm_steps = sums
+        figures = {
             "loss": loss_sum / max(micro_steps, 1.0),
             "samples_per_s": samples / elapsed,
             "tokens_per_s": tokens / elapsed,
         }
+        if norm_steps:  # every rank added the same norm: the mean over ranks and steps is the step mean
+            figures["grad_norm"] = norm_sum / norm_steps
+        return figures
 
 
 def _record(raw: bytes) -> dict[str, Any] | None:
@@ -178,10 +206,12 @@ def _number(value: Any) -> float:
 
 
 _TRAIN_PANELS = (("loss", "training loss"), ("lr", "learning rate"), ("samples_per_s", "samples/s (all ranks)"))
+# Drawn when the records have it (metrics.jsonl of runs before it was logged do not).
+_GRAD_NORM_PANEL = ("grad_norm", "gradient norm\n(before clipping)")
 
 
 def plot_metrics(metrics_path: Path, png_path: Path, *, title: str | None = None) -> bool:
-    """Loss, learning rate, throughput and each validation metric against step, from
+    """Loss, learning rate, throughput, gradient norm and each validation metric against step, from
     metrics.jsonl, as one PNG titled `title` (default: the folder of metrics.jsonl); also the PNG's
     Title field. False: nothing to draw, no file written."""
     # A bare Figure on the Agg canvas: no display on training machines, and no pyplot (its
@@ -197,13 +227,14 @@ def plot_metrics(metrics_path: Path, png_path: Path, *, title: str | None = None
     eval_keys = sorted(
         {k for r in records for k, v in r.items() if k.startswith("eval_") and not math.isnan(_number(v))}
     )
-    panels = [*_TRAIN_PANELS, *((key, f"validation {key[len('eval_') :]}") for key in eval_keys)]
+    norms = [_GRAD_NORM_PANEL] if any(not math.isnan(_number(r.get("grad_norm"))) for r in records) else []
+    panels = [*_TRAIN_PANELS, *norms, *((key, f"validation {key[len('eval_') :]}") for key in eval_keys)]
     fig = Figure(figsize=(8, 1.1 + 1.9 * len(panels)))
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True)
     for ax, (key, label) in zip(axes, panels):
         points = [(r["step"], _number(r.get(key))) for r in records]
-        if key.startswith("eval_"):  # evaluated on some steps only: the points, joined
+        if key.startswith("eval_") or key == "grad_norm":  # some steps only: the points, joined
             points = [(step, value) for step, value in points if not math.isnan(value)]
         sparse = key.startswith("eval_") or len(points) < 50
         ax.plot(*zip(*points), marker="o" if key.startswith("eval_") else "." if sparse else None)

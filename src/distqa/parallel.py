@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distqa import comm_hooks
 from distqa.dist import AUTOCAST_DTYPES, DistInfo, data_parallel
 
 if TYPE_CHECKING:  # for hints only
@@ -48,10 +49,13 @@ def configure_backends(train: TrainConfig, device: torch.device) -> None:
         torch.set_float32_matmul_precision("high")  # TF32 matmuls for the fp32 parts
 
 
-def wrap(model: nn.Module, info: DistInfo, train: TrainConfig, timer: Any) -> tuple[nn.Module, DDP | None]:
-    """(the module to call, its DDP wrapper or None): FSDP2 in place (train.parallel=fsdp, with
-    activation checkpointing inside) or activation checkpointing then DDP (several processes);
-    then torch.compile (train.compile). `timer` (a StepTimer) times DDP's all-reduce when enabled."""
+def wrap(
+    model: nn.Module, info: DistInfo, train: TrainConfig, timer: Any
+) -> tuple[nn.Module, DDP | None, comm_hooks.CommHook]:
+    """(the module to call, its DDP wrapper or None, its communication hook): FSDP2 in place
+    (train.parallel=fsdp, with activation checkpointing inside) or activation checkpointing then
+    DDP (several processes) with train.ddp_comm_hook; then torch.compile (train.compile). `timer`
+    (a StepTimer) times DDP's all-reduce when enabled."""
     sharded = train.parallel == "fsdp"
     if sharded:
         shard(model, info, train)
@@ -59,15 +63,15 @@ def wrap(model: nn.Module, info: DistInfo, train: TrainConfig, timer: Any) -> tu
         checkpoint_blocks(model)
     ddp = data_parallel(model, info, train) if info.is_distributed and not sharded else None
     called: nn.Module = model
+    hook = comm_hooks.CommHook.off(train, info.world_size)
     if ddp is not None:
         called = ddp
-        if timer.enabled:
-            ddp.register_comm_hook(None, timer.comm_hook)
+        hook = comm_hooks.install(ddp, train, timer)  # with the timer's hook around it
     if train.compile:
         # Compiling the DDP-wrapped module lets Dynamo split the graph at DDP's bucket
         # boundaries, so gradient all-reduce still overlaps the backward pass.
         called = torch.compile(called)
-    return called, ddp
+    return called, ddp, hook
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -101,8 +105,8 @@ def shard(model: nn.Module, info: DistInfo, train: TrainConfig) -> nn.Module:
 
     Mixed precision is FSDP's own: parameters stay fp32 and sharded (the optimizer updates the
     fp32 shards); each block's all-gathered copy is cast to bf16/fp16 for its compute, and
-    gradients are reduced in fp32. Autocast over sharded parameters would cast every weight again
-    at every use; the trainer turns it off in this mode.
+    gradients are reduced in fp32 (or train.ddp_comm_hook's fp16/bf16). Autocast over sharded
+    parameters would cast every weight again at every use; the trainer turns it off in this mode.
     """
     ensure_process_group(info)
     blocks = transformer_blocks(model)
@@ -110,13 +114,15 @@ def shard(model: nn.Module, info: DistInfo, train: TrainConfig) -> nn.Module:
         checkpoint_blocks(model, blocks)
         blocks = transformer_blocks(model)  # the wrappers, which FSDP must shard around
     dtype = AUTOCAST_DTYPES.get(train.precision)
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    # train.ddp_comm_hook=fp16|bf16: gradients reduce-scattered in 16 bits (half the bytes).
+    reduce = comm_hooks.reduce_dtype(train, dtype)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
     # A model on the CPU goes to the device unit by unit as it is sharded: no rank ever holds the
     # whole model on its GPU.
     for block in blocks:
         fully_shard(block, mp_policy=policy)
     # The model's outputs (logits) back in fp32: the task's loss then runs in full precision.
-    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce, output_dtype=torch.float32)
     fully_shard(model, mp_policy=root if dtype else policy)
     return model
 

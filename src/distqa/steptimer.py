@@ -6,21 +6,32 @@ timing adds no host-device synchronisation to the steps it measures, and a phase
 the GPU saw: waiting for data counts only when the GPU ran dry while the host waited for it. On
 the CPU a mark is a `perf_counter` reading.
 
-The all-reduce wait is found with a DDP communication hook: DDP launches a bucket's all-reduce as
-soon as its gradients are ready, and it launches the last bucket once the backward computation
-is done; what is left between that moment and the end of `backward()` is communication that
-computation did not hide.
+The all-reduce wait is found with a DDP communication hook that wraps the run's own
+(`distqa.comm_hooks`): DDP launches a bucket's all-reduce as soon as its gradients are ready, and
+it launches the last bucket once the backward computation is done; what is left between that
+moment and the end of `backward()` is communication that computation did not hide.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 PHASES = ("data", "forward_backward", "allreduce_wait", "optimizer", "other")
+# scripts/bench_network.sh: a byte counter (a sysfs file such as /sys/class/net/VETH/statistics/tx_bytes,
+# read in this process's network namespace) over the measured steps, written as JSON to COUNTER_OUT.
+COUNTER, COUNTER_OUT = "DISTQA_BENCH_COUNTER", "DISTQA_BENCH_COUNTER_OUT"
+
+
+def _read_counter() -> int | None:
+    path = os.environ.get(COUNTER)
+    return int(Path(path).read_text()) if path else None
 
 
 class StepTimer:
@@ -36,6 +47,7 @@ class StepTimer:
         self.tokens = 0
         self._t0: float | None = None
         self._t1: float | None = None
+        self._count0: int | None = None
 
     @classmethod
     def off(cls, device: torch.device) -> StepTimer:
@@ -70,6 +82,7 @@ class StepTimer:
             # every warm-up kernel finished.
             self._sync()
             self._t0 = time.perf_counter()
+            self._count0 = _read_counter()
         self.mark("data")
 
     def mark(self, phase: str) -> None:
@@ -87,15 +100,26 @@ class StepTimer:
             self._marks.append(("end", self._now()))
             self._sync()
             self._t1 = time.perf_counter()
+            count = _read_counter()
+            if count is not None and self._count0 is not None:
+                measured = self.steps_begun - self.warmup
+                Path(os.environ[COUNTER_OUT]).write_text(json.dumps({"bytes": count - self._count0, "steps": measured}))
+
+    def wrap(self, hook):  # noqa: ANN001, ANN201
+        """`hook` (the run's communication hook: DDP registers only one), with a mark when the
+        last bucket's gradients are ready. (No annotations: DDP checks them against its own
+        classes, and under `from __future__ import annotations` they would be strings.)"""
+
+        def timed(state, bucket):  # noqa: ANN001, ANN202
+            if bucket.is_last():
+                self.mark("allreduce_wait")
+            return hook(state, bucket)
+
+        return timed
 
     def comm_hook(self, state, bucket):  # noqa: ANN001, ANN201
-        """DDP's default all-reduce, with a mark when the last bucket's gradients are ready.
-
-        (No annotations: DDP checks them against its own classes, and under
-        `from __future__ import annotations` they would be strings.)"""
-        if bucket.is_last():
-            self.mark("allreduce_wait")
-        return allreduce_hook(None, bucket)  # type: ignore[arg-type]
+        """DDP's default all-reduce, timed (`wrap` of it): for a loop that compresses nothing."""
+        return self.wrap(lambda _, b: allreduce_hook(None, b))(state, bucket)  # type: ignore[arg-type]
 
     def summary(self) -> dict[str, Any]:
         """Recorded steps, their wall time, samples and tokens, and mean milliseconds per phase."""

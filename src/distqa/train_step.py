@@ -7,12 +7,13 @@ clipped and applied. The loop around it (`distqa.trainer`) only sequences steps 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distqa import parallel
 from distqa.errors import DistqaError
@@ -60,7 +61,7 @@ class TrainStep:
             meter.add(loss, samples, tokens)
             timer.count(samples, tokens)
         timer.mark("optimizer")
-        self._update()
+        meter.add_grad_norm(self._update())
         timer.mark("other")  # logging, checkpoints, signal checks: until the next step begins
 
     def _forward_backward(self, batch: Batch, *, sync: bool) -> torch.Tensor:
@@ -89,10 +90,14 @@ class TrainStep:
                 "train.find_unused_parameters=true, or leave that part out of the model"
             ) from err
 
-    def _update(self) -> None:
+    def _update(self) -> torch.Tensor:
+        """Clip, step, schedule; the total gradient norm before clipping (on the device: no sync)."""
+        # The true gradients, not the fp16-scaled ones, are clipped and measured (a no-op without fp16).
+        self.scaler.unscale_(self.optimizer)
         if self.train.max_grad_norm > 0:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
-            parallel.clip_gradients(self.raw_model.parameters(), self.train.max_grad_norm)
+            norm = parallel.clip_gradients(self.raw_model.parameters(), self.train.max_grad_norm)
+        else:
+            norm = total_grad_norm(self.raw_model.parameters())
         self.scaler.step(self.optimizer)
         if self.scaler.is_enabled():
             # fp16: the scaler skips the optimizer step when gradients overflowed (and then lowers
@@ -104,3 +109,11 @@ class TrainStep:
         else:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
+def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The global 2-norm of the gradients, as `parallel.clip_gradients` measures it, without clipping:
+    a sharded (DTensor) norm is reduced over the ranks, so every rank holds the whole model's."""
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    return total.full_tensor() if isinstance(total, DTensor) else total

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from distqa import outcome, parallel
 from distqa.agreement import check_same_settings
+from distqa.best import best_after_evaluation, require_evaluation
 from distqa.checkpoint_manager import CheckpointManager, Parts, TrainerState
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, dataset_size, outputs_summary, quiet_libraries, run_title
@@ -46,6 +47,7 @@ from distqa.resume import changed_settings, check_continuation, check_resumable,
 from distqa.rounds import as_peer_loss
 from distqa.sampler import seed_everything, steps_per_epoch, training_batches
 from distqa.sharded import require_shared
+from distqa.slow_start import FirstStep
 from distqa.steptimer import StepTimer
 from distqa.stop_signal import StopSignal
 from distqa.task import Task
@@ -154,6 +156,7 @@ class Trainer:
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
             self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
+        require_evaluation(self.task, cfg.train.best_metric)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
         train = cfg.train
         self.epoch_steps = steps_per_epoch(len(dataset), train.batch_size, train.grad_accum, info.world_size)  # type: ignore[arg-type]
@@ -169,14 +172,14 @@ class Trainer:
         """Wrap the model, build what trains it, and register every part of a checkpoint once."""
         cfg, info = self.cfg, self.info
         # First: FSDP replaces the parameters the optimizer must hold.
-        self.model, self.ddp = parallel.wrap(self.raw_model, info, cfg.train, self.timer)
+        self.model, self.ddp, comm_hook = parallel.wrap(self.raw_model, info, cfg.train, self.timer)
         self.optimizer = build_optimizer(self.raw_model, cfg.train, info.device)
         scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
         scaler = parallel.grad_scaler(cfg.train, info.device)
         self.state = TrainerState(
             cfg, info, self.meter, self.global_batch, self.total_steps, self.epoch_steps, self.data_identity
         )
-        self.parts = Parts(self.raw_model, self.optimizer, scheduler, scaler, self.task, self.state)
+        self.parts = Parts(self.raw_model, self.optimizer, scheduler, scaler, self.task, self.state, comm_hook)
         self.checkpoints.track(self.parts)
         self.train_step = TrainStep(
             self.task,
@@ -220,6 +223,8 @@ class Trainer:
         self.hint = diverged_hint(cfg.train)  # what to lower if the run diverges: the settings' own
         # A bar on a terminal, else a line per record.
         self.progress = TrainProgress(self.total_steps, state.step, enabled=info.is_main)
+        # On a slow set-up a line now, and one when the first step ends: its time, what the rest takes.
+        first_step = FirstStep(cfg, self.task, self.raw_model, info, self.total_steps)
         self.meter.restart_clock()  # throughput counts training time, not the set-up
         self.model.train()
         try:
@@ -231,6 +236,7 @@ class Trainer:
                     self.train_step(batches, self.meter)
                     state.step += 1
                     self.progress.advance()
+                    first_step.after(state.step, self.progress, self.meter)
                     self._after_step(lr)
             self.timer.finish()
         finally:
@@ -247,6 +253,14 @@ class Trainer:
         record = self._record(plan, step, lr) if plan.log else None
         weights = self.parts.checked_tensors(with_optimizer=plan.save) if plan.check_weights else None
         plan = plan.on_stop_request(stop.should_stop(step, weights, self.hint))
+        train, info, root = self.cfg.train, self.info, self.ckpt_root
+        if (
+            plan.evaluate
+            and self.save_outputs
+            and (best := best_after_evaluation(record, train, state.best, info, root))
+        ):
+            state.best = best  # before the save: this step's checkpoint holds its own record
+            plan = plan.on_new_best()  # (after the stop request: its optimizer check must stay)
         if record is not None:
             self.metrics.log(record)
             self.progress.report(record)

@@ -67,11 +67,12 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
         if not (source / FINGERPRINT_FILE).is_file():
             raise DistqaError(f"{source} is a folder but not one `distqa prepare` wrote")
         return source
+    name = tokenizer_name(cfg)  # first: no tokenizer is one line, before the fingerprint needs one
     target = feature_cache_entry(cfg, source, tokenizer, training=training)
     result = prepare_features(
         source,
         target,
-        tokenizer_name=tokenizer_name(cfg),
+        tokenizer_name=name,
         settings=feature_settings(cfg, training=training),
         num_proc=os.cpu_count() or 1,
         skip_bad_lines=cfg.task.skip_bad_lines,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,19 @@ class NQTask(Task):
             self._gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.task.skip_bad_lines)
         metrics, self.thresholds = score_predictions(group_by_example(outputs), self._gold)
         return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """The thresholds of the latest evaluation travel in each checkpoint, so that a resumed run,
+        or `distqa export` of an earlier (the best) checkpoint, exports the thresholds chosen with
+        those weights. JSON: +inf ("never answer") is written as null, as in the thresholds file."""
+        if self.thresholds is None:
+            return {}
+        return {"thresholds": {kind: None if value == math.inf else value for kind, value in self.thresholds.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("thresholds")
+        if isinstance(saved, dict):
+            self.thresholds = {str(kind): math.inf if value is None else float(value) for kind, value in saved.items()}
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
         assert isinstance(model, BertJointQA)

@@ -1,0 +1,127 @@
+"""The best checkpoint by an evaluation metric (`train.best_metric`, `train.best_mode`), as HF
+Trainer's `metric_for_best_model` and Lightning's `ModelCheckpoint(monitor=...)` keep it.
+
+The trainer records the best value so far in its state (trainer_state.json: `best`, so a resume
+keeps it), saves a checkpoint at every evaluation that improves on it, and never prunes that one.
+`output_dir/checkpoints/best` points at it: a relative symbolic link to `step-N` (or, on a file
+system without links, a small file naming `step-N`). It is written after the checkpoint is whole
+and renamed into place (`os.replace`), so it names a complete checkpoint, the previous best or the
+new one, whenever a run is killed. Resume's listing of `step-N` folders does not see it; what
+reads it (`resolve_checkpoint`, for `distqa export`) verifies the checkpoint it names.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from distqa.checkpoint_verify import read_trainer_state, verify_checkpoint
+from distqa.dist import print0
+from distqa.durable import fsync_path, write_atomically
+from distqa.errors import ConfigError, DistqaError
+from distqa.rank0 import on_rank0
+
+if TYPE_CHECKING:
+    from distqa.config import TrainConfig
+    from distqa.dist import DistInfo
+    from distqa.task import Task
+
+BEST_NAME = "best"
+_STEP_NAME = re.compile(r"^step-(\d+)$")
+
+
+def is_better(value: float, best: dict[str, Any] | None, mode: str) -> bool:
+    """Whether `value` beats the record so far (none: any finite value does; NaN never does)."""
+    if not math.isfinite(value):
+        return False
+    if best is None:
+        return True
+    return value > best["value"] if mode == "max" else value < best["value"]
+
+
+def new_best(record: dict[str, Any], metric: str, mode: str, best: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Rank 0, after an evaluation: the new record when `record` (the step's metrics line) improves
+    on `best`, else None. A metric the evaluation did not report is the user's mistake: one line."""
+    if metric not in record:
+        reported = sorted(k for k in record if k.startswith("eval_"))
+        what = f"it reported {', '.join(reported)}" if reported else "it reported nothing (is data.valid set?)"
+        raise DistqaError(f"train.best_metric={metric!r} is not a metric of this task's evaluation: {what}")
+    value = float(record[metric])
+    if not is_better(value, best, mode):
+        return None
+    return {"metric": metric, "mode": mode, "value": value, "step": int(record["step"])}
+
+
+def require_evaluation(task: Task, metric: str | None) -> None:
+    """At set-up: train.best_metric needs an evaluation, the task's own `evaluate` or its validation
+    data. (Whether the task reports that metric is known at its first evaluation: `new_best`.)"""
+    from distqa.task import Task
+
+    if metric and type(task).evaluate is Task.evaluate and task.eval_dataset() is None:
+        raise ConfigError(
+            f"train.best_metric={metric!r} needs an evaluation, and this task evaluates nothing: set "
+            "data.valid (or leave train.best_metric unset)"
+        )
+
+
+def best_after_evaluation(
+    record: dict[str, Any] | None, train: TrainConfig, best: dict[str, Any] | None, info: DistInfo, root: Path
+) -> dict[str, Any] | None:
+    """Every rank, after an evaluation: the new record if `record` sets one (rank 0 holds the
+    metrics and decides; every rank learns it, as every rank saves), else None."""
+    if not train.best_metric or record is None:
+        return None
+    found = on_rank0(info, lambda: new_best(record, train.best_metric, train.best_mode, best))  # type: ignore[arg-type]
+    if found is not None:
+        print0(f"new best {found['metric']}={found['value']:.4g} at step {found['step']}: {root / BEST_NAME}")
+    return found
+
+
+def pointed(root: Path) -> Path | None:
+    """The `step-N` folder `root/best` names, or None (no pointer, or not one this module wrote)."""
+    link = root / BEST_NAME
+    try:
+        if link.is_symlink():
+            name = os.readlink(link)
+        elif link.is_file() and link.stat().st_size < 64:
+            name = link.read_text().strip()
+        else:
+            return None
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root / name if _STEP_NAME.match(name) else None
+
+
+def point_at(root: Path, step: int) -> None:
+    """Rank 0: make `root/best` name `step-N`, atomically (a link, or a file where links fail)."""
+    tmp, name = root / f".tmp-{BEST_NAME}", f"step-{step}"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(name, tmp)  # relative: the run's folder may be moved or mounted elsewhere
+    except OSError:  # a file system without symbolic links (some network and object stores)
+        write_atomically(root / BEST_NAME, (name + "\n").encode())
+    else:
+        os.replace(tmp, root / BEST_NAME)  # replaces a link or a file by that name, never writes through it
+    fsync_path(root)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint folder `path` names (a `step-N` folder, or a `best` pointer), verified."""
+    folder = path
+    if path.name == BEST_NAME and (path.is_symlink() or path.is_file()):
+        target = pointed(path.parent)
+        if target is None:
+            raise DistqaError(f"{path} is not a best-checkpoint pointer distqa wrote: name a step-N folder instead")
+        folder = target
+    if not folder.is_dir():
+        raise DistqaError(f"checkpoint {folder} does not exist: name a folder OUTPUT/checkpoints/step-N or .../best")
+    damage = verify_checkpoint(folder)
+    if damage is not None:
+        raise DistqaError(f"checkpoint {folder} cannot be used ({damage}): name another step-N folder")
+    best = read_trainer_state(folder).get("best")
+    if folder != path and not (isinstance(best, dict) and best.get("step") == int(folder.name[5:])):
+        raise DistqaError(f"{path} names {folder.name}, whose trainer state records another best: name a step-N folder")
+    return folder

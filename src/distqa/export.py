@@ -1,0 +1,90 @@
+"""`distqa export`: a model/ folder from any checkpoint, e.g. the best one (`checkpoints/best`).
+
+The end of a training run exports its final weights (`Trainer._finish`); this writes the same
+folder from an earlier checkpoint, in one process without a GPU: the task is rebuilt from the
+settings the checkpoint holds, its state restored (what its `save_model` may write beside the
+weights), the weights loaded (whole, or gathered from a sharded checkpoint's files) and the model
+saved by the task's own `save_model` and `save_settings`, written aside and renamed into place.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_model
+from torch import nn
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from distqa import sharded
+from distqa.best import resolve_checkpoint
+from distqa.checkpoint_verify import read_trainer_state
+from distqa.config import Config
+from distqa.console import quiet_libraries
+from distqa.dist import DistInfo
+from distqa.errors import DistqaError
+from distqa.outdir import export_atomically
+from distqa.registry import load_config, load_task
+
+# What the checkpoint's settings name that an export does not need, and may no longer exist.
+_NOT_NEEDED = ("data.train=dummy", "data.valid=null", "train.resume=auto")
+
+
+def checkpoint_config(saved: dict[str, Any], directory: Path) -> Config:
+    """The run's settings as the checkpoint recorded them, checked as `distqa train` checks them."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "config.yaml"
+        OmegaConf.save(OmegaConf.create(saved), path)
+        try:
+            return load_config(str(path), _NOT_NEEDED)
+        except DistqaError as err:
+            raise DistqaError(f"cannot read the settings of checkpoint {directory}: {err}") from err
+
+
+def load_sharded_weights(directory: Path, model: nn.Module) -> None:
+    """A sharded (train.parallel=fsdp) checkpoint's model, gathered into `model` in this process
+    alone, through the restricted reader that resume and verification use."""
+    state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=sharded._Reader(directory), planner=sharded._Planner(), no_dist=True)
+    except CheckpointException as err:
+        raise DistqaError(f"cannot load the model from {directory}: {sharded.first_failure(err)}") from err
+
+
+def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
+    """Write the model of `checkpoint` (a step-N folder or a `best` pointer) to `output` (default:
+    `model-step-N` beside the run's checkpoints/ folder); returns where it went."""
+    quiet_libraries(is_main=True)  # as in training: no library progress bars in a log
+    directory = resolve_checkpoint(Path(checkpoint))
+    state = read_trainer_state(directory)
+    cfg = checkpoint_config(state["config"], directory)
+    target = Path(output) if output else directory.parent.parent / f"model-{directory.name}"
+    task = load_task(cfg)
+    task.load_state_dict(state.get("task") or {})
+    model = task.build_model()
+    if (directory / sharded.METADATA_FILE).is_file():
+        load_sharded_weights(directory, model)
+    else:
+        load_model(model, str(directory / "model.safetensors"), device="cpu")
+
+    def save(folder: Path) -> None:
+        task.save_model(model, folder)
+        task.save_settings(folder)
+
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    export_atomically(save, target, info, note=f"the checkpoint {directory} is unchanged: free space and run again")
+    best = state.get("best")
+    what = (
+        f" ({best['metric']}={best['value']:.4g}, the best)"
+        if isinstance(best, dict) and best.get("step") == state["step"]
+        else ""
+    )
+    print(f"exported {directory} (step {state['step']}){what} to {target}", flush=True)
+    return target

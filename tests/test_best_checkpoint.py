@@ -1,0 +1,175 @@
+"""train.best_metric: the best checkpoint is kept (never pruned), named by checkpoints/best, its record
+survives a resume, and `distqa export` writes its model; grad_norm in metrics.jsonl, TensorBoard and
+metrics.png. In-process, one process, on the toy task: a few seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from distqa.best import point_at, pointed, resolve_checkpoint
+from distqa.cli import main
+from distqa.errors import ConfigError, DistqaError
+from distqa.export import export_checkpoint
+from distqa.metrics import plot_metrics
+from distqa.registry import load_config
+from distqa.trainer import train
+from toy_task import BlobsDataset, ToyClassificationTask
+
+
+class ScriptedEvalTask(ToyClassificationTask):
+    """The toy task with an evaluation whose score is scripted by step: the best is not the last."""
+
+    SCORES = {2: 0.5, 4: 0.9, 6: 0.7, 8: 0.6, 10: 0.8, 12: 0.95}
+
+    def build_eval_dataset(self):
+        return BlobsDataset(4, seed=3)
+
+    def eval_step(self, model, batch):
+        return [0] * len(batch["label"])
+
+    def compute_metrics(self, outputs, step):
+        return {"eval_score": self.SCORES[step], "eval_other": 1.0}
+
+
+BASE = [
+    "task.name=test_best_checkpoint:ScriptedEvalTask",
+    "task.size=256",
+    "data.num_workers=0",
+    "train.batch_size=8",
+    "train.lr=1e-2",
+    "train.eval_every=2",
+    "train.log_every=1",
+    "train.checkpoint_every=3",  # step 4, the best, is no planned checkpoint: it is saved for being the best
+    "train.keep_checkpoints=1",
+    "train.best_metric=eval_score",
+]
+
+
+def run(out, *overrides):
+    train(load_config(None, [*BASE, f"output_dir={out}", *overrides]))
+    return out / "checkpoints"
+
+
+def names(root):
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_the_best_checkpoint_is_kept_named_resumed_and_exported(tmp_path, capsys):
+    root = run(tmp_path / "run", "train.max_steps=8")
+    # keep_checkpoints=1: the newest, and the best (step 4), which step 6's save did not prune.
+    assert names(root) == ["best", "step-4", "step-8"]
+    assert os.readlink(root / "best") == "step-4" and resolve_checkpoint(root / "best") == root / "step-4"
+    state = json.loads((root / "step-8" / "trainer_state.json").read_text())
+    assert state["best"] == {"metric": "eval_score", "mode": "max", "value": 0.9, "step": 4}
+    assert "new best eval_score=0.9 at step 4" in capsys.readouterr().out
+
+    # Resumed to step 10 (0.8 < 0.9): the record came back from the checkpoint, so no new best.
+    run(tmp_path / "run", "train.max_steps=10")
+    assert names(root) == ["best", "step-10", "step-4"] and os.readlink(root / "best") == "step-4"
+
+    # The export of the best checkpoint holds exactly its weights, not the final ones.
+    target = export_checkpoint(str(root / "best"))
+    assert target == tmp_path / "run" / "model-step-4"
+    exported, saved = (
+        load_file(str(target / "model.safetensors")),
+        load_file(str(root / "step-4" / "model.safetensors")),
+    )
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    final = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
+    assert any(not torch.equal(final[k], saved[k]) for k in saved)
+    assert (target / "toy.json").is_file() and (target / "distqa_task.json").is_file()
+    # The same through the command line, elsewhere.
+    assert main(["export", "--checkpoint", str(root / "best"), "--output", str(tmp_path / "cli")]) == 0
+    assert load_file(str(tmp_path / "cli" / "model.safetensors")).keys() == saved.keys()
+
+    run(tmp_path / "run", "train.max_steps=12")  # 0.95: the new best; the old one goes at once
+    assert names(root) == ["best", "step-12"] and os.readlink(root / "best") == "step-12"
+
+
+def test_min_mode_and_a_new_best_moves_the_pointer(tmp_path):
+    root = run(tmp_path / "run", "train.max_steps=8", "train.best_mode=min")
+    assert os.readlink(root / "best") == "step-2"  # 0.5 is the lowest
+    run(tmp_path / "run", "train.max_steps=12", "train.best_mode=max")  # another direction: a fresh record
+    assert os.readlink(root / "best") == "step-12"
+    assert "step-2" not in names(root)  # the old best is pruned once nothing names it
+
+
+def test_best_metric_mistakes_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.best_metric='score' must name an evaluation metric, eval_KEY"):
+        load_config(None, ["train.best_metric=score"])
+    with pytest.raises(ConfigError, match=r"train.best_mode='up' is not one of max, min"):
+        load_config(None, ["train.best_mode=up"])
+    toy = ["task.name=toy_task:ToyClassificationTask", "task.size=64", "data.num_workers=0", "train.max_steps=2"]
+    with pytest.raises(ConfigError, match=r"needs an evaluation, and this task evaluates nothing: set data.valid"):
+        train(load_config(None, [*toy, f"output_dir={tmp_path / 'a'}", "train.best_metric=eval_f1"]))
+    with pytest.raises(
+        DistqaError, match=r"'eval_f1' is not a metric of this task's evaluation: it reported eval_other"
+    ):
+        run(tmp_path / "b", "train.max_steps=2", "train.best_metric=eval_f1")
+
+
+def test_a_pointer_is_verified_on_read(tmp_path):
+    root = run(tmp_path / "run", "train.max_steps=4", "train.keep_checkpoints=0")
+    (root / "best").unlink()
+    (root / "best").write_text("step-3\n")  # the pointer file of a file system without links
+    assert pointed(root) == root / "step-3"
+    with pytest.raises(DistqaError, match=r"names step-3, whose trainer state records another best"):
+        resolve_checkpoint(root / "best")
+    point_at(root, 1)  # a step that was never saved
+    with pytest.raises(DistqaError, match=r"step-1 does not exist"):
+        resolve_checkpoint(root / "best")
+    point_at(root, 4)
+    (root / "step-4" / "rng-rank0.pt").write_bytes(b"damaged")
+    with pytest.raises(DistqaError, match=r"cannot be used \(rng-rank0.pt has"):
+        resolve_checkpoint(root / "best")
+
+
+def test_grad_norm_is_the_window_mean_before_clipping_in_every_view(tmp_path):
+    clip = ["train.max_grad_norm=1e-3", "train.eval_every=0", "train.best_metric=null", "train.max_steps=4"]
+    every = run(tmp_path / "every", *clip).parent
+    pairs = run(tmp_path / "pairs", *clip, "train.log_every=2").parent
+    norms = [json.loads(line)["grad_norm"] for line in (every / "metrics.jsonl").read_text().splitlines()]
+    assert all(n > 1e-3 for n in norms)  # measured before clipping to 1e-3
+    windows = [json.loads(line)["grad_norm"] for line in (pairs / "metrics.jsonl").read_text().splitlines()]
+    assert windows == pytest.approx([(norms[0] + norms[1]) / 2, (norms[2] + norms[3]) / 2], rel=1e-9)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(every / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/grad_norm")] == pytest.approx(norms, rel=1e-6)
+    # metrics.png has a panel more than the same records without grad_norm.
+    bare = tmp_path / "bare.jsonl"
+    rows = [json.loads(line) for line in (every / "metrics.jsonl").read_text().splitlines()]
+    bare.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "grad_norm"}) + "\n" for r in rows))
+    assert plot_metrics(bare, tmp_path / "bare.png")
+    assert Image.open(every / "metrics.png").size[1] > Image.open(tmp_path / "bare.png").size[1]
+
+
+def test_a_sharded_checkpoint_exports_in_one_process(tmp_path):
+    # train.parallel=fsdp on one process (a world of one): the checkpoints hold DCP shards.
+    fsdp = ["task.name=toy_task:StackedEvalProbeTask", "task.size=64", "data.num_workers=0", "train.parallel=fsdp"]
+    out = tmp_path / "fsdp"
+    train(load_config(None, [*fsdp, "train.max_steps=3", "train.checkpoint_every=2", f"output_dir={out}"]))
+    assert (out / "checkpoints" / "step-2" / ".metadata").is_file()
+    last = load_file(str(export_checkpoint(str(out / "checkpoints" / "step-3")) / "model.safetensors"))
+    final = load_file(str(out / "model" / "model.safetensors"))
+    assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in final)
+    earlier = load_file(str(export_checkpoint(str(out / "checkpoints" / "step-2")) / "model.safetensors"))
+    assert any(not torch.equal(earlier[k], final[k]) for k in final)
+
+
+def test_a_new_best_adds_a_checked_save_and_keeps_a_stop_requests_check():
+    from distqa.control import AfterStep
+
+    plain = AfterStep(log=True, evaluate=True, save=False, check_weights=True)
+    assert plain.on_new_best() == AfterStep(True, True, save=True, check_weights=True, check_optimizer=True)
+    planned = AfterStep(log=True, evaluate=True, save=True, check_weights=True)
+    assert planned.on_new_best() == planned  # its optimizer state is checked with the weights already
+    stopping = plain.on_stop_request(True).on_new_best()
+    assert stopping.stop and stopping.save and stopping.check_optimizer
