@@ -61,13 +61,19 @@ def capture_rng_state(device: torch.device) -> dict[str, Any]:
     }
 
 
-def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
+def restore_rng_state(state: dict[str, Any], device: torch.device) -> bool:
+    """Restore every RNG the state holds; False when `device` is a GPU and the state has no CUDA
+    generator (written on the CPU): the caller seeds that one per rank."""
     random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
+    if device.type != "cuda":
+        return True
+    if state["cuda"] is None:
+        return False
+    torch.cuda.set_rng_state(state["cuda"], device)
+    return True
 
 
 class _RankZeroFiles(NamedTuple):
@@ -295,9 +301,10 @@ def load_checkpoint(
     # A run resumed on more processes (same global batch) has ranks the checkpoint never saw;
     # the caller seeds those afresh, and says so.
     state["rng_restored"] = rng_path.is_file()
+    state["cuda_rng_restored"] = False
     if state["rng_restored"]:
         with _loading(rng_path):
-            restore_rng_state(torch.load(rng_path, weights_only=True), info.device)
+            state["cuda_rng_restored"] = restore_rng_state(torch.load(rng_path, weights_only=True), info.device)
     comm_path = directory / f"comm-rank{info.rank}.pt"
     state["comm_hook"] = None  # none saved (another world size, an older checkpoint): the caller says so
     if comm_path.is_file():

@@ -194,6 +194,11 @@ class CheckpointManager:
                 "uninterrupted run",
                 flush=True,
             )
+        elif not state["cuda_rng_restored"]:
+            # A checkpoint written on the CPU, resumed on GPUs: without this every rank's CUDA
+            # generator would start from the same seed and draw the same dropout masks.
+            torch.cuda.manual_seed(derive_seed(cfg.seed, info.rank, state["step"]))
+            print0(f"warning: {directory} holds no CUDA RNG state (written on the CPU): CUDA seeded afresh per rank")
         best = p.trainer.best
         # Resumed from an earlier checkpoint than the newest, `best` may name a step of the abandoned
         # continuation: it names this run's record again (when that checkpoint is still there).

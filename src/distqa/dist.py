@@ -97,6 +97,14 @@ def init_distributed() -> DistInfo:
 
     if world_size > 1 and not dist.is_initialized():
         kwargs: dict = {"device_id": device} if backend == "nccl" else {}
+        # One timeout for every collective, NCCL's included (its default is 10 minutes, gloo's 30):
+        # ranks wait in a barrier while one process per node builds a cache (NQ's features when no
+        # `prepare` job made them), longer than 10 minutes on few cores. A dead peer is still found
+        # within DISTQA_PEER_TIMEOUT_S by PeerWatch.
+        timeout_s = _env_int("DISTQA_PG_TIMEOUT_S", 1800)
+        if timeout_s <= 0:
+            raise DistqaError(f"DISTQA_PG_TIMEOUT_S={timeout_s} must be a positive number of seconds")
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
         store = _restart_scoped_store()
         if store is not None:
             kwargs["store"] = store
