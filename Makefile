@@ -21,6 +21,7 @@ help:
 	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 2 minutes)"
 	@echo "make test-safety  no silent wrong result: refusals at two processes, planted files, lock takeovers (minutes)"
 	@echo "make perf-fsdp  train.parallel=fsdp against ddp at two processes, sharded resumes, bench memory (minutes)"
+	@echo "make test-launch  distqa bench end to end, worker.sh under signals, MiniLM under torchrun (minutes)"
 	@echo "make test-comm  gradient compression hooks (fp16, bf16, powersgd) at two processes, PowerSGD's exact resume (minutes)"
 	@echo "make bench-network  two hosts on a capped link (root): speed and bytes per step of each gradient hook (minutes)"
 	@echo "make test-gpu   the GPU acceptance suite (CUDA, NCCL, bf16/fp16, compile, FSDP2, peak memory); skipped without a GPU"
@@ -61,7 +62,7 @@ test: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: install-dev
-	$(BIN)/python -m pytest -m "not slow and not docker and not download and not nodes and not fsdp and not safety and not comm"
+	$(BIN)/python -m pytest -m "not slow and not docker and not download and not nodes and not fsdp and not safety and not comm and not launch"
 
 # Not part of `make test` (pyproject's addopts leave them out): they need a Docker engine, and the
 # first build makes the stand-in base image (root and debootstrap; minutes). Skipped without an engine.
@@ -96,6 +97,12 @@ test-safety: install-dev
 
 # train.ddp_comm_hook's proofs at two processes (tests/test_comm_hooks.py, marker comm): fp16/bf16/powersgd
 # against none, PowerSGD's exact resume after SIGTERM. torchrun launches beyond make test's 5 minutes.
+# The heavier launches beside make test's core proofs (marker launch): distqa bench end to end,
+# worker.sh under signals, MiniLM fine-tuned under torchrun. A CI step of its own.
+.PHONY: test-launch
+test-launch: install-dev
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m launch
+
 .PHONY: test-comm
 test-comm: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m comm

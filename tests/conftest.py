@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from suite_order import order_longest_first, register_recorder
+
 # Nothing in the tests may reach the Hugging Face hub: every model and tokenizer is local.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -29,17 +31,17 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+@pytest.hookimpl(trylast=True)  # after -m's deselection: the estimates count only the tests that run
 def pytest_collection_modifyitems(config, items):
-    """The files with the most launches (tests marked slow) first. make test runs pytest-xdist with
-    --dist loadfile --no-loadscope-reorder: files go in this order to whichever worker is free, so
-    the short files fill the gaps at the end instead of one long file running alone while the other
-    worker idles. (xdist's own order, most tests first, put files of many quick tests first.) The
-    order is the same in every worker, as xdist requires."""
-    slow: dict[Path, int] = {}
-    for item in items:
-        if item.get_closest_marker("slow"):
-            slow[item.path] = slow.get(item.path, 0) + 1
-    items.sort(key=lambda item: -slow.get(item.path, 0))  # stable: each file's own order is kept
+    """The costliest files first (tests/suite_order.py): make test runs pytest-xdist with --dist
+    loadfile --no-loadscope-reorder, so files go in this order to whichever worker is free, and the
+    short files fill the gaps at the end instead of one long file running alone while the other
+    worker idles. The order is the same in every worker, as xdist requires."""
+    order_longest_first(items, Path(config.rootpath))
+
+
+def pytest_configure(config):
+    register_recorder(config)  # DISTQA_RECORD_COSTS=1 rewrites tests/suite_costs.json
 
 
 # CI runs as root with the tools it installs (.ci/run sets this): there, a test that needs root or

@@ -75,6 +75,45 @@ def unprivileged(env: dict[str, str]) -> list[str]:
     return prefix
 
 
+# `distqa ARGS...` for each ARGS in one interpreter, as `python -m distqa` runs it (its exit status,
+# stdout and stderr, at the file descriptors: what a terminal would show), one after the other. One
+# start of torch, transformers and datasets instead of one per command: seconds each.
+DRIVER = """
+import json, os, sys, traceback
+from distqa.cli import main
+folder, results = sys.argv[1], []
+for index, argv in enumerate(json.loads(sys.argv[2])):
+    streams = [open(os.path.join(folder, f"{index}.{name}"), "w+") for name in ("out", "err")]
+    saved = [os.dup(1), os.dup(2)]
+    os.dup2(streams[0].fileno(), 1), os.dup2(streams[1].fileno(), 2)
+    try:
+        code = main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    except BaseException:
+        traceback.print_exc()  # what the interpreter prints for an uncaught exception
+        code = 1
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    streams[0].seek(0), streams[1].seek(0)
+    results.append([code, streams[0].read(), streams[1].read()])
+print(json.dumps(results))
+"""
+
+
+def commands_in_one_process(
+    prefix: list[str], env: dict[str, str], scratch: Path, commands: list[list[str]]
+) -> list[tuple[int, str, str]]:
+    """[(exit status, stdout, stderr)] of each `distqa` command, run in one process (see DRIVER);
+    `scratch`: a folder the process may write its captured streams in."""
+    folder = Path(tempfile.mkdtemp(dir=scratch))
+    folder.chmod(0o777)
+    cmd = [*prefix, sys.executable, "-c", DRIVER, str(folder), json.dumps(commands)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [tuple(result) for result in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
 def test_unwritable_output_is_one_line_and_a_writable_folder_is_enough(shared_tmp, minilm_dir):
     hf_home = shared_tmp / "hf"
     hf_home.mkdir(mode=0o777)
@@ -93,23 +132,22 @@ def test_unwritable_output_is_one_line_and_a_writable_folder_is_enough(shared_tm
     locked.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
     prefix = unprivileged(env)
 
-    def run(output: Path) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "distqa", "prepare", "--input", str(SAMPLE), "--output", str(output)]
-        cmd += [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", "task.doc_stride=64"]
-        return subprocess.run([*prefix, *cmd], env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
-
+    keys = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", "task.doc_stride=64"]
     missing = locked / "new"
-    proc = run(missing)
-    assert_one_line_error(proc.returncode, proc.stderr, missing)
-    assert "Permission denied" in proc.stderr and not missing.exists()
+    commands = [["prepare", "--input", str(SAMPLE), "--output", str(p), *keys] for p in (missing, readonly, stale)]
+    results = commands_in_one_process(prefix, env, hf_home, commands)
 
-    proc = run(readonly)
-    assert_one_line_error(proc.returncode, proc.stderr, readonly)
+    rc, _, err = results[0]
+    assert_one_line_error(rc, err, missing)
+    assert "Permission denied" in err and not missing.exists()
+
+    rc, _, err = results[1]
+    assert_one_line_error(rc, err, readonly)
     assert {p.name: p.read_bytes() for p in readonly.iterdir()} == kept  # the old features stay
 
-    proc = run(stale)
-    assert proc.returncode == 0, proc.stderr
-    assert f"to {stale}" in proc.stdout
+    rc, out, err = results[2]
+    assert rc == 0, err
+    assert f"to {stale}" in out
     assert sorted(p.name for p in stale.iterdir()) == sorted(
         ["data-00000-of-00001.arrow", "dataset_info.json", "state.json", FINGERPRINT_FILE]
     )

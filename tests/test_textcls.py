@@ -249,6 +249,7 @@ TRAIN_ARGS = [
 
 
 @pytest.mark.slow
+@pytest.mark.launch  # not in `make test` (its budget): make test-launch
 def test_minilm_learns_a_keyword_from_csv_under_torchrun(tmp_path, minilm_dir):
     out = tmp_path / "csv"
     train = write_keyword_csv(tmp_path / "train.csv", TRAIN_ROWS, 0)

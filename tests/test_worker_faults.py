@@ -22,7 +22,8 @@ from test_multinode import two_hosts  # noqa: F401  (a fixture)
 
 WORKER = ROOT / "scripts" / "worker.sh"
 
-pytestmark = pytest.mark.slow
+# Not in `make test` (its 5-minute budget): `make test-launch`, a CI step of its own.
+pytestmark = [pytest.mark.slow, pytest.mark.launch]
 
 
 def worker_env(**extra: str) -> dict[str, str]:
