@@ -66,7 +66,7 @@ def test_a_failed_run_removes_its_namespaces(tmp_path):
 def test_ctrl_c_mid_run_removes_namespaces_and_processes(tmp_path):
     needs_root("network namespaces", "ip", "tc")
     proc = subprocess.Popen(
-        [str(SCRIPT), *QUICK, "--steps", "200", "--output", str(tmp_path), *SETTINGS],
+        [str(SCRIPT), *QUICK, "--steps", "100000", "--output", str(tmp_path), *SETTINGS],
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
