@@ -18,37 +18,20 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
 from distqa.config import Config
-from distqa.dist import DistInfo, autocast_dtype, data_parallel, default_num_workers, local_main_first
-from distqa.sampler import GlobalBatchSampler
+from distqa.dist import DistInfo, autocast_dtype, data_parallel, local_main_first
+from distqa.sampler import training_batches
 from distqa.steptimer import StepTimer
 from distqa.task import Task
 
 
 def _batches(cfg: Config, task: Task, info: DistInfo, dataset: Any) -> Iterator[dict[str, torch.Tensor]]:
-    """The trainer's sampler, so both loops see the same batches in the same order: with padding
-    to each batch's longest sequence, other batches would be other amounts of work."""
-    num_workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
+    """The trainer's batches (its sampler and loader), so both loops see the same batches in the
+    same order: with padding to each batch's longest sequence, other batches would be other amounts
+    of work."""
     for epoch in itertools.count():
-        sampler = GlobalBatchSampler(
-            len(dataset),
-            batch_size=cfg.train.batch_size,
-            grad_accum=cfg.train.grad_accum,
-            rank=info.rank,
-            world_size=info.world_size,
-            seed=cfg.seed,
-            epoch=epoch,
-        )
-        loader = DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=task.collate,
-            num_workers=num_workers,
-            pin_memory=info.device.type == "cuda",
-        )
-        yield from loader
+        yield from training_batches(dataset, task.collate, cfg, info, epoch, start_step=0)
 
 
 def _build(cfg: Config, task: Task, info: DistInfo, timer: StepTimer) -> tuple[nn.Module, DDP | None, nn.Module, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, windo
 from distqa.nq.model import BertJointQA, bert_joint_loss
 from distqa.nq.postprocess import WindowBest, group_by_example
 from distqa.nq.settings import NQSettings
-from distqa.nq.thresholds import THRESHOLDS_FILE, thresholds_json
+from distqa.nq.thresholds import THRESHOLDS_FILE, from_json_values, thresholds_json, to_json_values
 from distqa.task import Batch, Task
 
 
@@ -115,12 +114,12 @@ class NQTask(Task):
         those weights. JSON: +inf ("never answer") is written as null, as in the thresholds file."""
         if self.thresholds is None:
             return {}
-        return {"thresholds": {kind: None if value == math.inf else value for kind, value in self.thresholds.items()}}
+        return {"thresholds": to_json_values(self.thresholds)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("thresholds")
         if isinstance(saved, dict):
-            self.thresholds = {str(kind): math.inf if value is None else float(value) for kind, value in saved.items()}
+            self.thresholds = from_json_values(saved)
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
         assert isinstance(model, BertJointQA)
