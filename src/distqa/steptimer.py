@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 PHASES = ("data", "forward_backward", "allreduce_wait", "optimizer", "other")
 # scripts/bench_network.sh: a byte counter (a sysfs file such as /sys/class/net/VETH/statistics/tx_bytes,
@@ -116,10 +115,6 @@ class StepTimer:
             return hook(state, bucket)
 
         return timed
-
-    def comm_hook(self, state, bucket):  # noqa: ANN001, ANN201
-        """DDP's default all-reduce, timed (`wrap` of it): for a loop that compresses nothing."""
-        return self.wrap(lambda _, b: allreduce_hook(None, b))(state, bucket)  # type: ignore[arg-type]
 
     def summary(self) -> dict[str, Any]:
         """Recorded steps, their wall time, samples and tokens, and mean milliseconds per phase."""

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distqa import comm_hooks
 from distqa.config import Config
 from distqa.dist import DistInfo, autocast_dtype, data_parallel, local_main_first
 from distqa.sampler import training_batches
@@ -46,7 +47,7 @@ def _build(cfg: Config, task: Task, info: DistInfo, timer: StepTimer) -> tuple[n
     ddp = data_parallel(raw, info, cfg.train) if info.is_distributed else None
     model: nn.Module = ddp or raw
     if ddp is not None:
-        ddp.register_comm_hook(None, timer.comm_hook)
+        comm_hooks.install(ddp, cfg.train, timer)  # the trainer's train.ddp_comm_hook, timed the same way
     if cfg.train.compile:
         model = torch.compile(model)
     return raw, ddp, model, dataset
