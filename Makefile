@@ -25,6 +25,7 @@ help:
 	@echo "make test-comm  gradient compression hooks (fp16, bf16, powersgd) at two processes, PowerSGD's exact resume (minutes)"
 	@echo "make bench-network  two hosts on a capped link (root): speed and bytes per step of each gradient hook (minutes)"
 	@echo "make test-gpu   the GPU acceptance suite (CUDA, NCCL, bf16/fp16, compile, FSDP2, peak memory); skipped without a GPU"
+	@echo "make gpu-day    a lent GPU's day (40 min): GPU suite, bench rows, largest batches, compile speed-up into gpu_day.json/.md"
 	@echo "make lint       ruff"
 	@echo "make docs       regenerate docs/keys.md from \`distqa train --help\` (tests/test_docs.py checks it)"
 	@echo "make clean      remove .venv and everything under results/"
@@ -111,18 +112,19 @@ test-comm: install-dev
 # train.ddp_comm_hook (scripts/bench_network.sh; about 6 minutes). Not part of `make test`.
 .PHONY: bench-network
 NETWORK_OUT ?= results/network
+NETWORK_REPEATS ?= 1
 bench-network: install
 	PYTHON=$(CURDIR)/$(BIN)/python scripts/bench_network.sh --rates none,1gbit,100mbit --hooks none,fp16,bf16,powersgd \
-		--steps 20 --warmup 10 --output $(NETWORK_OUT) -- model.name=tiny task.max_seq_len=64 train.batch_size=8
+		--steps 20 --warmup 10 --repeats $(NETWORK_REPEATS) --output $(NETWORK_OUT) -- model.name=tiny task.max_seq_len=64 train.batch_size=8
 
-# The GPU acceptance suite (tests/test_gpu.py, marker gpu): about 2 minutes on one GPU, its groups
+# The GPU acceptance suite (tests/test_gpu.py and test_gpu_dp.py, marker gpu): about 2 minutes on one GPU, its groups
 # of launches side by side (xdist groups). Without CUDA every test is skipped, one line each with
 # the reason (-v; no xdist workers then, whose lines leave the reason out), and the target exits 0.
 # On a lent GPU without this .venv: scripts/gpu_check.sh.
 .PHONY: test-gpu
 GPU_WORKERS ?= $(shell nvidia-smi -L > /dev/null 2>&1 && echo 5 || echo 0)
 test-gpu: install-dev
-	$(BIN)/python -m pytest -m gpu -v -rs -n $(GPU_WORKERS) --dist loadgroup tests/test_gpu.py
+	$(BIN)/python -m pytest -m gpu -v -rs -n $(GPU_WORKERS) --dist loadgroup tests/test_gpu.py tests/test_gpu_dp.py
 
 lint: install-dev
 	$(BIN)/ruff check src tests scripts
@@ -137,3 +139,12 @@ docs: install
 clean:
 	rm -rf $(VENV)
 	find results -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+
+# Everything a lent GPU should run, time-boxed to 40 minutes (scripts/gpu_day.sh): the GPU suite,
+# BERT-base bench rows (DDP, DP), the largest batch per set-up, the compile speed-up; writes
+# $(GPU_DAY_OUT)/gpu_day.json and gpu_day.md. No install: a lent machine has torch but no package
+# index; .venv/bin (when there is one) comes first on PATH. Exits 2 without a GPU.
+.PHONY: gpu-day
+GPU_DAY_OUT ?= results/gpu-day
+gpu-day:
+	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/gpu_day.sh $(GPU_DAY_OUT)

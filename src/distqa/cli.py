@@ -95,6 +95,52 @@ def _add_task_commands(commands: Any, task: str | None) -> None:
             pass  # reported when the command loads its configuration
 
 
+def _add_bench(commands: Any) -> None:
+    """`distqa bench`'s options (its keys are train's)."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure training throughput and scaling for several process counts",
+        description="Run the training loop under torchrun for each process count, --repeats times in "
+        "alternating rounds, time the steps after a warm-up, and write DIR/bench.json and DIR/bench.png: "
+        "samples/s and tokens/s (the median of the repeats and their spread), scaling efficiency, the "
+        "step-time breakdown, and MFU on GPUs; implausible figures are warned about on stderr. Keys as "
+        "for train. MASTER_PORT (and MASTER_ADDR, default localhost) picks the rendezvous port; "
+        "default: a free one.",
+    )
+    bench.add_argument("--nproc", required=True, metavar="N[,N...]", help="process counts, e.g. 1,2")
+    bench.add_argument("--output", required=True, metavar="DIR", help="folder for bench.json, bench.png, runs/")
+    bench.add_argument(
+        "--warmup", type=int, default=5, metavar="STEPS", help="steps not timed (default: 5, at least 2)"
+    )
+    bench.add_argument("--steps", type=int, default=20, metavar="STEPS", help="steps timed (default: 20)")
+    bench.add_argument(
+        "--baseline", action="store_true", help="also time a minimal hand-written DDP loop on the same model and data"
+    )
+    bench.add_argument(
+        "--dp",
+        action="store_true",
+        help="GPUs only: also time train.parallel=dp (torch.nn.DataParallel, one process) over as many GPUs as "
+        "each row's processes, train.batch_size per GPU, as rows of their own",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        metavar="R",
+        help="rounds of runs, each launching every process count once; rows give the median and spread (default: 3)",
+    )
+    bench.add_argument(
+        "--timeout", type=float, default=1800, metavar="S", help="stop a launch that runs longer (default: 1800)"
+    )
+    bench.add_argument(
+        "--peak-tflops",
+        type=float,
+        metavar="X",
+        help="the device's peak TFLOP/s at train.precision, for MFU (default: the table in distqa/flops.py)",
+    )
+    _add_settings(bench)
+
+
 def build_parser(task: str | None = None, config_note: str = "") -> argparse.ArgumentParser:
     """`distqa`'s parser, with the keys and commands of `task` (None: the default task's);
     `config_note`: why the --config file named no task (see `selected_task`)."""
@@ -118,42 +164,7 @@ def build_parser(task: str | None = None, config_note: str = "") -> argparse.Arg
         "so launch scripts run it once before starting torchrun",
     )
 
-    bench = commands.add_parser(
-        "bench",
-        help="measure training throughput and scaling for several process counts",
-        description="Run the training loop under torchrun for each process count, --repeats times in "
-        "alternating rounds, time the steps after a warm-up, and write DIR/bench.json and DIR/bench.png: "
-        "samples/s and tokens/s (the median of the repeats and their spread), scaling efficiency, the "
-        "step-time breakdown, and MFU on GPUs; implausible figures are warned about on stderr. Keys as "
-        "for train. MASTER_PORT (and MASTER_ADDR, default localhost) picks the rendezvous port; "
-        "default: a free one.",
-    )
-    bench.add_argument("--nproc", required=True, metavar="N[,N...]", help="process counts, e.g. 1,2")
-    bench.add_argument("--output", required=True, metavar="DIR", help="folder for bench.json, bench.png, runs/")
-    bench.add_argument(
-        "--warmup", type=int, default=5, metavar="STEPS", help="steps not timed (default: 5, at least 2)"
-    )
-    bench.add_argument("--steps", type=int, default=20, metavar="STEPS", help="steps timed (default: 20)")
-    bench.add_argument(
-        "--baseline", action="store_true", help="also time a minimal hand-written DDP loop on the same model and data"
-    )
-    bench.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        metavar="R",
-        help="rounds of runs, each launching every process count once; rows give the median and spread (default: 3)",
-    )
-    bench.add_argument(
-        "--timeout", type=float, default=1800, metavar="S", help="stop a launch that runs longer (default: 1800)"
-    )
-    bench.add_argument(
-        "--peak-tflops",
-        type=float,
-        metavar="X",
-        help="the device's peak TFLOP/s at train.precision, for MFU (default: the table in distqa/flops.py)",
-    )
-    _add_settings(bench)
+    _add_bench(commands)
 
     export = commands.add_parser(
         "export",

@@ -104,7 +104,9 @@ class TrainConfig:
     max_steps: int = setting(-1, "optimizer steps to run; > 0 overrides train.epochs", resume="silent")
     epochs: int = setting(1, "passes over the training data (when train.max_steps <= 0)", resume="silent")
     # With the same global batch (compared on its own), another split over processes and micro-batches.
-    batch_size: int = setting(8, "examples per micro-batch per process", resume="applied")
+    batch_size: int = setting(
+        8, "examples per micro-batch per process (train.parallel=dp: split over its GPUs)", resume="applied"
+    )
     grad_accum: int = setting(1, "micro-batches accumulated per optimizer step", resume="applied")
     # Silent: what it changes, the global batch, is compared on its own.
     global_batch: int = setting(
@@ -117,7 +119,9 @@ class TrainConfig:
     parallel: str = setting(
         "ddp",
         "ddp (a whole model per process) | fsdp (FSDP2: weights, gradients and optimizer state sharded "
-        "over the processes, for models one GPU cannot hold)",
+        "over the processes, for models one GPU cannot hold) | dp (torch.nn.DataParallel: one process "
+        "splits each train.batch_size batch over all visible GPUs; CUDA only, one process, no "
+        "train.ddp_comm_hook or train.compile; slower than ddp, for comparison)",
     )
     # The same arithmetic, recomputed.
     activation_checkpointing: bool = setting(
@@ -208,7 +212,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "grad_accum", "checkpoint_every", "log_every"):
             check_min(f"train.{key}", getattr(self, key), 1)
-        _check_choice("train.parallel", self.parallel, ("ddp", "fsdp"))
+        _check_choice("train.parallel", self.parallel, ("ddp", "fsdp", "dp"))
         _check_choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
         if self.parallel == "fsdp" and self.check_replicas:
             raise ConfigError(
@@ -216,6 +220,7 @@ class TrainConfig:
                 "train.parallel=fsdp does not keep (each rank holds a different shard): turn one off"
             )
         _check_choice("train.ddp_comm_hook", self.ddp_comm_hook, ("none", "fp16", "bf16", "powersgd"))
+        self._check_dp()
         if self.parallel == "fsdp" and self.ddp_comm_hook == "powersgd":
             raise ConfigError(
                 "train.ddp_comm_hook=powersgd is a DDP hook, and train.parallel=fsdp reduce-scatters shards: "
@@ -252,6 +257,25 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ConfigError(f"train.resume={self.resume!r} is not auto, never, or an existing checkpoint folder")
+
+    def _check_dp(self) -> None:
+        """What train.parallel=dp cannot do, said before anything runs. (Where it cannot run, the
+        CPU or several processes, is known only once the device is: `distqa.parallel.dp_device_ids`.)"""
+        if self.parallel != "dp":
+            return
+        if self.ddp_comm_hook != "none":
+            # DataParallel sums the replicas' gradients on GPU 0 itself: there is no DDP reducer to hook.
+            raise ConfigError(
+                f"train.ddp_comm_hook={self.ddp_comm_hook} hooks DDP's all-reduce, and train.parallel=dp has "
+                "none (DataParallel sums gradients on GPU 0): use train.ddp_comm_hook=none, or train.parallel=ddp"
+            )
+        if self.compile:
+            # DataParallel copies the module every step and runs the copies in threads of its own,
+            # which torch.compile does not follow: the compiled step would be neither faster nor tested.
+            raise ConfigError(
+                "train.compile=true is not supported with train.parallel=dp (DataParallel runs fresh "
+                "copies of the model in threads each step): use train.compile=false, or train.parallel=ddp"
+            )
 
     def resolve_global_batch(self, world_size: int) -> None:
         """Derive `grad_accum` from `global_batch` for this many processes (in place; no-op when unset)."""

@@ -42,12 +42,17 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def fused_for(device: torch.device) -> bool:
+    """Whether AdamW on `device` runs the fused kernel: on CUDA it updates every parameter in one
+    launch. On the CPU the plain implementation is the one distqa has always run (and tested)."""
+    return device.type == "cuda"
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     groups = parameter_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    # The fused kernel updates every parameter in one launch on CUDA; it does not exist on CPU.
-    return torch.optim.AdamW(groups, lr=cfg.lr, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=fused_for(device))
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> LambdaLR:
@@ -62,7 +67,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
 
 def apply_settings(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: TrainConfig) -> None:
     """After restoring optimizer and scheduler state, make the configured rate, weight decay and
-    momentum win over the restored ones, so that changing them on resume does what it says.
+    momentum win over the restored ones, so that changing them on resume does what it says, and
+    give AdamW the implementation of this device (`match_device`).
 
     For unchanged settings this writes the values the state already held (the rate is computed by
     the same expression LambdaLR uses), so an exact resume stays exact.
@@ -75,3 +81,38 @@ def apply_settings(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: T
     if cfg.optimizer == "sgd":
         for group in optimizer.param_groups:
             group["momentum"] = cfg.momentum
+    match_device(optimizer)
+
+
+def match_device(optimizer: torch.optim.Optimizer) -> None:
+    """Give a restored AdamW the implementation a fresh one on its parameters' device uses.
+
+    `load_state_dict` keeps the *saved* param groups, `fused` flag included: a checkpoint written on
+    the CPU (fused False) resumed on CUDA would run the foreach path, one host sync per parameter
+    per step to read its `step`, and under fp16 crash, because GradScaler hands the fused-only
+    `found_inf` to an optimizer built fused. The reverse (GPU to CPU) would run fused on the CPU,
+    which no fresh CPU run does. The implementation does not change the arithmetic's result beyond
+    rounding, so the switch is safe at any step.
+    """
+    if not isinstance(optimizer, torch.optim.AdamW):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params:
+        return
+    fused = fused_for(params[0].device)
+    for group in optimizer.param_groups:
+        group["fused"] = fused
+        group["foreach"] = None  # as a fresh one: fused excludes foreach; unfused, torch picks per device
+    # GradScaler asks this of the instance, not of the groups: fused steps take the scale themselves.
+    optimizer._step_supports_amp_scaling = fused  # type: ignore[attr-defined]
+    # Where a fresh AdamW keeps `step` (torch.optim.adam `_init_group`): a float32 tensor on the
+    # parameter's device when fused or capturable, else a CPU scalar (no launch to add 1 to it).
+    # load_state_dict left it where map_location put it, i.e. on this device.
+    for group in optimizer.param_groups:
+        on_device = group["fused"] or group.get("capturable", False)
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state or not torch.is_tensor(state.get("step")):
+                continue
+            step = state["step"]
+            state["step"] = step.to(p.device, torch.float32) if on_device else step.cpu()

@@ -1,4 +1,4 @@
-"""How the model is spread over the processes: `train.parallel=ddp` or `fsdp`.
+"""How the model is spread over the processes: `train.parallel=ddp`, `fsdp` or `dp`.
 
 - ddp: every rank holds the whole model, its gradients and the optimizer state; gradients are
   all-reduced once per step (`distqa.dist.data_parallel`).
@@ -6,8 +6,12 @@
   parameters, gradients and optimizer state are split over the ranks: a rank holds 1/N of them
   and all-gathers a block's weights just before its forward and backward, then frees them. The
   state per rank shrinks N-fold, for one all-gather more per block and step.
+- dp: `torch.nn.DataParallel` in one process: each step it copies the model from GPU 0 to every
+  visible GPU, splits the batch along dim 0, runs the copies in threads, gathers their outputs on
+  GPU 0 and sums the gradients there. The simplest way onto several GPUs, and slower than ddp (one
+  Python process for every GPU, the copies and the gather through GPU 0 every step).
 
-Both modes run the same trainer; this module holds what differs (wrapping, gradient sync,
+All modes run the same trainer; this module holds what differs (wrapping, gradient sync,
 clipping, the full weights for export, the memory figures). `train.activation_checkpointing`
 wraps the same blocks in either mode: their activations are recomputed in the backward pass
 instead of kept, which trades a forward pass per step for most of the activation memory.
@@ -34,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distqa import comm_hooks
 from distqa.dist import AUTOCAST_DTYPES, DistInfo, data_parallel
+from distqa.errors import ConfigError
 
 if TYPE_CHECKING:  # for hints only
     from distqa.config import TrainConfig
@@ -54,13 +59,16 @@ def wrap(
 ) -> tuple[nn.Module, DDP | None, comm_hooks.CommHook]:
     """(the module to call, its DDP wrapper or None, its communication hook): FSDP2 in place
     (train.parallel=fsdp, with activation checkpointing inside) or activation checkpointing then
-    DDP (several processes) with train.ddp_comm_hook; then torch.compile (train.compile). `timer`
-    (a StepTimer) times DDP's all-reduce when enabled."""
+    DDP (several processes) with train.ddp_comm_hook, or DataParallel over this process's GPUs
+    (train.parallel=dp); then torch.compile (train.compile). `timer` (a StepTimer) times DDP's
+    all-reduce when enabled. `model` stays the module whose weights are saved and exported."""
     sharded = train.parallel == "fsdp"
     if sharded:
         shard(model, info, train)
     elif train.activation_checkpointing:
         checkpoint_blocks(model)
+    if train.parallel == "dp":
+        return one_process_data_parallel(model, info, train), None, comm_hooks.CommHook.off(train, info.world_size)
     ddp = data_parallel(model, info, train) if info.is_distributed and not sharded else None
     called: nn.Module = model
     hook = comm_hooks.CommHook.off(train, info.world_size)
@@ -72,6 +80,66 @@ def wrap(
         # boundaries, so gradient all-reduce still overlaps the backward pass.
         called = torch.compile(called)
     return called, ddp, hook
+
+
+def check_placement(train: TrainConfig, info: DistInfo) -> None:
+    """Refuse, before anything is written, a mode this process cannot run (train.parallel=dp on the
+    CPU or in a launch of several processes; the settings themselves were checked in `distqa.config`)."""
+    if train.parallel == "dp":
+        dp_device_ids(info)
+
+
+def dp_device_ids(info: DistInfo) -> list[int]:
+    """The GPUs train.parallel=dp splits each batch over: every visible one (CUDA_VISIBLE_DEVICES
+    picks them), this process's device first. Refused in one line where DataParallel cannot run."""
+    if info.world_size > 1:
+        raise ConfigError(
+            f"train.parallel=dp runs one process over all of a node's GPUs, and this launch started "
+            f"{info.world_size} processes (WORLD_SIZE={info.world_size}): start one process (distqa train, or "
+            "torchrun --nproc-per-node 1 on one node), or use train.parallel=ddp for one process per GPU"
+        )
+    if info.device.type != "cuda":
+        raise ConfigError(
+            "train.parallel=dp splits each batch over CUDA GPUs, and none is visible here: use "
+            "train.parallel=ddp (which also runs on the CPU)"
+        )
+    first = info.device.index or 0
+    return [first, *(i for i in range(torch.cuda.device_count()) if i != first)]
+
+
+class AutocastForward(nn.Module):
+    """`module`, its forward under autocast at `dtype`. DataParallel runs each GPU's copy in a
+    thread of its own and carries only whether autocast is on into it, not the dtype, which is
+    per thread: the trainer's bf16 would run as fp16 there (the fix the AMP notes give: autocast
+    inside the forward). Never saved: checkpoints hold the inner module's weights."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device_type: str = "cuda") -> None:
+        super().__init__()
+        self.module, self.dtype, self.device_type = module, dtype, device_type
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+def one_process_data_parallel(model: nn.Module, info: DistInfo, train: TrainConfig) -> nn.Module:
+    """train.parallel=dp: DataParallel over `dp_device_ids` (outputs gathered on the first). The
+    optimizer, the checkpoints and the export keep using `model` itself, so no key ever gains
+    DataParallel's `module.` prefix."""
+    devices = dp_device_ids(info)
+    dtype = AUTOCAST_DTYPES.get(train.precision)
+    inner = AutocastForward(model, dtype) if dtype is not None and devices else model
+    if not devices:  # no GPU (a test's stand-in): DataParallel then only calls the module
+        return nn.DataParallel(inner, device_ids=[])
+    return nn.DataParallel(inner, device_ids=devices, output_device=devices[0])
+
+
+def placement(model: nn.Module) -> str:
+    """What the start line says of how the model is spread beyond its process: DataParallel's GPUs."""
+    if isinstance(model, nn.DataParallel) and model.device_ids:
+        count = len(model.device_ids)
+        return f" (DataParallel over {count} GPU{'s' if count > 1 else ''})"
+    return ""
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -80,7 +80,7 @@ class TrainStep:
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         try:
-            return self.task.loss(self.model, batch)
+            loss = self.task.loss(self.model, batch)
         except RuntimeError as err:
             if "find_unused_parameters" not in str(err):
                 raise
@@ -89,6 +89,13 @@ class TrainStep:
                 "some parameters got no gradient in a step (a model part the loss does not use): set "
                 "train.find_unused_parameters=true, or leave that part out of the model"
             ) from err
+        if self.train.parallel == "dp" and loss.dim() == 1:
+            # A loss the model computes in its forward (a Hugging Face model given labels) comes back
+            # from DataParallel as one value per GPU, gathered into a vector: their mean is the
+            # batch's loss (exactly, when the batch splits evenly over the GPUs). The built-in tasks
+            # compute the loss from the gathered outputs, which is exact whatever the split.
+            loss = loss.mean()
+        return loss
 
     def _update(self) -> torch.Tensor:
         """Clip, step, schedule; the total gradient norm before clipping (on the device: no sync)."""

@@ -1,5 +1,5 @@
-"""The generic training loop, for DDP or FSDP2 (`distqa.parallel`). It knows nothing of Natural
-Questions: see `distqa.task.Task`.
+"""The generic training loop, for DDP, FSDP2 or DataParallel (`distqa.parallel`). It knows nothing
+of Natural Questions: see `distqa.task.Task`.
 
 In named parts: set-up (settings agreed, output_dir claimed, model and data built, parts wrapped
 and registered with the checkpoint manager), restore, the loop (`distqa.train_step` does one step;
@@ -89,6 +89,7 @@ class Trainer:
         return self.state.step if self.state is not None else 0
 
     def fit(self) -> Path:
+        parallel.check_placement(self.cfg.train, self.info)  # train.parallel=dp where it cannot run: one line
         # Before output_dir is touched: nodes started with other settings must not write anything.
         check_same_settings(self.cfg, self.info)
         train = self.cfg.train
@@ -209,7 +210,8 @@ class Trainer:
             write_text(self.out / "config.yaml", to_yaml(self.cfg), info)
         n_params = sum(p.numel() for p in self.raw_model.parameters())
         print0(
-            f"distqa: {info.world_size} process(es) on {info.device.type}, {n_params / 1e6:.1f}M parameters, "
+            f"distqa: {info.world_size} process(es) on {info.device.type}{parallel.placement(self.model)}, "
+            f"{n_params / 1e6:.1f}M parameters, "
             f"{self.dataset_size}, global batch {self.global_batch}, steps {step}->{self.total_steps}"
         )
         return step
@@ -230,7 +232,7 @@ class Trainer:
         try:
             while state.step < self.total_steps:
                 epoch, in_epoch = divmod(state.step, self.epoch_steps)
-                batches = training_batches(dataset, self.task.collate, cfg, info, epoch, in_epoch)
+                batches = training_batches(dataset, self.task.collate_fn(), cfg, info, epoch, in_epoch)
                 for _ in range(in_epoch, min(self.epoch_steps, in_epoch + self.total_steps - state.step)):
                     lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                     self.train_step(batches, self.meter)

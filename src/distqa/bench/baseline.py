@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distqa import comm_hooks
 from distqa.config import Config
 from distqa.dist import DistInfo, autocast_dtype, data_parallel, local_main_first
+from distqa.parallel import configure_backends
 from distqa.sampler import training_batches
 from distqa.steptimer import StepTimer
 from distqa.task import Task
@@ -32,17 +33,18 @@ def _batches(cfg: Config, task: Task, info: DistInfo, dataset: Any) -> Iterator[
     same order: with padding to each batch's longest sequence, other batches would be other amounts
     of work."""
     for epoch in itertools.count():
-        yield from training_batches(dataset, task.collate, cfg, info, epoch, start_step=0)
+        yield from training_batches(dataset, task.collate_fn(), cfg, info, epoch, start_step=0)
 
 
 def _build(cfg: Config, task: Task, info: DistInfo, timer: StepTimer) -> tuple[nn.Module, DDP | None, nn.Module, Any]:
     """(raw model, its DDP wrapper or None, the model to call, the training dataset)."""
+    # The trainer's kernel settings (TF32, or deterministic kernels under train.deterministic), set
+    # where the trainer sets them: before the first kernel, so both loops run the same kernels.
+    configure_backends(cfg.train, info.device)
     torch.manual_seed(cfg.seed)
     with local_main_first(info):
         raw = task.build_model().to(info.device)
         dataset = task.build_train_dataset()
-    if info.device.type == "cuda" and not cfg.train.deterministic:
-        torch.set_float32_matmul_precision("high")  # as the trainer does
     # The trainer's DDP settings, so the comparison is of the loops, not of DDP options.
     ddp = data_parallel(raw, info, cfg.train) if info.is_distributed else None
     model: nn.Module = ddp or raw

@@ -3,8 +3,10 @@
 Each launch runs the real training loop (`distqa.bench.worker`) for warm-up plus measured steps
 and writes its figures to DIR/runs/; this process then writes DIR/bench.json and DIR/bench.png.
 `--repeats` rounds (default 3) each launch every world size once, so that all rows see the same
-machine load; with `--baseline` each also runs the hand-written DDP loop beside the trainer. Each
-row reports the median and the spread of its repeats, and implausible figures are warned about.
+machine load; with `--baseline` each also runs the hand-written DDP loop beside the trainer, and
+with `--dp` (GPUs only) one process with `train.parallel=dp` over as many GPUs as the DDP row has
+processes. Each row reports the median and the spread of its repeats, and implausible figures are
+warned about.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from distqa.errors import ConfigError, DistqaError
 from distqa.registry import load_config
 
 LOOPS = ("trainer", "baseline")
+DP = "dp"  # the third kind of launch: the trainer with train.parallel=dp, in one process
 
 
 def parse_nproc(text: str) -> list[int]:
@@ -101,6 +104,17 @@ def worker_env(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def dp_env(gpus: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """A `--dp` launch's environment: CUDA_VISIBLE_DEVICES limited to the first `gpus` of those
+    visible (the user's own list, or all), so that DataParallel spreads over exactly that many."""
+    env = dict(environ)
+    visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        visible = [str(i) for i in range(torch.cuda.device_count())]
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:gpus])
+    return env
+
+
 def rendezvous_args(environ: Mapping[str, str]) -> list[str]:
     """torchrun's rendezvous options: standalone (any free port) unless MASTER_PORT is set, so that
     two users of one host can each pick a port; then a c10d rendezvous hosted here on
@@ -127,19 +141,23 @@ def check_port(environ: Mapping[str, str]) -> None:
 
 
 def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[str, Any]:
+    """One torchrun launch of `loop` (trainer, baseline, or dp: the trainer in one process over
+    `nproc` GPUs) and its result file; one line on failure or past --timeout."""
     name = f"np{nproc}-{loop}-{repeat}"
     result, log = out / "runs" / f"{name}.json", out / "runs" / f"{name}.log"
     result.unlink(missing_ok=True)
     check_port(os.environ)  # before each launch: the port is this host's, and others may take it meanwhile
+    dp = loop == DP
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         *rendezvous_args(os.environ),
-        f"--nproc-per-node={nproc}",
+        f"--nproc-per-node={1 if dp else nproc}",
         "-m",
         "distqa.bench.worker",
-        f"--loop={loop}",
+        f"--loop={'trainer' if dp else loop}",
+        *([f"--dp-gpus={nproc}"] if dp else []),
         f"--result={result}",
         f"--output-dir={out / 'runs' / name}",
         f"--warmup={args.warmup}",
@@ -147,12 +165,11 @@ def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[st
         *([f"--config={args.config}"] if args.config else []),
         *args.overrides,
     ]
-    env = worker_env(nproc, os.environ)
+    env = dp_env(nproc, os.environ) if dp else worker_env(nproc, os.environ)
     where = next((a.split("=", 1)[1] for a in command if a.startswith("--rdzv-endpoint=")), None)
     at = f", rendezvous at {where}" if where else ""  # the user's MASTER_PORT; torchrun's free port otherwise
-    print(
-        f"distqa bench: {loop}, {nproc} process(es), run {repeat + 1} of {args.repeats}{at}: log in {log}", flush=True
-    )
+    what = f"dp, {nproc} GPU(s) in 1 process" if dp else f"{loop}, {nproc} process(es)"
+    print(f"distqa bench: {what}, run {repeat + 1} of {args.repeats}{at}: log in {log}", flush=True)
     with log.open("w") as sink:
         # A session of its own, so that a timeout or Ctrl-C stops torchrun *and* its workers
         # (killing torchrun alone would leave the workers waiting in a collective).
@@ -189,30 +206,58 @@ def _checked(args: Any) -> tuple[list[int], Config]:
             f"--baseline is a hand-written DDP loop: it has no train.parallel={cfg.train.parallel} "
             "counterpart; leave --baseline out"
         )
+    _check_dp(args, cfg)
     _check_devices(nprocs)
     return nprocs, cfg
 
 
-def _rounds(nprocs: list[int], args: Any, out: Path) -> list[tuple[int, list[dict], list[dict]]]:
-    """(process count, trainer runs, baseline runs) per process count, from `--repeats` rounds."""
-    runs: dict[tuple[int, str], list[dict[str, Any]]] = {(n, loop): [] for n in nprocs for loop in LOOPS}
+def _check_dp(args: Any, cfg: Config) -> None:
+    """`--dp` where its launches can run: on GPUs, beside DDP rows, with settings dp accepts. (A
+    bench of train.parallel=dp itself would start N processes of it: that is what --dp is for.)"""
+    if cfg.train.parallel == "dp":
+        raise ConfigError(
+            "train.parallel=dp runs one process, and bench launches N per row: use --dp "
+            "(a DataParallel row beside each DDP row) and leave train.parallel at ddp"
+        )
+    if not getattr(args, "dp", False):
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "--dp needs GPUs: train.parallel=dp (torch.nn.DataParallel) splits each batch over CUDA "
+            "devices, and none is visible here; leave --dp out"
+        )
+    if cfg.train.parallel != "ddp":
+        raise ConfigError(
+            f"--dp compares DataParallel with DDP, and this bench has train.parallel={cfg.train.parallel}: "
+            "leave --dp out, or train.parallel at ddp"
+        )
+    load_config(args.config, [*args.overrides, "train.parallel=dp"])  # what dp refuses, before any launch
+
+
+def _rounds(nprocs: list[int], args: Any, out: Path) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """Every launch's result by (process count, loop), from `--repeats` rounds."""
+    chosen = ["trainer", *(["baseline"] if args.baseline else []), *([DP] if getattr(args, "dp", False) else [])]
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {(n, loop): [] for n in nprocs for loop in (*LOOPS, DP)}
     for repeat in range(args.repeats):
         # Round by round, every process count once per round, so that a change of the machine's
         # load lands on all of them rather than on one row (a 1-process run slowed by other load
         # once gave 2 processes a 270 % scaling efficiency). Odd rounds reverse the order of process
-        # counts and of the two loops: on a shared machine the second of two back-to-back runs is
-        # not always as fast as the first, and that must favour no row and neither loop.
+        # counts and of the loops: on a shared machine the second of two back-to-back runs is
+        # not always as fast as the first, and that must favour no row and no loop.
         order = nprocs if repeat % 2 == 0 else nprocs[::-1]
-        loops = LOOPS if repeat % 2 == 0 else LOOPS[::-1]
+        loops = chosen if repeat % 2 == 0 else chosen[::-1]
         for nproc in order:
-            for loop in loops if args.baseline else ("trainer",):
+            for loop in loops:
                 runs[nproc, loop].append(_launch(nproc, loop, repeat, args, out))
-    return [(n, runs[n, "trainer"], runs[n, "baseline"]) for n in nprocs]
+    return runs
 
 
-def _result(args: Any, cfg: Config, rows: list[tuple[int, list[dict], list[dict]]]) -> dict[str, Any]:
-    """bench.json's content: the setting of the first run, then one summarized row per process count."""
-    first = rows[0][1][0]
+def _result(args: Any, cfg: Config, nprocs: list[int], runs: dict[tuple[int, str], list[dict]]) -> dict[str, Any]:
+    """bench.json's content: the setting of the first run, then one summarized row per process
+    count, and (`--dp`) one `"parallel": "dp"` row per GPU count after them."""
+    first = runs[nprocs[0], "trainer"][0]
+    rows = [summarize(n, runs[n, "trainer"], runs[n, "baseline"], args.peak_tflops) for n in nprocs]
+    rows += [summarize(n, runs[n, DP], [], args.peak_tflops) for n in nprocs if runs[n, DP]]
     result: dict[str, Any] = {
         "command": "distqa bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -234,7 +279,7 @@ def _result(args: Any, cfg: Config, rows: list[tuple[int, list[dict], list[dict]
         "layers": first["layers"],
         "hidden_size": first["hidden_size"],
         "flops_note": first.get("flops_note"),
-        "runs": [summarize(n, t, b, args.peak_tflops) for n, t, b in rows],
+        "runs": rows,
     }
     add_scaling(result["runs"])
     result["warnings"] = implausible(result["runs"])
@@ -248,23 +293,22 @@ def run_bench(args: Any) -> dict[str, Any]:
         (out / "runs").mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise DistqaError(f"--output {out} cannot be created: {err.strerror or err}") from err
-    result = _result(args, cfg, _rounds(nprocs, args, out))
+    result = _result(args, cfg, nprocs, _rounds(nprocs, args, out))
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "bench.png")
     return result
 
 
 def print_table(result: dict[str, Any]) -> None:
-    """The rows on stdout, then each implausible figure's warning on stderr."""
-    print(
-        f"{result['device']}, {result['model']}, {result.get('parallel', 'ddp')}, {result['precision']}, "
-        f"seq {result['seq_len']}"
-    )
+    """The rows on stdout (`--dp`'s after DDP's, `mode` dp), then each implausible figure's warning on stderr."""
+    dp = any(r.get("parallel") == DP for r in result["runs"])
+    modes = f"{result.get('parallel', 'ddp')}{' and dp' if dp else ''}"
+    print(f"{result['device']}, {result['model']}, {modes}, {result['precision']}, seq {result['seq_len']}")
     if result["flops_note"]:
         print(f"no FLOPs or MFU: {result['flops_note']}")
     print(
-        f"{'nproc':>5} {'samples/s':>10} {'min..max':>15} {'spread':>7} {'tokens/s':>10} {'scaling':>8} "
-        f"{'data%':>6} {'MFU':>6} {'vs loop':>8} {'state MiB/rank':>15}"
+        f"{'nproc':>5} {'mode':>4} {'samples/s':>10} {'min..max':>15} {'spread':>7} {'tokens/s':>10} {'scaling':>8} "
+        f"{'data%':>6} {'MFU':>6} {'vs loop':>8} {'state MiB/rank':>15}" + (f" {'vs ddp':>7}" if dp else "")
     )
     for r in result["runs"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
@@ -273,12 +317,18 @@ def print_table(result: dict[str, Any]) -> None:
         span = f"{s['min']:.1f}..{s['max']:.1f}"
         relative = f"{100 * s['relative']:.1f}%" if s["relative"] is not None else "-"  # one repeat: unknown
         state = f"{r['state_mib_per_rank']:.1f}" if r.get("state_mib_per_rank") is not None else "-"
+        versus = (f" {r['dp_over_ddp']:>7.3f}" if "dp_over_ddp" in r else f" {'-':>7}") if dp else ""
         print(
-            f"{r['nproc']:>5} {r['samples_per_s']:>10.1f} {span:>15} {relative:>7} {r['tokens_per_s']:>10.0f} "
-            f"{100 * r['scaling_efficiency']:>7.1f}% {r['step_breakdown_pct']['data']:>5.1f}% {mfu:>6} {ratio:>8} "
-            f"{state:>15}"
+            f"{r['nproc']:>5} {r.get('parallel', 'ddp'):>4} {r['samples_per_s']:>10.1f} {span:>15} {relative:>7} "
+            f"{r['tokens_per_s']:>10.0f} {100 * r['scaling_efficiency']:>7.1f}% "
+            f"{r['step_breakdown_pct']['data']:>5.1f}% {mfu:>6} {ratio:>8} {state:>15}{versus}"
         )
     repeats = len(result["runs"][0]["repeats"])
     print(f"samples/s: median of {repeats} run(s) per process count; spread = (max - min) / median")
+    if dp:
+        print(
+            "dp rows: one process, torch.nn.DataParallel over nproc GPUs, train.batch_size x nproc per step "
+            "(the same per GPU as DDP's); scaling against dp's own smallest row; vs ddp: samples/s over DDP's"
+        )
     for line in result["warnings"]:
         print(line, file=sys.stderr)

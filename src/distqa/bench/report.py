@@ -46,7 +46,8 @@ def summarize(
         flops_per_token = shape.flops_per_token(round(context))
         achieved = flops_per_token * tokens_per_s / nproc / 1e12
     row: dict[str, Any] = {
-        "nproc": nproc,
+        "nproc": nproc,  # processes; for a train.parallel=dp row, the GPUs its one process spreads over
+        "parallel": first.get("parallel", "ddp"),  # ddp | fsdp (the settings' mode) | dp (`distqa bench --dp`)
         "samples_per_s": samples_per_s,
         "tokens_per_s": tokens_per_s,
         "samples_per_s_per_process": samples_per_s / nproc,
@@ -85,26 +86,45 @@ def state_mib(state: dict[str, int] | None) -> dict[str, Any]:
     return {"state_mib_per_rank": sum(parts.values()), "state_mib_breakdown": parts}
 
 
+def is_dp(row: dict[str, Any]) -> bool:
+    return row.get("parallel") == "dp"
+
+
 def add_scaling(rows: list[dict[str, Any]]) -> None:
-    """Scaling efficiency: throughput per process against that of the smallest world size.
+    """Scaling efficiency: throughput per process (per GPU, for dp rows) against that of the
+    smallest world size of the same kind, DDP's rows against DDP's and DataParallel's against its
+    own; each dp row also gets `dp_over_ddp`, its throughput over the DDP row of as many GPUs.
 
     Its spread pairs the repeats by round: the launcher runs round i of every world size back to
     back, so round i's figures saw about the same machine load and their ratio is the fairest one.
     """
-    reference = min(rows, key=lambda r: r["nproc"])
-    per_process = reference["samples_per_s_per_process"]
+    for kind in (False, True):
+        group = [row for row in rows if is_dp(row) == kind]
+        if not group:
+            continue
+        reference = min(group, key=lambda r: r["nproc"])
+        per_process = reference["samples_per_s_per_process"]
+        for row in group:
+            row["scaling_efficiency"] = row["samples_per_s_per_process"] / per_process
+            pairs = zip(row["repeats"], reference["repeats"], strict=False)
+            rounds = [(mine / row["nproc"]) / (ref / reference["nproc"]) for mine, ref in pairs]
+            row["scaling_efficiency_spread"] = {"min": min(rounds), "max": max(rounds)}
+    ddp = {row["nproc"]: row for row in rows if not is_dp(row)}
     for row in rows:
-        row["scaling_efficiency"] = row["samples_per_s_per_process"] / per_process
-        pairs = zip(row["repeats"], reference["repeats"], strict=False)
-        rounds = [(mine / row["nproc"]) / (ref / reference["nproc"]) for mine, ref in pairs]
-        row["scaling_efficiency_spread"] = {"min": min(rounds), "max": max(rounds)}
+        if is_dp(row) and row["nproc"] in ddp:
+            row["dp_over_ddp"] = row["samples_per_s"] / ddp[row["nproc"]]["samples_per_s"]
+
+
+def row_label(row: dict[str, Any]) -> str:
+    """A row's name in warnings and the plot: `nproc N` (processes), `dp N` (one process, N GPUs)."""
+    return f"dp {row['nproc']}" if is_dp(row) else f"nproc {row['nproc']}"
 
 
 def implausible(rows: list[dict[str, Any]]) -> list[str]:
     """One warning line per figure that cannot be trusted as it stands."""
     lines = []
     for row in rows:
-        where = f"nproc {row['nproc']}"
+        where = row_label(row)
         # Per-process throughput cannot grow with more processes sharing the work: above 100 %
         # the reference run was slowed by something else (other load, a cold cache).
         if round(100 * row["scaling_efficiency"], 1) > 100.0:
@@ -137,45 +157,59 @@ def _bars(rows: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[lis
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
-    """Throughput (with ideal linear scaling), scaling efficiency, and the step-time breakdown."""
+    """Throughput (with ideal linear scaling), scaling efficiency, the step-time breakdown and the
+    memory per rank; `distqa bench --dp`'s DataParallel rows as a series of their own beside DDP's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["runs"]
-    nprocs = [r["nproc"] for r in rows]
+    all_rows = result["runs"]
+    rows, dp_rows = [r for r in all_rows if not is_dp(r)], [r for r in all_rows if is_dp(r)]
+    nprocs = sorted({r["nproc"] for r in all_rows})
     fig, (ax_tp, ax_eff, ax_bd, ax_mem) = plt.subplots(1, 4, figsize=(20, 4.5))
-    ref = rows[0]
+    ref = rows[0] if rows else dp_rows[0]
     ideal = [ref["samples_per_s_per_process"] * n for n in nprocs]
     # Medians, the bars spanning the repeats' min to max.
-    ax_tp.errorbar(nprocs, *_bars(rows, "samples_per_s"), marker="o", capsize=4, label="distqa trainer")
-    if all("baseline_samples_per_s" in r for r in rows):
+    series = [(rows, "o", "distqa trainer"), (dp_rows, "D", "DataParallel, 1 process (--dp)")]
+    for group, marker, label in series:
+        if group:
+            counts = [r["nproc"] for r in group]
+            ax_tp.errorbar(counts, *_bars(group, "samples_per_s"), marker=marker, capsize=4, label=label)
+            ax_eff.errorbar(
+                counts, *_bars(group, "scaling_efficiency", scale=100.0), marker=marker, capsize=4, label=label
+            )
+    if rows and all("baseline_samples_per_s" in r for r in rows):
+        counts = [r["nproc"] for r in rows]
         ax_tp.errorbar(
-            nprocs, *_bars(rows, "baseline_samples_per_s"), marker="s", capsize=4, label="hand-written DDP loop"
+            counts, *_bars(rows, "baseline_samples_per_s"), marker="s", capsize=4, label="hand-written DDP loop"
         )
     ax_tp.plot(nprocs, ideal, linestyle="--", color="grey", label="linear scaling")
-    ax_tp.set(xlabel="processes", ylabel="samples/s (all processes)", xticks=nprocs)
+    ax_tp.set(xlabel="processes (dp: GPUs)", ylabel="samples/s (all processes)", xticks=nprocs)
     ax_tp.set_title("throughput (median; bars: min to max of the repeats)", fontsize="medium")
     ax_tp.legend()
-    ax_eff.errorbar(nprocs, *_bars(rows, "scaling_efficiency", scale=100.0), marker="o", capsize=4)
     ax_eff.axhline(100, linestyle="--", color="grey")
-    ax_eff.set(xlabel="processes", ylabel="% of linear", title="scaling efficiency", xticks=nprocs)
+    ax_eff.set(xlabel="processes (dp: GPUs)", ylabel="% of linear", title="scaling efficiency", xticks=nprocs)
     ax_eff.set_ylim(bottom=0)
-    bottom = [0.0] * len(rows)
-    labels = [str(n) for n in nprocs]
+    if dp_rows:
+        ax_eff.legend(fontsize="small")
+    ordered = rows + dp_rows
+    labels = [str(r["nproc"]) if not is_dp(r) else row_label(r) for r in ordered]
+    bottom = [0.0] * len(ordered)
     for phase in PHASES:
-        values = [r["step_breakdown_ms"][phase] for r in rows]
+        values = [r["step_breakdown_ms"][phase] for r in ordered]
         ax_bd.bar(labels, values, bottom=bottom, label=phase.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax_bd.set(xlabel="processes", ylabel="ms per step (mean over processes)", title="step time")
+    ax_bd.set(
+        xlabel="processes (dp N: 1 process, N GPUs)", ylabel="ms per step (mean over processes)", title="step time"
+    )
     ax_bd.legend(fontsize="small")
-    _plot_memory(ax_mem, rows, labels)
+    _plot_memory(ax_mem, ordered, labels)
     for ax in (ax_tp, ax_eff, ax_bd, ax_mem):
         ax.grid(alpha=0.3)
     title = f"{result['device']}, {result['model']}, {result.get('parallel', 'ddp')}, {result['precision']}"
     title += f", seq {result['seq_len']}"
-    fig.suptitle(f"{title}, batch {result['batch_size']} per process")
+    fig.suptitle(f"{title}, batch {result['batch_size']} per process" + (" (dp: per GPU)" if dp_rows else ""))
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

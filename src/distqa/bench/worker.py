@@ -3,7 +3,9 @@
     python -m distqa.bench.worker --loop trainer --result R.json --warmup 5 --steps 20 KEY=VALUE ...
 
 `--loop trainer` runs distqa's own `Trainer` with a `StepTimer`; `--loop baseline` runs the
-minimal hand-written DDP loop of `distqa.bench.baseline` on the same task, model and data. Rank 0
+minimal hand-written DDP loop of `distqa.bench.baseline` on the same task, model and data;
+`--dp-gpus N` (one process) runs the trainer with train.parallel=dp over the N visible GPUs, each
+step `train.batch_size` x N examples, so that every GPU sees the batch a DDP process would. Rank 0
 writes one JSON object: the summed samples and tokens, the slowest rank's seconds, each phase's
 mean over ranks, and what MFU needs (FLOPs per token, the device's name).
 """
@@ -38,6 +40,11 @@ from distqa.trainer import Trainer
 
 def _bench_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config, args.overrides)
+    if args.dp_gpus:
+        _check_gpus(args.dp_gpus)
+        # Through load_config again, so that dp's settings are checked as `distqa train` checks them.
+        per_step = ["train.parallel=dp", f"train.batch_size={cfg.train.batch_size * args.dp_gpus}"]
+        cfg = load_config(args.config, [*args.overrides, *per_step])
     cfg.output_dir = args.output_dir
     # Only the steps are measured: no validation (it would run inside the last step), no resume
     # from an earlier measurement, no checkpoint along the way.
@@ -53,6 +60,17 @@ def _bench_config(args: argparse.Namespace) -> Config:
         # start-up would land in the measured steps of large world sizes only.
         grow(cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum * world_size)
     return cfg
+
+
+def _check_gpus(gpus: int) -> None:
+    """The launcher set CUDA_VISIBLE_DEVICES to `gpus` devices: DataParallel takes every visible one."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible != gpus or int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise DistqaError(
+            f"--dp-gpus={gpus} needs one process with {gpus} visible GPU(s); it has {visible} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) and "
+            f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '1')}: run it through `distqa bench --dp`"
+        )
 
 
 def _measure(cfg: Config, task: Task, info: DistInfo, loop: str, warmup: int) -> tuple[dict, torch.nn.Module]:
@@ -73,6 +91,7 @@ def _total(state: dict[str, int]) -> int:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--loop", choices=("trainer", "baseline"), required=True)
+    parser.add_argument("--dp-gpus", type=int, default=0, help="train.parallel=dp over this many GPUs (one process)")
     parser.add_argument("--result", required=True, help="JSON file rank 0 writes")
     parser.add_argument("--output-dir", required=True, help="the run's output_dir")
     parser.add_argument("--warmup", type=int, required=True)
@@ -93,6 +112,7 @@ def _record(args: argparse.Namespace, cfg: Config, info: DistInfo, parts: list[d
         "threads_per_process": torch.get_num_threads(),
         "precision": cfg.train.precision,
         "parallel": cfg.train.parallel,
+        "dp_gpus": args.dp_gpus or None,  # train.parallel=dp: the GPUs of its one process
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "compile": cfg.train.compile,
         "seq_len": getattr(cfg.task, "max_seq_len", None),  # a text task's; None for others

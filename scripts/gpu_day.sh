@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# A lent GPU's day in one command: what a GPU should run, in order of value, each step in a time
+# box (timeout(1)) so that the whole fits GPU_DAY_BUDGET_S (40 minutes) and no command passes 9
+# minutes (its box, at most 510 s, and 30 s to stop):
+#   1. the GPU acceptance suite (scripts/gpu_check.sh: no .venv or package index needed);
+#   2. `distqa bench` rows for BERT-base, seq 512, bf16: 1 process per GPU count (DDP), and
+#      DataParallel beside it (--dp) with 2 GPUs or more; samples/s, scaling, MFU;
+#   3. the largest batch per GPU that fits, per set-up of scripts/bench_fsdp_gpu.sh (BERT-base and
+#      -large, DDP and FSDP, activation checkpointing off and on), doubling from 16;
+#   4. the speed-up of train.compile=true over step 2's eager 1-process row.
+#
+#     scripts/gpu_day.sh OUTPUT_DIR
+#
+# Writes OUTPUT_DIR/gpu_day.json (versions, the GPUs, each step's status ok/failed/timed-out/skipped
+# with its reason and seconds, the figures read from the steps' JSON files) and OUTPUT_DIR/gpu_day.md
+# (tables in docs/benchmarks.md's form), rebuilt after every step (scripts/gpu_day_report.py), so a
+# day cut short still leaves them; each step's output is in OUTPUT_DIR/logs/. Prints one line per
+# step and what it could not do. Exits 2 without a GPU, 1 when a step failed or timed out, else 0.
+#
+# GPU_DAY_STEPS runs some of the steps (where one command may not run 40 minutes): e.g.
+# GPU_DAY_STEPS=tests, then GPU_DAY_STEPS="bench compile" into the same OUTPUT_DIR; the report then
+# gathers every call's steps (a step run again replaces its earlier outcome).
+#
+#   PYTHON            interpreter with torch (default: python3); the `distqa` on PATH, else PYTHON -m distqa
+#   WHEELS, SITE      as for scripts/gpu_check.sh (wheels installed by step 1, used by every step)
+#   GPU_CHECK         step 1's command (default: scripts/gpu_check.sh)
+#   GPU_DAY_BUDGET_S  seconds for the whole day (default: 2400); a step with under
+#                     GPU_DAY_MIN_BOX_S (default: 60) left is skipped
+#   GPU_DAY_STEPS     which steps, of: tests bench batches compile (default: all four, in that order)
+#   GPU_DAY_BOX_TESTS, GPU_DAY_BOX_BENCH, GPU_DAY_BOX_BATCHES, GPU_DAY_BOX_COMPILE
+#                     each step's box in seconds (default: 480, 510, 840, 360; step 3's is shared
+#                     among its 8 set-ups, what one leaves going to the next); none over
+#                     GPU_DAY_MAX_BOX_S (default: 510)
+#   GPU_DAY_GRACE_S   after a box, seconds between SIGINT (distqa bench then stops its launch's
+#                     processes) and SIGKILL (default: 30)
+set -euo pipefail
+
+if [[ $# -ne 1 || $1 == -* ]]; then
+  echo "usage: scripts/gpu_day.sh OUTPUT_DIR" >&2
+  exit 2
+fi
+out=$(realpath -m -- "$1") # before the cd below: a relative OUTPUT_DIR is the caller's
+cd "$(dirname "$0")/.."
+steps=" ${GPU_DAY_STEPS:-tests bench batches compile} "
+for step in $steps; do
+  [[ " tests bench batches compile " == *" $step "* ]] || {
+    echo "gpu_day.sh: GPU_DAY_STEPS names '$step': the steps are tests, bench, batches, compile" >&2
+    exit 2
+  }
+done
+gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
+if ((gpus == 0)); then
+  echo "gpu_day.sh: no GPU visible (nvidia-smi -L lists none): nothing to run, nothing written" >&2
+  exit 2
+fi
+
+PYTHON=${PYTHON:-python3}
+budget=${GPU_DAY_BUDGET_S:-2400}
+min_box=${GPU_DAY_MIN_BOX_S:-60}
+max_box=${GPU_DAY_MAX_BOX_S:-510}
+grace=${GPU_DAY_GRACE_S:-30}
+deadline=$((SECONDS + budget))
+failed=0
+mkdir -p "$out/logs"
+[[ -n ${GPU_DAY_STEPS:-} ]] || : > "$out/steps.jsonl" # a whole day starts a fresh report
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpus.csv" 2> /dev/null || true
+
+report() { # ACTION ARGS...: one step's outcome into OUTPUT_DIR/steps.jsonl, and the report rebuilt
+  # A report that cannot be written must not cost the GPU time still left: said, and the day goes on.
+  "$PYTHON" scripts/gpu_day_report.py "$1" "$out" "${@:2}" --gpus "$gpus" --budget "$budget" ||
+    echo "gpu_day: warning: scripts/gpu_day_report.py $1 failed (status $?)" >&2
+}
+
+run_step() { # NAME BOX_S COMMAND...: COMMAND in its box, its output in logs/NAME.log, its outcome recorded
+  local name=$1 box=$2 left=$((deadline - SECONDS - grace))
+  shift 2
+  ((box <= max_box)) || box=$max_box
+  ((box <= left)) || box=$left
+  if ((box < min_box)); then
+    report skip --name "$name" --reason "only ${left} s left of the ${budget} s budget"
+    return 0
+  fi
+  local log="$out/logs/${name//\//-}.log" start=$SECONDS started=${EPOCHREALTIME:-} rc=0
+  echo "gpu_day: $name, at most $box s: $*"
+  # SIGINT, not SIGTERM: distqa bench turns it into stopping its torchrun (a session of its own,
+  # which a signal to this process group would not reach); pytest stops cleanly on it too.
+  timeout -s INT -k "$grace" "$box" "$@" > "$log" 2>&1 || rc=$?
+  ((rc == 0)) || failed=1
+  report record --name "$name" --rc "$rc" --seconds $((SECONDS - start)) --started "${started/,/.}" \
+    --box "$box" --log "$log"
+}
+
+# shellcheck disable=SC2329  # run by the steps through `bash -c`, which the function's export reaches
+largest_batch() { # DIR NPROC KEY=VALUE...: the batch per GPU doubled until a run fails (bench_fsdp_gpu.sh's loop)
+  local dir=$1 nproc=$2 batch
+  shift 2
+  mkdir -p "$dir"
+  for batch in 16 32 64 128 256 512; do
+    if ! distqa bench --nproc "$nproc" --output "$dir/batch-$batch" --warmup 2 --steps 2 --repeats 1 --timeout 240 \
+      "$@" train.batch_size="$batch" > "$dir/batch-$batch.log" 2>&1; then
+      # Out of memory ends the search (the report reads the reason); nothing fitting is a failure.
+      ((batch > 16)) || { tail -n 5 "$dir/batch-$batch.log" >&2; return 1; }
+      return 0
+    fi
+  done
+}
+export -f largest_batch
+
+# Without an installed distqa (a lent machine): the checkout's, with the wheels step 1 installs.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 WHEELS=${WHEELS-.whl} SITE=${SITE:-/tmp/site}
+if ! command -v distqa > /dev/null; then
+  shim=$(mktemp -d)
+  trap 'rm -rf "$shim"' EXIT
+  printf '#!/bin/sh\nexec %q -m distqa "$@"\n' "$PYTHON" > "$shim/distqa"
+  chmod +x "$shim/distqa"
+  export PATH="$shim:$PATH"
+  if [[ -n $WHEELS ]] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+    if [[ $steps != *" tests "* ]]; then # step 1 (gpu_check.sh) installs them; without it, the same here
+      "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl
+    fi
+    export PYTHONPATH="$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
+
+# 1. The acceptance suite; gpu_check.sh writes its log and figures under $OUT.
+[[ $steps != *" tests "* ]] ||
+  run_step gpu-tests "${GPU_DAY_BOX_TESTS:-480}" env OUT="$out/tests" PYTHON="$PYTHON" bash "${GPU_CHECK:-scripts/gpu_check.sh}"
+
+# 2. Throughput rows: bench_gpu.sh's settings, one process per GPU count, DP beside DDP.
+nproc=1
+for ((n = 2; n <= gpus; n *= 2)); do nproc+=",$n"; done
+common=(model.name=bert-base-random task.max_seq_len=512 train.precision=bf16 train.batch_size=32)
+dp=()
+if [[ $steps != *" bench "* ]]; then
+  :
+elif ((gpus < 2)); then
+  report note "1 GPU: DP/DDP scaling rows skipped (they need 2 GPUs or more)"
+elif distqa bench --help 2> /dev/null | grep -q -- '--dp'; then
+  dp=(--dp)
+else
+  report note "distqa bench has no --dp option here: DP rows skipped, DDP rows only"
+fi
+[[ $steps != *" bench "* ]] || run_step bench "${GPU_DAY_BOX_BENCH:-510}" \
+  distqa bench --nproc "$nproc" --output "$out/bench" --repeats 2 --timeout 300 "${common[@]}" "${dp[@]}"
+
+# 3. The largest batch per set-up, on every GPU; each set-up gets its share of what is left.
+setups=()
+for model in bert-base-random bert-large-random; do
+  for parallel in ddp fsdp; do
+    for ac in false true; do setups+=("$model $parallel $ac"); done
+  done
+done
+batches_end=$((SECONDS + ${GPU_DAY_BOX_BATCHES:-840}))
+for i in "${!setups[@]}"; do
+  [[ $steps == *" batches "* ]] || break
+  read -r model parallel ac <<< "${setups[i]}"
+  name="$model-$parallel-ac-$ac"
+  share=$(((batches_end - SECONDS) / (${#setups[@]} - i)))
+  if ((share < min_box)); then
+    report skip --name "largest-batch/$name" --reason "the set-ups before it used this step's box (GPU_DAY_BOX_BATCHES)"
+    continue
+  fi
+  # shellcheck disable=SC2016  # "$@" is bash -c's own: the function's arguments follow
+  run_step "largest-batch/$name" "$share" bash -c 'largest_batch "$@"' largest_batch "$out/batches/$name" "$gpus" \
+    model.name="$model" task.max_seq_len=512 train.precision=bf16 train.parallel="$parallel" \
+    train.activation_checkpointing="$ac"
+done
+
+# 4. Compiled against step 2's eager 1-process row; 10 warm-up steps leave the compilation out.
+[[ $steps != *" compile "* ]] || run_step compile "${GPU_DAY_BOX_COMPILE:-360}" \
+  distqa bench --nproc 1 --output "$out/compile" --warmup 10 --repeats 2 --timeout 300 "${common[@]}" train.compile=true
+
+report build
+exit "$failed"

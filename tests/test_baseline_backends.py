@@ -1,0 +1,35 @@
+"""The bench's hand-written loop sets the trainer's kernel flags, the trainer's way and at its time."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distqa.bench import baseline
+from distqa.config import Config
+from distqa.dist import DistInfo
+from distqa.steptimer import StepTimer
+
+
+class _Task:
+    """Only what baseline._build asks of a task; records when the model is built."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def build_model(self) -> nn.Module:
+        self.calls.append("build_model")
+        return nn.Linear(2, 2)
+
+    def build_train_dataset(self) -> list:
+        return []
+
+
+def test_baseline_configures_backends_as_the_trainer_before_the_model(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(baseline, "configure_backends", lambda train, device: calls.append((train, device)))
+    cfg = Config()
+    cfg.train.deterministic = True  # the setting the hand-copied TF32 line used to ignore
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    baseline._build(cfg, _Task(calls), info, StepTimer(info.device, warmup=0))
+    assert calls == [(cfg.train, info.device), "build_model"]

@@ -1,0 +1,259 @@
+"""scripts/gpu_day.sh and its report builder (scripts/gpu_day_report.py), without a GPU.
+
+The script runs for real with stand-ins first on PATH: `nvidia-smi` (FAKE_GPUS GPUs), `distqa`
+(writes a bench.json like `distqa bench`; a largest-batch probe runs out of memory above
+FAKE_MAX_BATCH; it sleeps when compiling if FAKE_COMPILE_SLEEP is set) and the GPU suite
+(GPU_CHECK). Each appends its call to FAKE_LOG, so the order of the steps is checked; tiny boxes
+prove that a step past its box is stopped, reported timed-out, and the day goes on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "gpu_day.sh"
+_spec = importlib.util.spec_from_file_location("gpu_day_report", ROOT / "scripts" / "gpu_day_report.py")
+gpu_day_report = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(gpu_day_report)  # type: ignore[union-attr]
+
+NVIDIA_SMI = """#!/usr/bin/env bash
+((${FAKE_GPUS:-0} > 0)) || { echo "NVIDIA-SMI has failed because it couldn't communicate with the driver."; exit 9; }
+for ((i = 0; i < FAKE_GPUS; i++)); do
+  if [[ $1 == -L ]]; then echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"
+  else echo "NVIDIA H100 80GB HBM3, 81559 MiB, 550.54"; fi
+done
+"""
+
+DISTQA = r"""#!/usr/bin/env bash
+echo "distqa $*" >> "$FAKE_LOG"
+if [[ " $* " == *" --help "* ]]; then [[ -z ${FAKE_DP:-} ]] || echo "  --dp  DataParallel rows"; exit 0; fi
+args=("$@") batch=32 speed=100 modes=ddp
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case ${args[i]} in
+    --output) out=${args[i + 1]} ;;
+    --nproc) nproc=${args[i + 1]} ;;
+    --dp) modes="ddp dp" ;;
+    train.batch_size=*) batch=${args[i]#*=} ;;
+    train.compile=true) speed=125; [[ -z ${FAKE_COMPILE_SLEEP:-} ]] || sleep "$FAKE_COMPILE_SLEEP" ;;
+  esac
+done
+if [[ $out == */batches/* ]] && ((batch > ${FAKE_MAX_BATCH:-512})); then
+  echo "distqa: error: the trainer run with 1 process(es) failed (exit 1): CUDA out of memory." >&2
+  exit 1
+fi
+rows=()
+for mode in $modes; do
+  for n in ${nproc//,/ }; do
+    rows+=("{\"parallel\": \"$mode\", \"nproc\": $n, \"samples_per_s\": $((speed * n)),
+      \"tokens_per_s\": $((speed * n * 400)), \"mfu\": 0.2, \"scaling_efficiency\": 1.0,
+      \"samples_per_s_spread\": {\"min\": $((speed * n - 1)), \"max\": $((speed * n + 1))},
+      \"step_ms\": 40.0, \"step_breakdown_ms\": {\"forward_backward\": 38.0, \"optimizer\": 1.5},
+      \"peak_memory_gib\": $((batch / 4))}")
+  done
+done
+mkdir -p "$out"
+(IFS=,; echo "{\"device\": \"cuda\", \"batch_size\": $batch, \"runs\": [${rows[*]}]}") > "$out/bench.json"
+"""
+
+GPU_CHECK = """#!/usr/bin/env bash
+echo "gpu-check $PYTHON" >> "$FAKE_LOG"
+mkdir -p "$OUT"
+echo "tests/test_gpu.py::test_bf16 PASSED" > "$OUT/gpu_tests.log"
+cat > "$OUT/gpu_figures.json" <<'EOF'
+{"pytest_exit_status": 0, "environment": {"python": "3.12.3", "torch": "2.13.0+cu126", "cuda": "12.6"},
+ "tests": {"test_bf16": {"outcome": "passed"}, "test_two_gpus": {"outcome": "skipped"}},
+ "figures": {"compile": {"compile_time_s": 16.2}}}
+EOF
+exit "${FAKE_CHECK_STATUS:-0}"
+"""
+
+
+def _fakes(tmp_path: Path) -> dict[str, str]:
+    """The stand-ins written into tmp_path/bin, and the environment that puts them first."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("nvidia-smi", NVIDIA_SMI), ("distqa", DISTQA), ("gpu_check.sh", GPU_CHECK)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path / "calls.log"),
+        "GPU_CHECK": str(bin_dir / "gpu_check.sh"),
+        "PYTHON": str(ROOT / ".venv" / "bin" / "python"),
+        "GPU_DAY_GRACE_S": "1",
+        "GPU_DAY_MIN_BOX_S": "1",
+    }
+
+
+def _run(env: dict[str, str], out: Path, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(out)], env={**env, **extra}, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_without_a_gpu_it_exits_2_with_one_line_and_writes_nothing(tmp_path):
+    proc = _run(_fakes(tmp_path), tmp_path / "day", FAKE_GPUS="0")
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1 and "no GPU" in proc.stderr
+    assert not (tmp_path / "day").exists()
+
+
+def test_one_gpu_day_runs_the_steps_in_order_and_a_step_past_its_box_times_out(tmp_path):
+    out = tmp_path / "day"
+    began = time.monotonic()
+    proc = _run(
+        _fakes(tmp_path), out, FAKE_GPUS="1", FAKE_MAX_BATCH="16", FAKE_COMPILE_SLEEP="30", GPU_DAY_BOX_COMPILE="1"
+    )
+    assert time.monotonic() - began < 15  # the 30 s compile was stopped at its 1 s box (+1 s grace)
+    assert proc.returncode == 1, proc.stderr  # a step timed out
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert calls[0].startswith("gpu-check ")
+    assert calls[1].startswith(f"distqa bench --nproc 1 --output {out}/bench ") and "--dp" not in calls[1]
+    probes = [c for c in calls[2:-1] if "/batches/" in c]
+    assert len(probes) == 8 * 2  # per set-up: 16 fits, 32 is out of memory (the end)
+    assert [c.split(" train.batch_size=")[1] for c in probes[:3]] == ["16", "32", "16"]
+    assert "bert-base-random-ddp-ac-false" in probes[0] and "bert-large-random-fsdp-ac-true" in probes[-1]
+    assert calls[-1].startswith(f"distqa bench --nproc 1 --output {out}/compile ") and "train.compile=true" in calls[-1]
+    assert "1 GPU: DP/DDP scaling rows skipped" in proc.stdout
+    report = json.loads((out / "gpu_day.json").read_text())
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    assert status["gpu-tests"] == status["bench"] == status["largest-batch/bert-large-random-fsdp-ac-true"] == "ok"
+    assert status["compile"] == "timed-out" and len(status) == 11
+    assert report["gpu"] == {"count": 1, "name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB", "driver": "550.54"}
+    assert {b["largest_batch"] for b in report["largest_batches"]} == {16}
+    assert "out of memory" in report["largest_batches"][0]["stopped_by"]
+    assert report["tests"]["passed"] == 1 and report["tests"]["skipped"] == 1
+    assert (
+        "| eager, batch 32 | 100.0 (99.0..101.0) | 40,000 | 20.0 % | 40.0 (38.0 / 1.5) | 8.0 |  |"
+        in (out / "gpu_day.md").read_text()
+    )
+
+
+def test_two_gpus_add_dp_rows_and_a_failed_suite_does_not_stop_the_day(tmp_path):
+    out = tmp_path / "day"
+    proc = _run(_fakes(tmp_path), out, FAKE_GPUS="2", FAKE_DP="1", FAKE_MAX_BATCH="0", FAKE_CHECK_STATUS="1")
+    assert proc.returncode == 1
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    bench = next(c for c in calls if f"--output {out}/bench " in c)
+    assert "--nproc 1,2 " in bench and bench.endswith(" --dp")
+    report = json.loads((out / "gpu_day.json").read_text())
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    assert status["gpu-tests"] == "failed" and status["bench"] == "ok" and status["compile"] == "ok"
+    # Nothing fits (batch 16 out of memory): the set-up failed, with the reason.
+    assert status["largest-batch/bert-base-random-ddp-ac-false"] == "failed"
+    assert "out of memory" in report["steps"][2]["reason"]
+    assert [(r["mode"], r["nproc"]) for r in report["bench"]["rows"]] == [("ddp", 1), ("ddp", 2), ("dp", 1), ("dp", 2)]
+    assert report["compile"]["speedup"] == 1.25 and report["compile"]["compile_time_s"] == 16.2
+    assert "| DP, 2 GPUs, eager, batch 32 per GPU | 200.0 (199.0..201.0) |" in (out / "gpu_day.md").read_text()
+
+
+def _bench_json(folder: Path, rows: list[dict], batch: int = 32) -> None:
+    folder.mkdir(parents=True)
+    (folder / "bench.json").write_text(json.dumps({"device": "cuda", "batch_size": batch, "runs": rows}))
+
+
+def _row(nproc: int, samples: float, **extra: object) -> dict:
+    phases = {"forward_backward": 39.9, "optimizer": 1.3}
+    return {"nproc": nproc, "samples_per_s": samples, "samples_per_s_spread": {"min": samples, "max": samples},
+            "tokens_per_s": samples * 400, "mfu": 0.25, "scaling_efficiency": 0.9, "step_ms": 42.7,
+            "step_breakdown_ms": phases, "peak_memory_gib": 8.3, **extra}  # fmt: skip
+
+
+def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
+    out = tmp_path / "day"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "gpu-tests.log").write_text("collecting\nE   RuntimeError: CUDA error: no kernel image\nbye\n")
+    (out / "tests").mkdir()
+    # The suite was cut short: no gpu_figures.json, its counts come from pytest's lines in the log.
+    (out / "tests" / "gpu_tests.log").write_text(
+        "[gw0] [ 10%] PASSED tests/test_gpu.py::test_bf16[tiny]\n"
+        "tests/test_gpu.py::test_fsdp_ws1 FAILED\nSKIPPED tests/test_gpu.py::test_two_gpus\n"
+    )
+    _bench_json(out / "bench", [_row(1, 750.0), _row(2, 1350.0), _row(2, 900.0, parallel="dp", dp_over_ddp=0.6667)])
+    _bench_json(out / "compile", [_row(1, 960.0)])
+    for batch in (16, 32, 64):  # 16 and 32 fit, 64 is out of memory; the large model's box ran out at 32
+        (out / "batches" / "bert-base-random-fsdp-ac-true").mkdir(parents=True, exist_ok=True)
+        (out / "batches" / "bert-base-random-fsdp-ac-true" / f"batch-{batch}.log").write_text(
+            "distqa: error: the trainer run failed: torch.OutOfMemoryError: CUDA out of memory. Tried"
+            if batch == 64
+            else ""
+        )
+        if batch < 64:
+            _bench_json(
+                out / "batches" / "bert-base-random-fsdp-ac-true" / f"batch-{batch}", [_row(1, 10.0 * batch)], batch
+            )
+    (out / "batches" / "bert-large-random-ddp-ac-false").mkdir()
+    (out / "batches" / "bert-large-random-ddp-ac-false" / "batch-16.log").write_text("")
+    (out / "batches" / "bert-large-random-ddp-ac-false" / "batch-32.log").write_text("Traceback\nKeyboardInterrupt\n")
+    _bench_json(out / "batches" / "bert-large-random-ddp-ac-false" / "batch-16", [_row(1, 50.0)], 16)
+    steps = [
+        gpu_day_report.step_entry("gpu-tests", 1, 61.0, 480, out / "logs" / "gpu-tests.log"),
+        gpu_day_report.step_entry("bench", 0, 120.0, 540, out / "logs" / "bench.log"),
+        gpu_day_report.step_entry(
+            "largest-batch/bert-large-random-ddp-ac-false", 124, 105.0, 105, out / "logs" / "x.log"
+        ),
+        {"name": "compile", "status": "skipped", "reason": "only 20 s left of the 2400 s budget", "seconds": 0},
+        {"note": "1 GPU: DP/DDP scaling rows skipped"},
+    ]
+    (out / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    report = gpu_day_report.write(out, 2, 2400)
+    assert json.loads((out / "gpu_day.json").read_text()) == json.loads(json.dumps(report))
+    assert [s["status"] for s in report["steps"]] == ["failed", "ok", "timed-out", "skipped"]
+    assert report["steps"][0]["reason"] == "E   RuntimeError: CUDA error: no kernel image"
+    assert report["tests"]["passed"] == report["tests"]["failed"] == report["tests"]["skipped"] == 1
+    assert report["tests"]["not_passed"] == ["test_fsdp_ws1"]
+    assert [(r["mode"], r["nproc"], r["samples_per_s"]) for r in report["bench"]["rows"]] == [
+        ("ddp", 1, 750.0), ("ddp", 2, 1350.0), ("dp", 2, 900.0)]  # fmt: skip
+    assert report["compile"]["speedup"] == 960.0 / 750.0 and report["compile"]["compile_time_s"] is None
+    base, large = report["largest_batches"]
+    assert (base["largest_batch"], base["stopped_by"], base["lower_bound"]) == (
+        32,
+        "batch 64: CUDA out of memory",
+        False,
+    )
+    # Its box ran out in the probe of 32: no failure, a lower bound.
+    assert (large["largest_batch"], large["stopped_by"], large["lower_bound"]) == (16, None, True)
+    assert report["not_done"][0] == "1 GPU: DP/DDP scaling rows skipped" and len(report["not_done"]) == 4
+    md = (out / "gpu_day.md").read_text()
+    assert "GPU acceptance suite (`make test-gpu`): 1 passed, 1 failed, 1 skipped (not passed: test_fsdp_ws1)." in md
+    assert "| eager, batch 32 | 750.0 | 300,000 | 25.0 % | 42.7 (39.9 / 1.3) | 8.3 |  |" in md
+    assert "| DDP, 2 GPUs, eager, batch 32 per GPU | 1,350.0 | 540,000 | 25.0 % |" in md
+    assert "| 8.3 | scaling efficiency 90.0 %; 0.67× DDP at as many GPUs |" in md
+    assert "| `train.compile=true`, batch 32 | 960.0 |" in md and "1.28× eager" in md
+    assert (
+        "| bert-base-random, fsdp, activation checkpointing on | 1 | 32 | 320.0 | 8.3 | batch 64: CUDA out of memory |"
+        in md
+    )
+    assert "| bert-large-random, ddp, activation checkpointing off | 1 | ≥ 16 | 50.0 | 8.3 | the time box |" in md
+    assert "- compile: skipped: only 20 s left of the 2400 s budget" in md
+
+
+def test_some_steps_at_a_time_gather_into_one_report(tmp_path):
+    """GPU_DAY_STEPS: a day in several commands (each under a 10-minute limit) into one OUTPUT_DIR."""
+    env, out = {**_fakes(tmp_path), "FAKE_GPUS": "1"}, tmp_path / "day"
+    assert _run(env, out, GPU_DAY_STEPS="tests", FAKE_CHECK_STATUS="1").returncode == 1
+    proc = _run(env, out, GPU_DAY_STEPS="bench compile")
+    assert proc.returncode == 0, proc.stderr  # this call's steps passed
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [c.split(" --output ")[1].split()[0] for c in calls[1:]] == [f"{out}/bench", f"{out}/compile"]
+    report = json.loads((out / "gpu_day.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [
+        ("gpu-tests", "failed"), ("bench", "ok"), ("compile", "ok")]  # fmt: skip
+    assert report["compile"]["speedup"] == 1.25
+    assert _run(env, out, GPU_DAY_STEPS="tests").returncode == 0  # run again, it passes: its outcome replaced
+    report = json.loads((out / "gpu_day.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [
+        ("gpu-tests", "ok"),
+        ("bench", "ok"),
+        ("compile", "ok"),
+    ]
+    bad = _run(env, out, GPU_DAY_STEPS="tests batch")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'batch'" in bad.stderr
