@@ -2,13 +2,15 @@
 # Two hosts on a capped link: training speed and bytes on the wire per train.ddp_comm_hook.
 #
 #   scripts/bench_network.sh --rates 1gbit,100mbit --hooks none,fp16,bf16,powersgd --steps 20 \
-#       --output DIR [--warmup 5] [-- KEY=VALUE ...]
+#       --output DIR [--warmup 5] [--repeats 1] [-- KEY=VALUE ...]
 #
 # Makes two network namespaces joined by a veth pair (the two "hosts"), caps the link with a tbf
 # qdisc on both ends at each rate (`none`: no cap), and for each hook runs a 2-node run with
 # scripts/worker.sh on each host (1 process per node), timed as `distqa bench` times (the warm-up
 # steps excluded). The bytes on the wire are the veths' tx counters over the measured steps. Writes
-# DIR/network.json, DIR/network.png and DIR/runs/RATE-HOOK/ (logs, results). Needs root, `ip` and
+# DIR/network.json, DIR/network.png and DIR/runs/RATE-HOOK/ (logs, results). With --repeats N, every
+# rate and hook runs N times, the rounds one after the other (RATE-HOOK-rK/), and each figure is the
+# median of its N runs: both hosts share the machine's CPUs, and one run varies by about 10 %. Needs root, `ip` and
 # `tc`; exits 2 with one line without them. The namespaces go on exit, on Ctrl-C and on failure.
 set -euo pipefail
 
@@ -17,13 +19,14 @@ die() {
   exit "${2:-2}"
 }
 
-rates="1gbit,100mbit" hooks="none,fp16,bf16,powersgd" steps=20 warmup=5 output=""
+rates="1gbit,100mbit" hooks="none,fp16,bf16,powersgd" steps=20 warmup=5 repeats=1 output=""
 while (($#)); do
   case $1 in
     --rates) rates=${2:?}; shift 2 ;;
     --hooks) hooks=${2:?}; shift 2 ;;
     --steps) steps=${2:?}; shift 2 ;;
     --warmup) warmup=${2:?}; shift 2 ;;
+    --repeats) repeats=${2:?}; shift 2 ;;
     --output) output=${2:?}; shift 2 ;;
     --) shift; break ;;
     *) die "unknown argument $1 (see the usage at the top of $0)" ;;
@@ -31,6 +34,7 @@ while (($#)); do
 done
 [[ -n $output ]] || die "--output DIR is required"
 [[ $steps =~ ^[1-9][0-9]*$ && $warmup =~ ^[0-9]+$ ]] || die "--steps and --warmup must be whole numbers (steps >= 1)"
+[[ $repeats =~ ^[1-9][0-9]*$ ]] || die "--repeats must be a whole number >= 1, not '$repeats'"
 for hook in ${hooks//,/ }; do
   [[ $hook =~ ^(none|fp16|bf16|powersgd)$ ]] || die "--hooks: '$hook' is not one of none, fp16, bf16, powersgd"
 done
@@ -75,6 +79,7 @@ done
 
 mkdir -p "$output/runs"
 port=29561
+for ((round = 1; round <= repeats; round++)); do
 for rate in ${rates//,/ }; do
   for i in 0 1; do
     tc -n "${ns[i]}" qdisc del dev "${veth[i]}" root 2>/dev/null || true
@@ -84,8 +89,9 @@ for rate in ${rates//,/ }; do
   done
   for hook in ${hooks//,/ }; do
     run="$output/runs/$rate-$hook"
+    ((repeats == 1)) || run+="-r$round"
     rm -rf "$run" && mkdir -p "$run"
-    echo "$rate $hook" >"$run/run.txt"
+    echo "$rate $hook $round" >"$run/run.txt"
     echo "bench_network.sh: rate $rate, train.ddp_comm_hook=$hook: logs in $run" >&2
     port=$((port + 1))
     pids=()
@@ -106,6 +112,7 @@ for rate in ${rates//,/ }; do
     pids=()
     ((failed == 0)) || die "the run at $rate with train.ddp_comm_hook=$hook failed: see $run/node0.log and node1.log" 1
   done
+done
 done
 "$python" -m distqa.bench.network report "$output"
 echo "bench_network.sh: $output/network.json and $output/network.png" >&2

@@ -8,6 +8,7 @@ Traffic stays inside the namespaces made here: 10.231.N.0/29 with .1 (node 0) an
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from distqa.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "scripts" / "worker.sh"
+PY_SPY = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
 TRAIN = [*SMALL, "train.max_steps=4", "train.batch_size=4", "train.checkpoint_every=100"]
 # The DDP equivalence settings (SGD at a large constant rate, no dropout: every step moves the
 # weights far past the tolerance, and a sum instead of a mean of the gradients would show).
@@ -95,9 +97,27 @@ class Node(subprocess.Popen):
     """A node's worker.sh, its output (stdout and stderr) in the file `log`."""
 
     log: Path
+    ns: str
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def stacks(self) -> str:
+        """The Python stacks of the node's processes (py-spy), to show where a hung run waits."""
+        pids = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True).stdout.split()
+        dumps = []
+        for pid in pids:
+            try:
+                if b"python" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+            except FileNotFoundError:
+                continue
+            try:
+                dump = subprocess.run([PY_SPY, "dump", "--pid", pid], capture_output=True, text=True, timeout=20)
+                dumps.append(dump.stdout or dump.stderr)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                dumps.append(f"pid {pid}: no stack ({e})")
+        return "\n".join(dumps)
 
 
 def node(host: dict, rank: int, master: str, args: list[str], prefix: tuple[str, ...] = (), **extra: str) -> Node:
@@ -128,6 +148,7 @@ def node(host: dict, rank: int, master: str, args: list[str], prefix: tuple[str,
             text=True,
         )
     proc.log = log
+    proc.ns = host["ns"]
     return proc
 
 
@@ -211,9 +232,13 @@ def finish(procs: list[Node], timeout: float, succeed: bool = False) -> list[str
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        stacks = [proc.stacks() for proc in procs]  # before the kill: where each process waits
         for proc in procs:
             proc.kill()
-        tails = "\n".join(f"--- node {i}:\n{proc.output()[-3000:]}" for i, proc in enumerate(procs))
+        tails = "\n".join(
+            f"--- node {i}:\n{proc.output()[-3000:]}\n--- node {i}'s stacks:\n{stack}"
+            for i, (proc, stack) in enumerate(zip(procs, stacks, strict=True))
+        )
         raise AssertionError(f"the nodes did not end within {timeout} s\n{tails}") from None
     logs = [proc.output() for proc in procs]
     for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):

@@ -106,33 +106,35 @@ def test_a_momentum_changed_on_resume_takes_effect_from_the_resume_step(sgd_stra
     assert max(float((w3[n] - w2[n]).abs().max()) for n in w2) > 1e-3  # the change is visible
 
 
-# ---------------------------------------------------------------------------- M5: the loader's SIGTERM hold
-# What each forked loader worker saw (set in the worker, read by the dataset in the same worker).
-_WORKER: dict[str, bool] = {}
+# ---------------------------------------------------------------------------- M5: the loader's workers and SIGTERM
+# What each loader worker saw as it started (set in the worker, read by the dataset in the same worker).
+_WORKER: dict[str, int | bool] = {}
 
 
 def _observing_worker_init(worker_id: int) -> None:
-    """The trainer's `loader_worker_init`, noting the signal mask the worker started with and the
-    one it trains with."""
-    _WORKER["held_at_start"] = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    """The trainer's `loader_worker_init`, noting the process group the worker was born in and
+    whether it trains with SIGTERM held."""
+    _WORKER["born_in_group"] = os.getpgid(0)
     loader_worker_init(worker_id)
     _WORKER["held_after_init"] = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 class WorkerReport(Dataset):
-    """Each item: which worker made it, its process group, and what `_observing_worker_init` saw."""
+    """Each item: which worker made it, its parent, its process group now and at birth, and
+    whether it held SIGTERM (`_observing_worker_init`)."""
 
     def __len__(self) -> int:
         return 32
 
-    def __getitem__(self, index: int) -> tuple[int, int, bool, bool]:
-        return os.getpid(), os.getpgid(0), _WORKER["held_at_start"], _WORKER["held_after_init"]
+    def __getitem__(self, index: int) -> tuple[int, int, int, int, bool]:
+        return os.getpid(), os.getppid(), os.getpgid(0), _WORKER["born_in_group"], _WORKER["held_after_init"]
 
 
-def test_the_trainers_loader_starts_its_workers_with_sigterm_held(monkeypatch):
-    """`training_batches` as the trainer calls it, workers on: each worker is forked with SIGTERM
-    held (a SIGTERM to the group before it leaves would otherwise kill it), takes signals again
-    once out of the group, and the training process itself is not left holding SIGTERM."""
+def test_the_trainers_loader_workers_are_never_in_the_training_process_group(monkeypatch):
+    """`training_batches` as the trainer calls it, workers on: the workers come from the fork
+    server (`distqa.loader_server`), not from the training process, and are born outside its process
+    group (torchrun's SIGTERM to that group is meant for the training process alone); they take
+    signals, and the training process is not left holding SIGTERM."""
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # else the check below is void
     monkeypatch.setattr(sampler, "loader_worker_init", _observing_worker_init)
     cfg = load_config(None, ["task=toy_task:ToyClassificationTask", *TOY, "data.num_workers=2", "train.batch_size=2"])
@@ -142,30 +144,29 @@ def test_the_trainers_loader_starts_its_workers_with_sigterm_held(monkeypatch):
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     items = [item for batch in batches for item in batch]
     assert len(items) == 32 and len({pid for pid, *_ in items}) == 2  # both workers made batches
-    assert all(pid not in (os.getpid(), os.getpgid(0)) and group == pid for pid, group, *_ in items), items
-    assert all(held for *_, held, _ in items), "a loader worker started with SIGTERM not held"
+    mine = os.getpgid(0)
+    assert all(parent != os.getpid() for _, parent, *_ in items), "a worker was forked from the training process"
+    assert all(born != mine and group == pid for pid, _, group, born, _ in items), items
     assert not any(held for *_, held in items), "a loader worker kept SIGTERM held while it ran"
 
 
 # A training process in a session of its own, as torchrun starts it. Each of the trainer's loader
-# workers sends SIGTERM to the whole group in its worker_init_fn, before it leaves the group: the
-# moment of the race, made certain. The signal is meant for the training process alone.
+# workers sends SIGTERM to the training process's group in its worker_init_fn, as it starts
+# (tests/loader_probe.py): the moment of the race, made certain. The signal is meant for the
+# training process alone, and no worker may die of it.
 _GROUP_SIGTERM = """
 import os, signal, sys
+sys.path.insert(0, sys.argv.pop(1))  # tests/, for loader_probe
 import torch
 from distqa import sampler
 from distqa.registry import load_config
 from distqa.dist import DistInfo
+from loader_probe import GROUP_ENV, group_sigterm_init
 
 got = []
 signal.signal(signal.SIGTERM, lambda *_: got.append(1))  # as the trainer's StopSignal records it
-real_init = sampler.loader_worker_init
-
-def init(worker_id):
-    os.killpg(os.getpgid(0), signal.SIGTERM)  # torchrun's stop, while this worker is still in the group
-    real_init(worker_id)
-
-sampler.loader_worker_init = init
+os.environ[GROUP_ENV] = str(os.getpgid(0))
+sampler.loader_worker_init = group_sigterm_init
 cfg = load_config(None, sys.argv[1:])
 info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 batches = sampler.training_batches(list(range(32)), list, cfg, info, 0, 0)
@@ -177,7 +178,7 @@ print(sum(1 for _ in batches), "batches; training process got SIGTERM:", bool(go
 def test_a_sigterm_to_the_group_while_the_trainers_loader_starts_kills_no_worker():
     args = ["task=toy_task:ToyClassificationTask", *TOY, "data.num_workers=2", "train.batch_size=2"]
     proc = subprocess.run(
-        [sys.executable, "-c", _GROUP_SIGTERM, *args],
+        [sys.executable, "-c", _GROUP_SIGTERM, str(ROOT / "tests"), *args],
         env=subprocess_env(),
         cwd=ROOT,
         capture_output=True,

@@ -14,8 +14,8 @@ trainer's batches through a DataLoader over it; `seed_everything` and `derive_se
 
 from __future__ import annotations
 
+import pickle
 import random
-import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from distqa.dist import DistInfo, default_num_workers
 from distqa.errors import ConfigError
+from distqa.loader_server import loader_context
 from distqa.worker_signals import loader_worker_init, sigterm_held
 
 if TYPE_CHECKING:  # for hints only
@@ -124,19 +125,37 @@ def training_batches(
     # otherwise creating a loader after a resume would shift the dropout stream.
     generator = torch.Generator().manual_seed(derive_seed(cfg.seed, epoch, LOADER_STREAM))
     workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
-    loader = DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=collate,
-        num_workers=workers,
-        pin_memory=info.device.type == "cuda",
-        generator=generator,
-        worker_init_fn=loader_worker_init,
-        # Forked workers inherit the held SIGTERM below (spawn and forkserver, Python 3.14's
-        # default on Linux, start them with nothing held); elsewhere that protection is best effort.
-        multiprocessing_context="fork" if workers and sys.platform.startswith("linux") else None,
-    )
-    # Its workers must not die of a SIGTERM sent while they start (worker_signals.loader_worker_init). (The
-    # caller's previous epoch's workers end after this returns, outside the hold.)
+    # SIGTERM is held while the workers start (`worker_signals`); a SIGTERM for this process
+    # meanwhile is delivered when the block ends. (The caller's previous epoch's workers end after
+    # this returns, outside the hold.)
     with sigterm_held():
-        return iter(loader)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=info.device.type == "cuda",
+            generator=generator,
+            worker_init_fn=loader_worker_init,
+            # Workers start from a fork server, out of this process's group (`loader_server`).
+            multiprocessing_context=loader_context(workers, uses=(dataset, collate)),
+        )
+        try:
+            return iter(loader)
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise unpicklable(err, dataset, collate) from err
+
+
+def unpicklable(err: Exception, dataset: Dataset, collate: Callable[[list[Any]], Any]) -> Exception:
+    """The error of a loader whose workers could not start: one line naming what does not pickle
+    (workers receive the dataset and the task's `collate_fn` pickled), else `err` itself."""
+    for what, thing in (("the training dataset", dataset), ("the task's collate_fn", collate)):
+        try:
+            pickle.dumps(thing)
+        except Exception as failed:  # noqa: BLE001 (whatever pickling raises is the answer)
+            return ConfigError(
+                f"{what} ({type(thing).__qualname__}) cannot be pickled into the DataLoader workers "
+                f"({type(failed).__name__}: {failed}): make it picklable (module-level classes and "
+                "functions, no open files or locks), or set data.num_workers=0"
+            )
+    return err

@@ -85,6 +85,13 @@ class Task(ABC):
         """Turn a list of dataset items into one batch (a mapping of tensors)."""
         return default_collate(items)
 
+    def collate_fn(self) -> Callable[[list[Any]], Batch]:
+        """The training DataLoader's collate. Its workers start from a fork server
+        (`distqa.loader_server`) and receive it pickled, once per worker and epoch: `collate`
+        itself by default, which pickles the whole task. A task whose collate needs only a few
+        settings returns a small function of them (NQ: `pad_collate` with its pad id)."""
+        return self.collate
+
     @abstractmethod
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Forward pass and the scalar loss, averaged over the examples of the batch.

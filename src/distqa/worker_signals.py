@@ -1,10 +1,11 @@
 """DataLoader worker processes and torchrun's SIGTERM.
 
-torchrun stops a worker by sending SIGTERM to the worker's whole process group, and the
-DataLoader's worker processes are in it: they would die at once, and the training process would
-fail on its next batch instead of finishing its step and checkpointing. The training DataLoader's
-workers therefore leave the group (`loader_worker_init`), and are started with SIGTERM held
-(`sigterm_held`) so that a signal sent while one starts is not lost on the wrong process.
+torchrun stops a worker by sending SIGTERM to the worker's whole process group. DataLoader worker
+processes in it would die at once, and the training process would fail on its next batch instead
+of finishing its step and checkpointing. The training DataLoader's workers start from a fork
+server that has left the group (`distqa.loader_server`), and each also leaves the group it was
+born in (`loader_worker_init`, which covers a loader started otherwise). The training process
+holds SIGTERM while they start (`sigterm_held`): its own stop request is delayed, never lost.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def loader_worker_init(worker_id: int) -> None:
     (with SIGTERM as a last resort, which they must not ignore, or the training process waits for
     them forever at exit), and they exit when their parent is gone.
 
-    A SIGTERM can reach the group while a worker is starting, before it has left: the training
-    process starts its workers with SIGTERM held (`sigterm_held`), so such a signal waits in the
-    worker, which drops it here once out of the group and only then takes signals again.
+    A worker forked straight from the training process (a loader without `loader_server`'s
+    context) inherits its held SIGTERM (`sigterm_held`): a signal sent to the group while it
+    starts waits in the worker, which drops it here once out of the group and only then takes
+    signals again.
     """
     os.setpgid(0, 0)
     if signal.SIGTERM in signal.sigpending():
@@ -39,9 +41,9 @@ def loader_worker_init(worker_id: int) -> None:
 
 @contextlib.contextmanager
 def sigterm_held() -> Iterator[None]:
-    """Hold SIGTERM while DataLoader workers are started (`iter(loader)`): they inherit the held
-    signal and release it in `loader_worker_init`. A SIGTERM for this process meanwhile is
-    delivered when the block ends, so the stop it asks for is only delayed, never lost."""
+    """Hold SIGTERM while DataLoader workers are started (`iter(loader)`; forked workers inherit
+    the held signal and release it in `loader_worker_init`). A SIGTERM for this process meanwhile
+    is delivered when the block ends, so the stop it asks for is only delayed, never lost."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield

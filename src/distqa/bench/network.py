@@ -7,14 +7,16 @@ and the report of all runs.
 `launch` is worker.sh's TORCHRUN: torchrun as worker.sh assembles it (rendezvous, node rank), with
 `distqa train` replaced by one `distqa bench` measurement (`distqa.bench.worker --loop trainer`:
 the trainer under a StepTimer, warm-up steps excluded), configured by DISTQA_BENCH_* variables.
-`report` reads DIR/runs/RATE-HOOK/ (the measurement's result.json, each node's tx-NODE.json
-written by the StepTimer) and writes DIR/network.json and DIR/network.png.
+`report` reads DIR/runs/RATE-HOOK[-rK]/ (the measurement's result.json, each node's tx-NODE.json
+written by the StepTimer) and writes DIR/network.json and DIR/network.png: one row per rate and
+hook, each figure the median of its repeats (`--repeats`), the single runs' samples/s beside it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -93,18 +95,41 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report(out: Path) -> None:
-    runs = []
+def median_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (rate, hook), in the order first seen: the median of each figure over its repeats
+    (the machine's noise), with every run's samples/s kept in `samples_per_s_each`."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["rate"], run["hook"]), []).append(run)
+    rows = []
+    for same in groups.values():
+        row = dict(same[0])
+        for key in ("samples_per_s", "step_ms", "wire_bytes_per_step", "allreduce_wait_ms"):
+            values = [r[key] for r in same if r[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        row["repeats"] = len(same)
+        row["samples_per_s_each"] = [r["samples_per_s"] for r in same]
+        rows.append(row)
+    return rows
+
+
+def report(out: Path) -> list[dict[str, Any]]:
+    found = []
     for folder in sorted((out / "runs").iterdir()):
         if (folder / "result.json").is_file() and (folder / "run.txt").is_file():
-            rate, hook = (folder / "run.txt").read_text().split()
-            runs.append(run_row(folder, rate, hook))
+            rate, hook, *_ = (folder / "run.txt").read_text().split()
+            found.append(run_row(folder, rate, hook))
+    runs = median_rows(found)
     (out / "network.json").write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     plot(runs, out / "network.png")
-    print(f"{'rate':>9} {'hook':>9} {'samples/s':>10} {'step ms':>9} {'MB/step':>9}")
+    none = {r["rate"]: r["samples_per_s"] for r in runs if r["hook"] == "none"}
+    print(f"{'rate':>9} {'hook':>9} {'samples/s':>10} {'x none':>7} {'step ms':>9} {'MB/step':>9} {'runs':>5}")
     for r in runs:
         mb = f"{r['wire_bytes_per_step'] / 1e6:9.2f}" if r["wire_bytes_per_step"] is not None else "        -"
-        print(f"{r['rate']:>9} {r['hook']:>9} {r['samples_per_s']:10.2f} {r['step_ms']:9.1f} {mb}")
+        ratio = f"{r['samples_per_s'] / none[r['rate']]:7.3f}" if r["rate"] in none else "      -"
+        figures = f"{r['samples_per_s']:10.2f} {ratio} {r['step_ms']:9.1f} {mb} {r['repeats']:5d}"
+        print(f"{r['rate']:>9} {r['hook']:>9} {figures}")
+    return runs
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,12 @@ class NQTask(Task):
         return {k: v for k, v in special.items() if v is not None}
 
     def collate(self, items: list[Any]) -> Batch:
+        return self.collate_fn()(items)
+
+    def collate_fn(self) -> functools.partial[Batch]:
+        # Two numbers for the loader's workers to unpickle, not the task with its tokenizer.
         pad_id = self._special_ids().get("pad_id", 0)
-        return pad_collate(items, pad_id=pad_id, max_len=self.cfg.task.max_seq_len)
+        return functools.partial(pad_collate, pad_id=pad_id, max_len=self.cfg.task.max_seq_len)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         outputs = model(

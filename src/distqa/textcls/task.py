@@ -9,7 +9,9 @@ output_dir/model loads with `AutoModelForSequenceClassification` and `AutoTokeni
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,21 +64,11 @@ class TextClsTask(Task):
         return ExampleDataset(read_examples(self.cfg.data.valid, "data.valid", self.cfg.task))
 
     def collate(self, items: list[Example]) -> Batch:
-        """Tokenize a batch, padded to its longest input (not to max_seq_len: short texts stay cheap)."""
-        texts = [item.text for item in items]
-        pairs = None if items[0].pair is None else [item.pair for item in items]
-        batch = dict(
-            self.tokenizer(
-                texts,
-                pairs,
-                padding="longest",
-                truncation=True,  # a pair is cut from its longer text first
-                max_length=self.cfg.task.max_seq_len,
-                return_tensors="pt",
-            )
-        )
-        batch["labels"] = torch.tensor([item.label for item in items])
-        return batch
+        return self.collate_fn()(items)
+
+    def collate_fn(self) -> TokenizeBatch:
+        # The tokenizer and one number for the loader's workers to unpickle, not the whole task.
+        return TokenizeBatch(self.tokenizer, self.cfg.task.max_seq_len)
 
     def _logits(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -97,3 +89,27 @@ class TextClsTask(Task):
     def save_model(self, model: nn.Module, directory: Path) -> None:
         model.save_pretrained(directory)
         self.tokenizer.save_pretrained(str(directory))
+
+
+@dataclass(frozen=True)
+class TokenizeBatch:
+    """Tokenize a batch, padded to its longest input (not to max_seq_len: short texts stay cheap)."""
+
+    tokenizer: Any
+    max_len: int
+
+    def __call__(self, items: list[Example]) -> Batch:
+        texts = [item.text for item in items]
+        pairs = None if items[0].pair is None else [item.pair for item in items]
+        batch = dict(
+            self.tokenizer(
+                texts,
+                pairs,
+                padding="longest",
+                truncation=True,  # a pair is cut from its longer text first
+                max_length=self.max_len,
+                return_tensors="pt",
+            )
+        )
+        batch["labels"] = torch.tensor([item.label for item in items])
+        return batch

@@ -1,0 +1,106 @@
+"""The training DataLoader's workers start from a fork server, never forked from the training process.
+
+A training process has threads: gloo's, distqa's watches, TensorBoard's writer. Python up to 3.11
+can deadlock a child forked while another thread holds the interpreter's thread-state lock
+(CPython gh-112275: the child waits in `PyOS_AfterFork_Child` forever), and gloo's threads take
+that lock whenever they call into Python, e.g. to free a tensor a collective held. distqa's
+loaders forked fresh workers at every epoch, and now and then one hung before its first batch:
+the rank waited for data, the others in their next collective (seen at an epoch boundary of a
+two-node run, and in about one of 300 epoch starts of a two-process run). A fork server is a
+single-threaded process, started once per training process; forking from it is safe. Python 3.14
+makes it the default on Linux for the same reason.
+
+The server also leaves the training process's process group as it starts, the first module it
+imports being this one, so the workers it forks are never in that group: torchrun stops a worker
+with SIGTERM to the group, which is meant for the training process alone (see `worker_signals`).
+
+What a worker needs (the dataset, the task's `collate_fn`, `worker_init_fn`) reaches it pickled.
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import os
+import sys
+import time
+from multiprocessing.context import BaseContext
+
+from distqa.errors import DistqaError
+
+# The pid of the training process that starts the server: only its own server leaves the group.
+PARENT_ENV = "DISTQA_LOADER_SERVER_PARENT"
+# Imported first by the server (this module: it acts on import), then what every worker unpickles
+# its task with, so that forking a worker does not import torch again, then the main module as
+# Python's own fork server does (a dataset class defined in a user's script; the script must
+# guard its top level with `if __name__ == "__main__":`, as for any multiprocessing).
+PRELOAD = [__name__, "torch", "distqa.worker_signals", "__main__"]
+
+
+def _leave_the_group_if_server() -> None:
+    if os.environ.get(PARENT_ENV) == str(os.getppid()):
+        os.setpgid(0, 0)
+
+
+_leave_the_group_if_server()
+
+
+def loader_context(workers: int, uses: tuple[object, ...] = ()) -> BaseContext | None:
+    """The multiprocessing context of a training DataLoader with `workers` workers: the fork
+    server, running and out of the training process's group; None (no workers, or not Linux:
+    the platform's default, spawn) otherwise. The server imports the modules of `uses` (the
+    dataset, the collate) as it starts, so that a worker does not at every epoch. Call it with
+    SIGTERM held (`sigterm_held`)."""
+    if not workers or not sys.platform.startswith("linux"):
+        return None
+    context = multiprocessing.get_context("forkserver")
+    modules = [_module_of(thing) for thing in uses]
+    context.set_forkserver_preload([*PRELOAD[:-1], *(m for m in modules if m), PRELOAD[-1]])
+    os.environ[PARENT_ENV] = str(os.getpid())
+    _start_server()
+    return context
+
+
+def _start_server(attempts: int = 3, wait_s: float = 30.0) -> None:
+    """Start the server unless it runs, and wait until it has left this process's group. A SIGTERM
+    to the group in the few milliseconds before that ends it: then it is started again (the signal
+    itself is held for the training process, which acts on it after the loader has started)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    for _ in range(attempts):
+        forkserver.ensure_running()
+        pid = getattr(server, "_forkserver_pid", None)
+        if pid is None:
+            return  # (another Python's internals: the server starts as that Python starts it)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if _ended(pid):
+                break  # it died while starting: ensure_running reaps it and starts a new one
+            if os.getpgid(pid) != os.getpgid(0):
+                return
+            time.sleep(0.005)
+        else:
+            return  # alive but still in the group after wait_s (a very slow start): the workers leave it themselves
+    raise DistqaError(
+        f"the DataLoader workers' fork server did not start ({attempts} tries): set data.num_workers=0 "
+        "to load batches in the training process"
+    )
+
+
+def _ended(pid: int) -> bool:
+    """Whether our child `pid` has ended, without reaping it (`ensure_running` must see it end)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def _module_of(thing: object) -> str | None:
+    """The module a worker imports to unpickle `thing`: a function's or class's own, else its class's."""
+    thing = getattr(thing, "func", thing)  # functools.partial: its function
+    thing = getattr(thing, "__self__", thing)  # a bound method: its object
+    if not (isinstance(thing, type) or inspect.isfunction(thing)):
+        thing = type(thing)
+    module = getattr(thing, "__module__", None)
+    return module if module not in (None, "builtins", "__main__") else None
