@@ -4,11 +4,17 @@ cannot receive is named in one line, and the server imports the task's modules o
 from __future__ import annotations
 
 import functools
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import Dataset
 
+from conftest import subprocess_env
 from distqa import sampler
 from distqa.dist import DistInfo
 from distqa.errors import ConfigError
@@ -64,3 +70,42 @@ def test_the_server_preloads_the_modules_a_worker_unpickles():
     assert _module_of(DummyDataset) == "distqa.nq.dummy"
     assert _module_of(DummyDataset(4, 16, vocab_size=2000, seed=0).fingerprint) == "distqa.nq.dummy"
     assert _module_of(list) is None and _module_of([1, 2]) is None  # builtins: nothing to import
+
+
+# A training process whose loader has started its workers, then killed with SIGKILL (as the OOM
+# killer does): it prints its workers' pids and its fork server's first.
+_KILLED = """
+import os, signal, sys
+import torch
+from multiprocessing import forkserver
+from distqa import sampler
+from distqa.registry import load_config
+from distqa.dist import DistInfo
+
+cfg = load_config(None, sys.argv[1:])
+info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+batches = sampler.training_batches(list(range(64)), list, cfg, info, 0, 0)
+next(batches)
+print(forkserver._forkserver._forkserver_pid, *(w.pid for w in batches._workers), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_training_process_leaves_no_worker_or_server_behind(tmp_path):
+    """The workers' parent is the fork server, which lives as long as any worker: without
+    `end_with_training_process` both outlived a SIGKILLed training process for good, holding its
+    output pipe open (a launcher reading it waited forever)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED, *TOY[:1], "data.num_workers=2", "train.batch_size=2"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,  # also the proof that the pipe closed: run() reads it to its end
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    pids = [int(pid) for pid in proc.stdout.split()]
+    assert len(pids) == 3, proc.stdout
+    deadline = time.monotonic() + 20
+    while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"still running after the training process was killed: {alive}"

@@ -15,6 +15,8 @@ imports being this one, so the workers it forks are never in that group: torchru
 with SIGTERM to the group, which is meant for the training process alone (see `worker_signals`).
 
 What a worker needs (the dataset, the task's `collate_fn`, `worker_init_fn`) reaches it pickled.
+A worker's parent is the server, so PyTorch's own check (the worker exits once its parent is gone)
+would never fire when the training process is killed: `end_with_training_process` watches it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import os
+import select
 import sys
+import threading
 import time
 from multiprocessing.context import BaseContext
 
@@ -104,3 +108,29 @@ def _module_of(thing: object) -> str | None:
         thing = type(thing)
     module = getattr(thing, "__module__", None)
     return module if module not in (None, "builtins", "__main__") else None
+
+
+def end_with_training_process() -> None:
+    """In a loader worker started from the server: exit as soon as the training process is gone
+    (SIGKILL, the OOM killer). Each worker keeps the server alive, which multiprocessing ends only
+    once all its workers have, and the workers wait for batch indices that will never come: both
+    would outlive the run, holding its output pipes open (a launcher waiting for them would hang)."""
+    pid = os.environ.get(PARENT_ENV, "")
+    if not pid.isdigit() or int(pid) == os.getppid():
+        return  # forked by the training process itself: PyTorch's watchdog sees it go
+    threading.Thread(target=_exit_when_gone, args=(int(pid),), name="distqa-loader-watch", daemon=True).start()
+
+
+def _exit_when_gone(pid: int) -> None:
+    try:
+        handle = os.pidfd_open(pid)  # readable once the process has ended (Linux 5.3 and later)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):
+        handle = None
+    if handle is not None:
+        select.select([handle], [], [])
+    else:
+        while not _ended(pid):
+            time.sleep(1.0)
+    os._exit(0)

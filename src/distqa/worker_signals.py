@@ -15,6 +15,8 @@ import os
 import signal
 from collections.abc import Iterator
 
+from distqa.loader_server import end_with_training_process
+
 
 def loader_worker_init(worker_id: int) -> None:
     """`worker_init_fn` of every training DataLoader: its worker processes leave the training
@@ -34,6 +36,7 @@ def loader_worker_init(worker_id: int) -> None:
     signals again.
     """
     os.setpgid(0, 0)
+    end_with_training_process()  # a worker of the fork server: PyTorch watches the server, not the trainer
     if signal.SIGTERM in signal.sigpending():
         signal.sigwait({signal.SIGTERM})  # sent to the training process's group: not ours
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
