@@ -130,23 +130,29 @@ class WorkerReport(Dataset):
         return os.getpid(), os.getppid(), os.getpgid(0), _WORKER["born_in_group"], _WORKER["held_after_init"]
 
 
-def test_the_trainers_loader_workers_are_never_in_the_training_process_group(monkeypatch):
-    """`training_batches` as the trainer calls it, workers on: the workers come from the fork
-    server (`distqa.loader_server`), not from the training process, and are born outside its process
-    group (torchrun's SIGTERM to that group is meant for the training process alone); they take
-    signals, and the training process is not left holding SIGTERM."""
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_the_trainers_loader_workers_are_never_in_the_training_process_group(monkeypatch, world_size):
+    """`training_batches` as the trainer calls it, workers on. Across processes the workers come
+    from the fork server (`distqa.loader_server`), not from the training process, born outside its
+    process group (torchrun's SIGTERM to that group is meant for the training process alone); in
+    one process they are forked and leave the group at once. Either way they take signals, and
+    the training process is not left holding SIGTERM."""
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # else the check below is void
     monkeypatch.setattr(sampler, "loader_worker_init", _observing_worker_init)
     cfg = load_config(None, ["task=toy_task:ToyClassificationTask", *TOY, "data.num_workers=2", "train.batch_size=2"])
-    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    info = DistInfo(rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"))
     batches = sampler.training_batches(WorkerReport(), list, cfg, info, 0, 0)
     # The hold ends with the workers' start: a SIGTERM for the training process is delayed, not lost.
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     items = [item for batch in batches for item in batch]
-    assert len(items) == 32 and len({pid for pid, *_ in items}) == 2  # both workers made batches
+    assert len(items) == 32 // world_size and len({pid for pid, *_ in items}) == 2  # both workers made batches
     mine = os.getpgid(0)
-    assert all(parent != os.getpid() for _, parent, *_ in items), "a worker was forked from the training process"
-    assert all(born != mine and group == pid for pid, _, group, born, _ in items), items
+    assert all(group == pid != mine for pid, _, group, _, _ in items), items
+    if world_size > 1:
+        assert all(parent != os.getpid() for _, parent, *_ in items), "a worker was forked from the training process"
+        assert all(born != mine for _, _, _, born, _ in items), "a worker was born in the training process's group"
+    else:
+        assert all(parent == os.getpid() for _, parent, *_ in items), "one process: its workers are its own"
     assert not any(held for *_, held in items), "a loader worker kept SIGTERM held while it ran"
 
 
@@ -167,18 +173,20 @@ got = []
 signal.signal(signal.SIGTERM, lambda *_: got.append(1))  # as the trainer's StopSignal records it
 os.environ[GROUP_ENV] = str(os.getpgid(0))
 sampler.loader_worker_init = group_sigterm_init
+world_size = int(sys.argv.pop(1))
 cfg = load_config(None, sys.argv[1:])
-info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+info = DistInfo(rank=0, local_rank=0, world_size=world_size, device=torch.device("cpu"))
 batches = sampler.training_batches(list(range(32)), list, cfg, info, 0, 0)
 print(sum(1 for _ in batches), "batches; training process got SIGTERM:", bool(got), flush=True)
 """
 
 
 @pytest.mark.safety
-def test_a_sigterm_to_the_group_while_the_trainers_loader_starts_kills_no_worker():
+@pytest.mark.parametrize("world_size", [1, 2])  # forked workers; the fork server's
+def test_a_sigterm_to_the_group_while_the_trainers_loader_starts_kills_no_worker(world_size):
     args = ["task=toy_task:ToyClassificationTask", *TOY, "data.num_workers=2", "train.batch_size=2"]
     proc = subprocess.run(
-        [sys.executable, "-c", _GROUP_SIGTERM, str(ROOT / "tests"), *args],
+        [sys.executable, "-c", _GROUP_SIGTERM, str(ROOT / "tests"), str(world_size), *args],
         env=subprocess_env(),
         cwd=ROOT,
         capture_output=True,
@@ -187,7 +195,7 @@ def test_a_sigterm_to_the_group_while_the_trainers_loader_starts_kills_no_worker
         start_new_session=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.strip() == "16 batches; training process got SIGTERM: True"
+    assert proc.stdout.strip() == f"{16 // world_size} batches; training process got SIGTERM: True"
 
 
 # ---------------------------------------------------------------------------- M6: train.deterministic

@@ -1,4 +1,5 @@
-"""The training DataLoader's workers start from a fork server, never forked from the training process.
+"""In a distributed run, the training DataLoader's workers start from a fork server, never forked
+from the training process.
 
 A training process has threads: gloo's, distqa's watches, TensorBoard's writer. Python up to 3.11
 can deadlock a child forked while another thread holds the interpreter's thread-state lock
@@ -6,9 +7,11 @@ can deadlock a child forked while another thread holds the interpreter's thread-
 that lock whenever they call into Python, e.g. to free a tensor a collective held. distqa's
 loaders forked fresh workers at every epoch, and now and then one hung before its first batch:
 the rank waited for data, the others in their next collective (seen at an epoch boundary of a
-two-node run, and in about one of 300 epoch starts of a two-process run). A fork server is a
-single-threaded process, started once per training process; forking from it is safe. Python 3.14
-makes it the default on Linux for the same reason.
+two-node run, and twice in about 350 epoch starts of a two-process run). A fork server is a
+single-threaded process, started once per training process (about 2 s, on another core), and
+forking from it is safe; Python 3.14 makes it the default on Linux for the same reason. A run of
+one process without a process group keeps plain fork: none of its threads calls into Python
+without holding the GIL.
 
 The server also leaves the training process's process group as it starts, the first module it
 imports being this one, so the workers it forks are never in that group: torchrun stops a worker
@@ -36,32 +39,47 @@ from distqa.errors import DistqaError
 PARENT_ENV = "DISTQA_LOADER_SERVER_PARENT"
 # Imported first by the server (this module: it acts on import), then what every worker unpickles
 # its task with, so that forking a worker does not import torch again, then the main module as
-# Python's own fork server does (a dataset class defined in a user's script; the script must
-# guard its top level with `if __name__ == "__main__":`, as for any multiprocessing).
+# Python's own fork server does: each worker runs the main module again (as `__mp_main__`, what
+# multiprocessing does for a dataset defined there), and this keeps its imports to the server's
+# start. A script that trains must guard its top level with `if __name__ == "__main__":`, as for
+# any multiprocessing; `python -m distqa` does.
 PRELOAD = [__name__, "torch", "distqa.worker_signals", "__main__"]
 
 
 def _leave_the_group_if_server() -> None:
+    # PARENT_ENV is set only while `_start_server` starts the server: a process with it whose
+    # parent is the process it names is that server (its workers inherit it, but import this
+    # module from the server's memory, never again).
     if os.environ.get(PARENT_ENV) == str(os.getppid()):
-        os.setpgid(0, 0)
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass  # (a session leader cannot; never fail an import for it)
 
 
 _leave_the_group_if_server()
 
 
-def loader_context(workers: int, uses: tuple[object, ...] = ()) -> BaseContext | None:
-    """The multiprocessing context of a training DataLoader with `workers` workers: the fork
-    server, running and out of the training process's group; None (no workers, or not Linux:
-    the platform's default, spawn) otherwise. The server imports the modules of `uses` (the
-    dataset, the collate) as it starts, so that a worker does not at every epoch. Call it with
-    SIGTERM held (`sigterm_held`)."""
+def loader_context(workers: int, uses: tuple[object, ...] = (), *, distributed: bool = True) -> BaseContext | None:
+    """The multiprocessing context of a training DataLoader with `workers` workers: in a
+    `distributed` run, the fork server, running and out of the training process's group; in one
+    process, plain fork (its threads are distqa's own Python threads, which touch the lock only
+    while they hold the GIL, as the forking thread does: forking is safe, and costs no server
+    start); None without workers or off Linux (the platform's default, spawn). The server imports
+    the modules of `uses` (the dataset, the collate) as it starts, so that a worker does not at
+    every epoch. Call it with SIGTERM held (`sigterm_held`)."""
     if not workers or not sys.platform.startswith("linux"):
         return None
+    if not distributed:
+        return multiprocessing.get_context("fork")
     context = multiprocessing.get_context("forkserver")
     modules = [_module_of(thing) for thing in uses]
     context.set_forkserver_preload([*PRELOAD[:-1], *(m for m in modules if m), PRELOAD[-1]])
-    os.environ[PARENT_ENV] = str(os.getpid())
-    _start_server()
+    os.environ[PARENT_ENV] = str(os.getpid())  # for the server alone: other children must not see it
+    try:
+        _start_server()
+    finally:
+        del os.environ[PARENT_ENV]
     return context
 
 

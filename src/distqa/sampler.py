@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from distqa.dist import DistInfo, default_num_workers
@@ -125,6 +126,7 @@ def training_batches(
     # otherwise creating a loader after a resume would shift the dropout stream.
     generator = torch.Generator().manual_seed(derive_seed(cfg.seed, epoch, LOADER_STREAM))
     workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
+    distributed = info.world_size > 1 or dist.is_initialized()  # a process group's threads: `loader_server`
     # SIGTERM is held while the workers start (`worker_signals`); a SIGTERM for this process
     # meanwhile is delivered when the block ends. (The caller's previous epoch's workers end after
     # this returns, outside the hold.)
@@ -137,8 +139,8 @@ def training_batches(
             pin_memory=info.device.type == "cuda",
             generator=generator,
             worker_init_fn=loader_worker_init,
-            # Workers start from a fork server, out of this process's group (`loader_server`).
-            multiprocessing_context=loader_context(workers, uses=(dataset, collate)),
+            # Across processes, workers start from a fork server out of this process's group (`loader_server`).
+            multiprocessing_context=loader_context(workers, uses=(dataset, collate), distributed=distributed),
         )
         try:
             return iter(loader)
