@@ -48,6 +48,7 @@ def workers_of(agent_pid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.safety  # about a minute with its straight run: make test-safety, not make test's budget
 def test_sigkill_of_a_worker_restarts_from_an_earlier_checkpoint_and_ends_with_the_same_weights(
     tmp_path, fault_straight
 ):

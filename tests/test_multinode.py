@@ -152,6 +152,7 @@ def node(host: dict, rank: int, master: str, args: list[str], prefix: tuple[str,
     return proc
 
 
+@pytest.mark.nodes  # half a minute: make test-nodes, with the other two-host runs
 def test_a_one_process_run_continues_on_two_nodes_of_two_with_the_same_weights(two_hosts, tmp_path):
     """A run started as 1 process x batch 8 continues from its step-2 checkpoint on 2 nodes x 2
     processes x batch 2 and ends with the weights of the 1-process run: global ranks (node rank x 2 +
