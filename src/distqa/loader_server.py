@@ -32,17 +32,17 @@ import sys
 import threading
 import time
 from multiprocessing.context import BaseContext
+from pathlib import Path
 
 from distqa.errors import DistqaError
 
 # The pid of the training process that starts the server: only its own server leaves the group.
 PARENT_ENV = "DISTQA_LOADER_SERVER_PARENT"
 # Imported first by the server (this module: it acts on import), then what every worker unpickles
-# its task with, so that forking a worker does not import torch again, then the main module as
-# Python's own fork server does: each worker runs the main module again (as `__mp_main__`, what
-# multiprocessing does for a dataset defined there), and this keeps its imports to the server's
-# start. A script that trains must guard its top level with `if __name__ == "__main__":`, as for
-# any multiprocessing; `python -m distqa` does.
+# its task with, so that forking a worker does not import torch again, then "__main__", as in
+# Python's own default. A worker runs a script's main module again (as `__mp_main__`, for a dataset
+# defined there), so a script that trains must guard its top level with `if __name__ ==
+# "__main__":`, as for any multiprocessing; `python -m distqa` is not run again.
 PRELOAD = [__name__, "torch", "distqa.worker_signals", "__main__"]
 
 
@@ -113,7 +113,7 @@ def _start_server(attempts: int = 3, wait_s: float = 30.0) -> None:
 def _ended(pid: int) -> bool:
     """Whether our child `pid` has ended, without reaping it (`ensure_running` must see it end)."""
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (OSError, IndexError):
         return True
 
