@@ -131,6 +131,7 @@ def training_batches(
     # meanwhile is delivered when the block ends. (The caller's previous epoch's workers end after
     # this returns, outside the hold.)
     with sigterm_held():
+        context = loader_context(workers, uses=(dataset, collate), distributed=distributed)
         loader = DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -140,17 +141,20 @@ def training_batches(
             generator=generator,
             worker_init_fn=loader_worker_init,
             # Across processes, workers start from a fork server out of this process's group (`loader_server`).
-            multiprocessing_context=loader_context(workers, uses=(dataset, collate), distributed=distributed),
+            multiprocessing_context=context,
         )
         try:
             return iter(loader)
         except (pickle.PicklingError, AttributeError, TypeError) as err:
-            raise unpicklable(err, dataset, collate) from err
+            named = None if context is None or context.get_start_method() == "fork" else unpicklable(dataset, collate)
+            if named is None:
+                raise
+            raise named from err
 
 
-def unpicklable(err: Exception, dataset: Dataset, collate: Callable[[list[Any]], Any]) -> Exception:
-    """The error of a loader whose workers could not start: one line naming what does not pickle
-    (workers receive the dataset and the task's `collate_fn` pickled), else `err` itself."""
+def unpicklable(dataset: Dataset, collate: Callable[[list[Any]], Any]) -> ConfigError | None:
+    """Why a loader's workers could not start, in one line: what does not pickle (they receive the
+    dataset and the task's `collate_fn` pickled); None when both pickle."""
     for what, thing in (("the training dataset", dataset), ("the task's collate_fn", collate)):
         try:
             pickle.dumps(thing)
@@ -160,4 +164,4 @@ def unpicklable(err: Exception, dataset: Dataset, collate: Callable[[list[Any]],
                 f"({type(failed).__name__}: {failed}): make it picklable (module-level classes and "
                 "functions, no open files or locks), or set data.num_workers=0"
             )
-    return err
+    return None
