@@ -168,6 +168,26 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def bench_result(seconds: float, **extra) -> dict:
+    """A `distqa bench` worker's result file (one H100 process, bf16, 100 samples in `seconds`),
+    for the report's arithmetic; `extra` adds or replaces fields."""
+    from distqa.steptimer import PHASES
+
+    base = {
+        "seconds": seconds,
+        "samples": 100,
+        "tokens": 1000,
+        "device": "NVIDIA H100 80GB HBM3",
+        "precision": "bf16",
+        "non_embedding_params": 10**8,
+        "layers": 10,
+        "hidden_size": 1000,
+        "threads_per_process": 1,
+        "phase_ms": dict.fromkeys(PHASES, 1.0),
+    }
+    return {**base, **extra}
+
+
 def fakebin_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """A bare environment, as in a container: the stand-in commands first on PATH, calls logged."""
     env = {

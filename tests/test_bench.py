@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import toy_task
-from conftest import ROOT, free_port, subprocess_env
+from conftest import ROOT, bench_result, free_port, subprocess_env
 from distqa.bench.launch import _reason, check_port, parse_nproc, print_table, rendezvous_args, worker_env
 from distqa.bench.report import add_scaling, implausible, summarize
 from distqa.cli import build_parser, main
@@ -124,19 +124,7 @@ def test_default_workers_share_the_cpus(monkeypatch):
 
 
 def _run(key: str, seconds: float, **extra) -> dict:
-    base = {
-        "seconds": seconds,
-        "samples": 100,
-        "tokens": 1000,
-        "device": "NVIDIA H100 80GB HBM3",
-        "precision": "bf16",
-        "non_embedding_params": 10**8,
-        "layers": 10,
-        "hidden_size": 1000,
-        "threads_per_process": 1,
-        "phase_ms": dict.fromkeys(PHASES, 1.0),
-    }
-    return {**base, **extra}
+    return bench_result(seconds, **extra)
 
 
 def test_summary_scaling_and_mfu_arithmetic():

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, needs_root, subprocess_env
+from conftest import ROOT, needs_root, sigint_default, subprocess_env
 
 SCRIPT = ROOT / "scripts" / "bench_network.sh"
 NAMESPACES = ("dqnet0", "dqnet1")
@@ -71,10 +71,7 @@ def test_ctrl_c_mid_run_removes_namespaces_and_processes(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # Ctrl-C as a terminal sends it: SIGINT at its default, whatever this runner inherited (a
-        # runner started in the background by a non-interactive shell ignores SIGINT, and bash
-        # cannot trap a signal ignored when it started: the script would never see this one).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=sigint_default,  # Ctrl-C as a terminal sends it, whatever this runner inherited
     )
     deadline = time.monotonic() + 120
     # Wait until training runs inside the namespaces (node 0's log shows a worker line).

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from conftest import bench_result
 from distqa import parallel
 from distqa.bench.launch import dp_env, print_table
 from distqa.bench.report import add_scaling, implausible, plot, summarize
@@ -29,7 +30,6 @@ from distqa.dist import DistInfo
 from distqa.errors import ConfigError
 from distqa.export import export_checkpoint
 from distqa.registry import load_config, load_task
-from distqa.steptimer import PHASES
 from distqa.task import Batch
 from distqa.trainer import Trainer, train
 from toy_task import ToyClassificationTask
@@ -260,27 +260,20 @@ def test_bench_dp_on_the_cpu_is_one_line_and_launches_nothing(tmp_path, monkeypa
 
 def _run(loop: str, seconds: float, nproc: int, parallel: str = "ddp") -> dict:
     """A worker's result file: 100 samples per process (dp: per GPU) in `seconds`."""
-    return {
-        "loop": loop,
-        "parallel": parallel,
-        "seconds": seconds,
-        "samples": 100 * nproc,
-        "tokens": 1000 * nproc,
-        "device": "NVIDIA H100 80GB HBM3",
-        "precision": "bf16",
-        "non_embedding_params": 10**8,
-        "layers": 10,
-        "hidden_size": 1000,
-        "threads_per_process": 1,
-        "phase_ms": dict.fromkeys(PHASES, 1.0),
-        "host": "h",
-        "torch": "t",
-        "compile": False,
-        "seq_len": 64,
-        "batch_size": 8,
-        "grad_accum": 1,
-        "state_bytes": {"parameters": 2**20, "gradients": 2**20, "optimizer": 2**21},
-    }
+    return bench_result(
+        seconds,
+        loop=loop,
+        parallel=parallel,
+        samples=100 * nproc,
+        tokens=1000 * nproc,
+        host="h",
+        torch="t",
+        compile=False,
+        seq_len=64,
+        batch_size=8,
+        grad_accum=1,
+        state_bytes={"parameters": 2**20, "gradients": 2**20, "optimizer": 2**21},
+    )
 
 
 def test_bench_dp_rows_sit_beside_ddp_in_json_table_and_plot(tmp_path, monkeypatch, capsys):
