@@ -16,6 +16,7 @@ from conftest import FAULT_RUN, SGD, launch, load_weights, max_abs_diff, metrics
 from distqa import comm_hooks
 from distqa.config import TrainConfig
 from distqa.errors import ConfigError
+from distqa.powersgd import PowerSGD
 from distqa.steptimer import StepTimer
 
 
@@ -60,7 +61,7 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 24), torch.nn.Linear(24, 40), torch.nn.Linear(40, 16))
 
 
-def _step(powersgd: comm_hooks.PowerSGD, buckets: list[list[int]], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _step(powersgd: PowerSGD, buckets: list[list[int]], grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """One step's hook calls over `buckets` (lists of parameter indices; the last reduced last):
     the reduced gradient of every parameter."""
     params, out = powersgd.params, {}
@@ -79,14 +80,14 @@ def test_powersgd_state_follows_the_parameters_into_other_buckets(group):
     first, rebuilt = [[0, 1], [2, 3, 4, 5]], [[4, 5, 0], [3, 1], [2]]
     torch.manual_seed(1)
     steps = [[torch.randn_like(p) for p in model.parameters()] for _ in range(7)]
-    straight = comm_hooks.PowerSGD(model, train)
+    straight = PowerSGD(model, train)
     for grads in steps[:5]:
         _step(straight, rebuilt if grads is not steps[0] else first, grads)
     # Through a file as a checkpoint holds it (weights_only: plain types and tensors only).
     saved = io.BytesIO()
     torch.save(straight.state_dict(), saved)
     saved.seek(0)
-    resumed = comm_hooks.PowerSGD(model, train)
+    resumed = PowerSGD(model, train)
     resumed.load_state_dict(torch.load(saved, weights_only=True))
     assert resumed.state.iter == straight.state.iter == 5
     for grads in steps[5:]:

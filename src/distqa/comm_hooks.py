@@ -8,23 +8,19 @@ backward passes. A DDP communication hook replaces DDP's all-reduce of each grad
   gradient) and warm start (last step's Q). Plain all-reduce for the first
   `train.powersgd_start_step` steps.
 
-PowerSGD's state (error feedback, P and Q memories, its step count and random state) is per rank and
-keyed by DDP's bucket index. DDP builds its buckets in parameter order, then rebuilds them after the
-first step in the order gradients became ready, so a resumed run's first step sees other buckets
-than the uninterrupted run did at that step. The state is therefore kept, saved and restored per
-parameter (`_Pieces`), and laid out again for whatever bucket asks for it: the arithmetic of each
-gradient matrix does not depend on which bucket it rides in.
+PowerSGD's state (error feedback, P and Q memories, its step count and random state) is per rank,
+kept per parameter across DDP's bucket rebuilds, and saved in every checkpoint (`distqa.powersgd`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from distqa.powersgd import PowerSGD
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -62,152 +58,6 @@ def bf16_hook(state, bucket):  # noqa: ANN001, ANN201
 
 def _powersgd(state, bucket):  # noqa: ANN001, ANN201
     return state.reduce(bucket)
-
-
-class _Pieces:
-    """Where each gradient's PowerSGD state lies in a bucket's flat tensors (bucket by bucket, as
-    PowerSGD lays them out): error feedback in gradient order, P and Q of the compressed matrices
-    grouped by shape in order of first appearance (powerSGD_hook's `shape_to_tensors`)."""
-
-    def __init__(self, shapes: list[torch.Size], rank: int, min_rate: float) -> None:
-        self.error: list[tuple[int, int]] = []  # (offset, length) per gradient
-        self.p: dict[int, tuple[int, int]] = {}  # gradient position -> (offset, length) in P
-        self.q: dict[int, tuple[int, int]] = {}
-        offset, groups = 0, {}
-        for pos, shape in enumerate(shapes):
-            numel = shape.numel()
-            self.error.append((offset, numel))
-            offset += numel
-            n = shape[0]
-            m = numel // n
-            r = min(n, m, rank)
-            if powerSGD_hook._should_compress(n, m, r, min_rate)[0]:
-                groups.setdefault((n, m, r), []).append(pos)
-        p_off = q_off = 0
-        for (n, m, r), positions in groups.items():
-            for pos in positions:
-                self.p[pos], self.q[pos] = (p_off, n * r), (q_off, m * r)
-                p_off, q_off = p_off + n * r, q_off + m * r
-        self.total = offset
-
-
-class PowerSGD:
-    """PyTorch's PowerSGD hook and state, kept per parameter across bucket rebuilds and resumes."""
-
-    def __init__(self, model: nn.Module, train: TrainConfig, group: Any = None) -> None:
-        self.state = powerSGD_hook.PowerSGDState(
-            process_group=group,
-            matrix_approximation_rank=train.powersgd_rank,
-            start_powerSGD_iter=train.powersgd_start_step,
-            use_error_feedback=True,
-            warm_start=True,
-            random_seed=0,  # the same on every rank: the random Qs must agree
-        )
-        self.params = list(model.parameters())
-        self._index = {p.data_ptr(): i for i, p in enumerate(self.params)}
-        self.layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> parameter indices
-        # Per-parameter state not yet laid out in a bucket: param index -> {"error", "p", "q"}.
-        self.pieces: dict[int, dict[str, torch.Tensor]] = {}
-        self.seen: set[int] = set()  # buckets reduced in the current step
-        # torch's hook waits on its P all-reduce inside a callback, which gloo runs on one of its few
-        # worker threads: with several buckets in flight those threads all wait and the step hangs
-        # (seen at 2 processes with a 0.1 MB bucket_cap_mb). On gloo each bucket is therefore
-        # reduced before the next is handed over (no overlap with the backward pass; same values).
-        self.blocking = dist.get_backend(group) == "gloo"
-
-    def reduce(self, bucket: Any) -> Any:
-        layout = tuple(self._index[p.data_ptr()] for p in bucket.parameters())
-        index = bucket.index()
-        if self.layouts.get(index) != layout:
-            # New buckets (DDP's rebuild, a resume): the state of every bucket not yet reduced in
-            # this step goes back to its parameters, and this bucket's is laid out from theirs.
-            # (Buckets already reduced in this step keep theirs: their futures may still use it.)
-            self._split_unseen()
-            self._assemble(index, layout, bucket.buffer())
-            self.layouts[index] = layout
-        self.seen.add(index)
-        future = powerSGD_hook.powerSGD_hook(self.state, bucket)
-        if self.blocking:
-            future.wait()
-        if bucket.is_last():  # DDP reduces bucket 0 last: the step's communication is all launched
-            self.seen.clear()
-        return future
-
-    def _split_unseen(self) -> None:
-        s = self.state
-        for index in [i for i in self.layouts if i not in self.seen]:
-            self.pieces.update(self._split_bucket(index, self.layouts.pop(index)))
-            for memory in (s.error_dict, s.p_memory_dict, s.q_memory_dict):
-                memory.pop(index, None)
-
-    def _layout(self, layout: tuple[int, ...]) -> _Pieces:
-        shapes = [self.params[i].shape for i in layout]
-        return _Pieces(shapes, self.state.matrix_approximation_rank, self.state.min_compression_rate)
-
-    def _split_bucket(self, index: int, layout: tuple[int, ...]) -> dict[int, dict[str, torch.Tensor]]:
-        """One bucket's state per parameter (views of its tensors); empty before PowerSGD began."""
-        s, pieces = self.state, {}
-        if index not in s.error_dict:
-            return pieces
-        places = self._layout(layout)
-        for pos, param in enumerate(layout):
-            offset, length = places.error[pos]
-            piece = {"error": s.error_dict[index][offset : offset + length]}
-            if pos in places.p and index in s.p_memory_dict:
-                (po, pl), (qo, ql) = places.p[pos], places.q[pos]
-                piece["p"] = s.p_memory_dict[index][po : po + pl]
-                piece["q"] = s.q_memory_dict[index][qo : qo + ql]
-            pieces[param] = piece
-        return pieces
-
-    def _split(self) -> dict[int, dict[str, torch.Tensor]]:
-        """The whole state per parameter, without changing the buckets' own tensors."""
-        pieces = dict(self.pieces)
-        for index, layout in self.layouts.items():
-            pieces.update(self._split_bucket(index, layout))
-        return pieces
-
-    def _clear(self) -> None:
-        self.layouts.clear()
-        self.seen.clear()
-        for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
-            memory.clear()
-
-    def _assemble(self, index: int, layout: tuple[int, ...], buffer: torch.Tensor) -> None:
-        if not all(param in self.pieces for param in layout):
-            return  # (a parameter without state: this bucket starts afresh, as PowerSGD would)
-        places, pieces = self._layout(layout), [self.pieces.pop(param) for param in layout]
-        device, dtype = buffer.device, buffer.dtype
-        self.state.error_dict[index] = torch.cat([p["error"] for p in pieces]).to(device, dtype)
-        for key, memory, where in (
-            ("p", self.state.p_memory_dict, places.p),
-            ("q", self.state.q_memory_dict, places.q),
-        ):
-            ordered = sorted(where, key=lambda pos: where[pos][0])
-            parts = [pieces[pos][key] for pos in ordered if key in pieces[pos]]
-            if len(parts) == len(ordered):
-                memory[index] = (torch.cat(parts) if parts else torch.empty(0)).to(device, dtype)
-
-    def state_dict(self) -> dict[str, Any]:
-        s = self.state
-        name, keys, pos, has_gauss, cached = s.rng.get_state()
-        return {
-            "rank": s.matrix_approximation_rank,
-            "iter": s.iter,
-            # NumPy's key array as a plain list: weights_only loading refuses ndarrays.
-            "rng": (name, keys.tolist(), pos, has_gauss, cached),
-            "numel": (s.total_numel_before_compression, s.total_numel_after_compression, s.next_stats_report),
-            "pieces": {i: {k: t.detach().cpu().clone() for k, t in p.items()} for i, p in self._split().items()},
-        }
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        s = self.state
-        s.iter = int(saved["iter"])
-        name, keys, pos, has_gauss, cached = saved["rng"]
-        s.rng.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-        s.total_numel_before_compression, s.total_numel_after_compression, s.next_stats_report = saved["numel"]
-        self._clear()
-        self.pieces = {int(i): dict(p) for i, p in saved["pieces"].items()}
 
 
 class CommHook:
