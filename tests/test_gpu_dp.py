@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, load_weights, subprocess_env, wait_for_step
 from gpu_runs import BASE, DRY_RUN, LR, Run, max_rel, record, torchrun, trained, weights_rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("dp")]  # pytest.mark.gpu(gpus=2) on a test: it needs two
@@ -123,6 +125,36 @@ def test_dp_bf16_on_two_gpus_trains_near_the_fp32_step(tmp_path, ddp_one):
     record("dp/two_gpus_bf16", first_loss_rel_diff=diff, tolerance=BF16_LOSS_RTOL, first5_mean=first, last5_mean=last)
     assert diff <= BF16_LOSS_RTOL and all(math.isfinite(x) for x in run.losses)
     assert last < 0.9 * first, run.losses
+
+
+# Dropout on: each GPU's copy draws its masks from its own GPU's generator, so an exact resume needs
+# every one of them saved (checkpoint's rng-rank0.pt, "cuda_replicas") and restored.
+DP_TERM_STEPS = 300
+DP_TERM_RUN = [*DP_RUN[:-1], "model.dropout=0.1", "data.num_workers=2", f"train.max_steps={DP_TERM_STEPS}"]
+
+
+@pytest.mark.gpu(gpus=2)
+def test_dp_sigterm_and_resume_on_two_gpus_is_exact_with_dropout(tmp_path):
+    straight = launch(tmp_path / "straight", [*DP_TERM_RUN, "train.parallel=dp"], gpus=2)
+    out = tmp_path / "preempted"
+    cmd = torchrun(["-m", "distqa", "train", *DP_TERM_RUN, "train.parallel=dp", f"output_dir={out}"])
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="0,1")
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(proc, out, 20)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    lines = [x for x in stderr.splitlines() if x.startswith("distqa: preempted:")]
+    assert proc.returncode != 0 and lines, f"no preemption ({proc.returncode}):\n{stderr[-3000:]}"
+    step = int(re.search(r"at step (\d+)", lines[0]).group(1))
+    assert 20 <= step < DP_TERM_STEPS, lines[0]
+    rng = torch.load(out / "checkpoints" / f"step-{step}" / "rng-rank0.pt", weights_only=True)
+    assert list(rng["cuda_replicas"]) == [1]
+    resumed = launch(out, [*DP_TERM_RUN, "train.parallel=dp"], gpus=2)
+    assert "resumed from" in resumed.stdout and "seeded afresh" not in resumed.stdout, resumed.stdout[-2000:]
+    ours, theirs = load_weights(out), load_weights(straight.out)
+    diff = max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours)
+    record("dp/two_gpus_sigterm_resume", preempted_at_step=step, weights_max_abs_diff=diff, tolerance=0.0)
+    assert diff == 0.0
 
 
 def test_bench_dp_gives_a_dp_row_per_gpu_count(tmp_path):

@@ -5,7 +5,7 @@ Layout of `output_dir/checkpoints/step-N/`:
   training_state.pt     optimizer (ddp), LR scheduler and gradient-scaler state (tensors and numbers only)
   .metadata, __R_0.distcp   train.parallel=fsdp: model and optimizer as every rank's shards, written
                         with torch.distributed.checkpoint (`distqa.sharded`); loads on any process count
-  rng-rank{R}.pt        every RNG of rank R: Python, NumPy, torch CPU and CUDA
+  rng-rank{R}.pt        every RNG of rank R: Python, NumPy, torch CPU and CUDA (`distqa.rng_state`)
   comm-rank{R}.pt       rank R's gradient-communication state (train.ddp_comm_hook: PowerSGD's
                         error feedback and memories; `distqa.comm_hooks`)
   trainer_state.json    step, epoch, position in the epoch, global batch, the resolved config, the
@@ -27,13 +27,11 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
-import random
 import shutil
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
@@ -48,32 +46,7 @@ from distqa.dist import DistInfo, all_gather_objects, broadcast_object, gather_t
 from distqa.durable import fsync_path
 from distqa.errors import DistqaError
 from distqa.rank0 import raise_on_every_rank, reason, with_free_space
-
-
-def capture_rng_state(device: torch.device) -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        # NumPy's key array as a plain list: weights_only loading refuses ndarrays.
-        "numpy": (name, keys.tolist(), pos, has_gauss, cached),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
-
-
-def restore_rng_state(state: dict[str, Any], device: torch.device) -> bool:
-    """Restore every RNG the state holds; False when `device` is a GPU and the state has no CUDA
-    generator (written on the CPU): the caller seeds that one per rank."""
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if device.type != "cuda":
-        return True
-    if state["cuda"] is None:
-        return False
-    torch.cuda.set_rng_state(state["cuda"], device)
-    return True
+from distqa.rng_state import capture_rng_state, restore_rng_state
 
 
 class _RankZeroFiles(NamedTuple):
@@ -121,6 +94,7 @@ def save_checkpoint(
     sharded: bool = False,
     still_holding: Callable[[], str | None] | None = None,
     comm_state: dict[str, Any] | None = None,
+    rng_replicas: Sequence[int] = (),
 ) -> Path:
     """Write `root/step-N` (N = trainer_state["step"]) and keep the newest `keep` (0: all), and
     the folders named in `protect` (the best checkpoint: `distqa.best`).
@@ -137,7 +111,7 @@ def save_checkpoint(
     """
     step = int(trainer_state["step"])
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
-    rng_states = gather_to_main(capture_rng_state(info.device), info)
+    rng_states = gather_to_main(capture_rng_state(info.device, rng_replicas), info)
     # `comm_state`: this rank's part that is not the same on every rank (`Parts.comm_hook`).
     comm_states = gather_to_main(comm_state, info) if comm_state is not None else None
     problem, created = _open_folder(tmp, final, root, still_holding) if info.is_main else (None, False)
@@ -269,6 +243,7 @@ def load_checkpoint(
     scaler: torch.amp.GradScaler,
     info: DistInfo,
     sharded: bool = False,
+    rng_replicas: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Restore everything `save_checkpoint` wrote, on this rank. Returns the trainer state.
 
@@ -304,7 +279,9 @@ def load_checkpoint(
     state["cuda_rng_restored"] = False
     if state["rng_restored"]:
         with _loading(rng_path):
-            state["cuda_rng_restored"] = restore_rng_state(torch.load(rng_path, weights_only=True), info.device)
+            state["cuda_rng_restored"] = restore_rng_state(
+                torch.load(rng_path, weights_only=True), info.device, rng_replicas
+            )
     comm_path = directory / f"comm-rank{info.rank}.pt"
     state["comm_hook"] = None  # none saved (another world size, an older checkpoint): the caller says so
     if comm_path.is_file():

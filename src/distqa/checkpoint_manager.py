@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from distqa import checkpoint as ckpt
+from distqa import parallel
 from distqa.best import BEST_NAME, point_at, pointed
 from distqa.comm_hooks import CommHook
 from distqa.config import Config
@@ -117,6 +118,9 @@ class CheckpointManager:
     def __init__(self, root: Path, cfg: Config, info: DistInfo, *, sharded: bool, lock: RunLock | None) -> None:
         self.root, self.cfg, self.info, self.sharded, self.lock = root, cfg, info, sharded, lock
         self.parts: Parts | None = None
+        # train.parallel=dp: the GPUs besides this process's own that run a copy of the model, each
+        # drawing dropout masks from its own generator, saved and restored with this rank's RNG.
+        self.replicas = parallel.dp_device_ids(info)[1:] if cfg.train.parallel == "dp" else []
 
     def track(self, parts: Parts) -> None:
         """The parts every checkpoint holds, from now on."""
@@ -147,10 +151,19 @@ class CheckpointManager:
             # the write must not publish a checkpoint into a folder another run now owns.
             still_holding=self.lock.verify if self.lock is not None else None,
             comm_state=p.comm_hook.state_dict() if p.comm_hook is not None else None,
+            rng_replicas=self.replicas,
         )
         if best is not None and best["step"] == p.trainer.step:
             self._point_best(best["step"])
         return final
+
+    def _seed_replicas(self, *parts: int) -> None:
+        """A seed of its own for each dp replica's GPU: torch.manual_seed gives every GPU the same
+        one, and the copies would draw the same dropout masks for their shares of the batch."""
+        if self.replicas:
+            torch.cuda.init()  # (default_generators is filled in by CUDA's initialisation)
+            for i in self.replicas:
+                torch.cuda.default_generators[i].manual_seed(derive_seed(*parts, i))
 
     def _point_best(self, step: int) -> None:
         """`checkpoints/best` names step-`step` (a whole checkpoint by now); every rank learns how it went."""
@@ -176,8 +189,11 @@ class CheckpointManager:
         if directory is None:
             # Different dropout masks per rank: identical masks would correlate the ranks' noise.
             seed_everything(derive_seed(cfg.seed, info.rank))
+            self._seed_replicas(cfg.seed, info.rank)
             return 0
-        state = ckpt.load_checkpoint(directory, **p.files(), info=info, sharded=self.sharded)
+        state = ckpt.load_checkpoint(
+            directory, **p.files(), info=info, sharded=self.sharded, rng_replicas=self.replicas
+        )
         # Settings that may change on resume (lr, weight decay, ...) win over the restored ones.
         apply_settings(p.optimizer, p.scheduler, cfg.train)
         p.task.load_state_dict(state.get("task") or {})
@@ -188,6 +204,7 @@ class CheckpointManager:
             print0(f"warning: train.ddp_comm_hook=powersgd starts its state afresh at step {state['step']}: {why}")
         if not state["rng_restored"]:
             seed_everything(derive_seed(cfg.seed, info.rank, state["step"]))
+            self._seed_replicas(cfg.seed, info.rank, state["step"])
             print(
                 f"warning: rank {info.rank} has no RNG state in {directory} (it was written by "
                 f"{state['world_size']} processes): seeded afresh, so dropout differs from an "
@@ -195,10 +212,15 @@ class CheckpointManager:
                 flush=True,
             )
         elif not state["cuda_rng_restored"]:
-            # A checkpoint written on the CPU, resumed on GPUs: without this every rank's CUDA
-            # generator would start from the same seed and draw the same dropout masks.
+            # A checkpoint written on the CPU (or, under dp, with fewer GPUs), resumed on GPUs:
+            # without this every rank's CUDA generator would start from the same seed and draw the
+            # same dropout masks.
             torch.cuda.manual_seed(derive_seed(cfg.seed, info.rank, state["step"]))
-            print0(f"warning: {directory} holds no CUDA RNG state (written on the CPU): CUDA seeded afresh per rank")
+            self._seed_replicas(cfg.seed, info.rank, state["step"])
+            print0(
+                f"warning: {directory} holds no CUDA RNG state for every GPU this run uses (written on the "
+                "CPU, or on fewer GPUs): CUDA seeded afresh per rank and GPU"
+            )
         best = p.trainer.best
         # Resumed from an earlier checkpoint than the newest, `best` may name a step of the abandoned
         # continuation: it names this run's record again (when that checkpoint is still there).

@@ -18,10 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from distqa.config_checks import check_choice as _check_choice
-from distqa.config_checks import (
-    check_finite,
-    check_min,
-)
+from distqa.config_checks import check_finite, check_min, check_parallel
 from distqa.errors import ConfigError
 
 RESUME_RULES = ("silent", "applied")
@@ -214,25 +211,7 @@ class TrainConfig:
             check_min(f"train.{key}", getattr(self, key), 1)
         _check_choice("train.parallel", self.parallel, ("ddp", "fsdp", "dp"))
         _check_choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
-        if self.parallel == "fsdp" and self.check_replicas:
-            raise ConfigError(
-                "train.check_replicas=true compares the ranks' whole copies of the model, which "
-                "train.parallel=fsdp does not keep (each rank holds a different shard): turn one off"
-            )
-        _check_choice("train.ddp_comm_hook", self.ddp_comm_hook, ("none", "fp16", "bf16", "powersgd"))
-        self._check_dp()
-        if self.parallel == "fsdp" and self.ddp_comm_hook == "powersgd":
-            raise ConfigError(
-                "train.ddp_comm_hook=powersgd is a DDP hook, and train.parallel=fsdp reduce-scatters shards: "
-                "use train.ddp_comm_hook=bf16 or fp16 with fsdp, or train.parallel=ddp"
-            )
-        check_min("train.powersgd_rank", self.powersgd_rank, 1)
-        if self.powersgd_start_step < 2:
-            raise ConfigError(
-                f"train.powersgd_start_step={self.powersgd_start_step} must be >= 2: PowerSGD's error feedback "
-                "needs DDP's buckets rebuilt after the first step"
-            )
-        check_min("train.bucket_cap_mb", self.bucket_cap_mb, 0.0, strict=True)
+        check_parallel(self)
         _check_choice("train.lr_schedule", self.lr_schedule, ("linear", "constant", "cosine"))
         _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_min("train.lr", self.lr, 0.0, strict=True)
@@ -257,25 +236,6 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ConfigError(f"train.resume={self.resume!r} is not auto, never, or an existing checkpoint folder")
-
-    def _check_dp(self) -> None:
-        """What train.parallel=dp cannot do, said before anything runs. (Where it cannot run, the
-        CPU or several processes, is known only once the device is: `distqa.parallel.dp_device_ids`.)"""
-        if self.parallel != "dp":
-            return
-        if self.ddp_comm_hook != "none":
-            # DataParallel sums the replicas' gradients on GPU 0 itself: there is no DDP reducer to hook.
-            raise ConfigError(
-                f"train.ddp_comm_hook={self.ddp_comm_hook} hooks DDP's all-reduce, and train.parallel=dp has "
-                "none (DataParallel sums gradients on GPU 0): use train.ddp_comm_hook=none, or train.parallel=ddp"
-            )
-        if self.compile:
-            # DataParallel copies the module every step and runs the copies in threads of its own,
-            # which torch.compile does not follow: the compiled step would be neither faster nor tested.
-            raise ConfigError(
-                "train.compile=true is not supported with train.parallel=dp (DataParallel runs fresh "
-                "copies of the model in threads each step): use train.compile=false, or train.parallel=ddp"
-            )
 
     def resolve_global_batch(self, world_size: int) -> None:
         """Derive `grad_accum` from `global_batch` for this many processes (in place; no-op when unset)."""

@@ -104,3 +104,47 @@ def raise_config_error(
     # OmegaConf's own message names the expected type and the value it got; keep its first line.
     detail = str(err).splitlines()[0]
     raise ConfigError(f"bad value for '{key}' in {source}: {detail}") from err
+
+
+def check_parallel(train: Any) -> None:
+    """`train.parallel` against the settings that depend on it: the gradient hook, PowerSGD's, and
+    what DataParallel and FSDP cannot do, said before anything runs."""
+    if train.parallel == "fsdp" and train.check_replicas:
+        raise ConfigError(
+            "train.check_replicas=true compares the ranks' whole copies of the model, which "
+            "train.parallel=fsdp does not keep (each rank holds a different shard): turn one off"
+        )
+    check_choice("train.ddp_comm_hook", train.ddp_comm_hook, ("none", "fp16", "bf16", "powersgd"))
+    _check_dp(train)
+    if train.parallel == "fsdp" and train.ddp_comm_hook == "powersgd":
+        raise ConfigError(
+            "train.ddp_comm_hook=powersgd is a DDP hook, and train.parallel=fsdp reduce-scatters shards: "
+            "use train.ddp_comm_hook=bf16 or fp16 with fsdp, or train.parallel=ddp"
+        )
+    check_min("train.powersgd_rank", train.powersgd_rank, 1)
+    if train.powersgd_start_step < 2:
+        raise ConfigError(
+            f"train.powersgd_start_step={train.powersgd_start_step} must be >= 2: PowerSGD's error feedback "
+            "needs DDP's buckets rebuilt after the first step"
+        )
+    check_min("train.bucket_cap_mb", train.bucket_cap_mb, 0.0, strict=True)
+
+
+def _check_dp(train: Any) -> None:
+    """What train.parallel=dp cannot do, said before anything runs. (Where it cannot run, the
+    CPU or several processes, is known only once the device is: `distqa.parallel.dp_device_ids`.)"""
+    if train.parallel != "dp":
+        return
+    if train.ddp_comm_hook != "none":
+        # DataParallel sums the replicas' gradients on GPU 0 itself: there is no DDP reducer to hook.
+        raise ConfigError(
+            f"train.ddp_comm_hook={train.ddp_comm_hook} hooks DDP's all-reduce, and train.parallel=dp has "
+            "none (DataParallel sums gradients on GPU 0): use train.ddp_comm_hook=none, or train.parallel=ddp"
+        )
+    if train.compile:
+        # DataParallel copies the module every step and runs the copies in threads of its own,
+        # which torch.compile does not follow: the compiled step would be neither faster nor tested.
+        raise ConfigError(
+            "train.compile=true is not supported with train.parallel=dp (DataParallel runs fresh "
+            "copies of the model in threads each step): use train.compile=false, or train.parallel=ddp"
+        )
