@@ -140,9 +140,14 @@ def test_dp_sigterm_and_resume_on_two_gpus_is_exact_with_dropout(tmp_path):
     cmd = torchrun(["-m", "distqa", "train", *DP_TERM_RUN, "train.parallel=dp", f"output_dir={out}"])
     env = subprocess_env(CUDA_VISIBLE_DEVICES="0,1")
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_step(proc, out, 20)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    try:
+        wait_for_step(proc, out, 20)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # (a failed wait: no 2-GPU run left behind)
+            proc.kill()
+            proc.communicate()
     lines = [x for x in stderr.splitlines() if x.startswith("distqa: preempted:")]
     assert proc.returncode != 0 and lines, f"no preemption ({proc.returncode}):\n{stderr[-3000:]}"
     step = int(re.search(r"at step (\d+)", lines[0]).group(1))

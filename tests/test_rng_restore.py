@@ -79,17 +79,19 @@ def test_dp_seeds_each_replica_gpu_apart_from_the_others(monkeypatch, tmp_path):
     from distqa.checkpoint_manager import CheckpointManager
     from distqa.config import Config, TrainConfig
     from distqa.dist import DistInfo
+    from distqa.sampler import derive_seed
 
     generators = tuple(torch.Generator() for _ in range(3))
-    monkeypatch.setattr(parallel, "dp_device_ids", lambda info: [0, 1, 2])
+    # This process's GPU is 1 (LOCAL_RANK=1): GPUs 0 and 2 are its replicas.
+    monkeypatch.setattr(parallel, "dp_device_ids", lambda info: [1, 0, 2])
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(torch.cuda, "default_generators", generators)
     cfg = Config(train=TrainConfig(parallel="dp"))
-    manager = CheckpointManager(tmp_path, cfg, DistInfo(0, 0, 1, torch.device("cuda", 0)), sharded=False, lock=None)
-    assert manager.replicas == [1, 2]
+    manager = CheckpointManager(tmp_path, cfg, DistInfo(0, 1, 1, torch.device("cuda", 1)), sharded=False, lock=None)
+    assert manager.replicas == [0, 2]
     for parts in ((cfg.seed, 0), (cfg.seed, 0, 7)):  # a fresh start, a resume's reseed at step 7
         for g in generators:
-            g.manual_seed(cfg.seed)  # what seed_everything leaves on every GPU
+            g.manual_seed(derive_seed(*parts))  # what seed_everything (or the reseed) leaves on every GPU
         manager._seed_replicas(*parts)
         seeds = [g.initial_seed() for g in generators]
         assert len(set(seeds)) == 3, seeds

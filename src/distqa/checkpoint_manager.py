@@ -114,6 +114,10 @@ class Parts:
         return tensors
 
 
+# train.parallel=dp: the seeds of the replica GPUs' generators, apart from every other seed's parts.
+REPLICA_STREAM = 0xD9
+
+
 class CheckpointManager:
     def __init__(self, root: Path, cfg: Config, info: DistInfo, *, sharded: bool, lock: RunLock | None) -> None:
         self.root, self.cfg, self.info, self.sharded, self.lock = root, cfg, info, sharded, lock
@@ -163,7 +167,10 @@ class CheckpointManager:
         if self.replicas:
             torch.cuda.init()  # (default_generators is filled in by CUDA's initialisation)
             for i in self.replicas:
-                torch.cuda.default_generators[i].manual_seed(derive_seed(*parts, i))
+                # A stream of their own: derive_seed(*parts, 0) would equal derive_seed(*parts), the
+                # process's own GPU's seed (numpy's SeedSequence drops trailing zeros), and GPU 0 is
+                # a replica when the process's GPU is another.
+                torch.cuda.default_generators[i].manual_seed(derive_seed(*parts, REPLICA_STREAM, i))
 
     def _point_best(self, step: int) -> None:
         """`checkpoints/best` names step-`step` (a whole checkpoint by now); every rank learns how it went."""

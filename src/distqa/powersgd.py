@@ -11,9 +11,15 @@ step's Q). PyTorch's `powerSGD_hook` and `PowerSGDState` run it; distqa adds two
   arithmetic of each gradient matrix does not depend on which bucket it rides in.
 - On gloo, `reduce_on_gloo` instead of torch's hook (why: `PowerSGD.__init__`). It keeps torch's
   state and its layout, so checkpoints are the same on either backend, and computes M^T P as
-  (P^T M)^T: the same numbers, but a CPU's product with a transposed tall matrix first is several
-  times slower (9.4 against 1.1 ms for the tiny model's 30522 x 128 embedding gradient at rank 4,
-  one thread). It also sends the uncompressed gradients and P in one all-reduce instead of two.
+  (P^T M)^T: the same product (equal to rounding), but a CPU's product with a transposed tall
+  matrix first is several times slower (9.4 against 1.1 ms for the tiny model's 30522 x 128
+  embedding gradient at rank 4, one thread). It also sends the uncompressed gradients and P in one
+  all-reduce instead of two. Error feedback and warm start are always on (as `PowerSGD` sets them).
+
+Bitwise resumes need every product to give the same bits wherever a gradient lies in its bucket
+(`tests/test_powersgd.py`). At two processes that makes a resume exact; at three or more, gloo's own
+sums depend on an element's place in the tensor (for every hook), so the first step after a resume,
+whose buckets DDP has not yet rebuilt, agrees with the uninterrupted run only to rounding.
 """
 
 from __future__ import annotations
@@ -64,8 +70,10 @@ def reduce_on_gloo(state: powerSGD_hook.PowerSGDState, bucket: Any) -> torch.Ten
     buffer, index = bucket.buffer(), bucket.index()
     if state.iter < state.start_powerSGD_iter:  # plain all-reduce first, as torch's hook does
         state.maybe_increase_iter(bucket)
-        dist.all_reduce(buffer, group=group)
-        return buffer.div_(world_size)
+        # Divided before the sum, as torch's hook and DDP's own all-reduce do (the same bits at any
+        # world size, and no overflow of the sum in 16 bits).
+        dist.all_reduce(buffer.div_(world_size), group=group)
+        return buffer
     if index not in state.error_dict:
         state.error_dict[index] = torch.zeros_like(buffer)
     # The gradient plus last step's error is reduced from the error's own memory (one pass fewer
@@ -87,13 +95,16 @@ def reduce_on_gloo(state: powerSGD_hook.PowerSGDState, bucket: Any) -> torch.Ten
     if fresh:  # random Qs, the same on every rank: torch's seed and draws, on a generator of their own
         generator = torch.Generator().manual_seed(state.rng.randint(1_000_000_000))
         for q in qs:
-            q.copy_(torch.randn(1, *q.shape, generator=generator, dtype=buffer.dtype)[0])
+            q.copy_(torch.randn(1, *q.shape, generator=generator, dtype=buffer.dtype, device="cpu")[0])
     for q in qs:
         powerSGD_hook._orthogonalize(q.unsqueeze(0), state.orthogonalization_epsilon)
     for (_, m), q, p in zip(matrices, qs, ps):
         # M Q as (Q^T M^T)^T: twice as fast on a CPU for a tall M (2.1 against 4.2 ms for the tiny
         # model's embedding). Not `linear` (1.4 ms): its result changes with the gradient's memory
-        # alignment, which moves with the bucket layout, and a resume must be bitwise.
+        # alignment, which moves with the bucket layout, and a resume must be bitwise. At rank 1 the
+        # product is a matrix-vector one, whose result does too: M is copied to aligned memory first.
+        if q.shape[1] == 1 and m.data_ptr() % 64:
+            m = m.clone()
         p.copy_(torch.mm(q.t().contiguous(), m.t()).t())
     # The whole gradients and the Ps in one all-reduce (a sum: the Ps are orthogonalised next).
     sent = torch.cat([t.reshape(-1) for _, t in whole] + [state.p_memory_dict[index]])
@@ -105,7 +116,7 @@ def reduce_on_gloo(state: powerSGD_hook.PowerSGDState, bucket: Any) -> torch.Ten
     state.p_memory_dict[index].copy_(sent[at:])
     for (_, m), p, q in zip(matrices, ps, qs):
         powerSGD_hook._orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
-        q.copy_(torch.mm(p.t(), m).t())  # M^T P, as (P^T M)^T: see the module's docstring
+        q.copy_(torch.mm(p.t(), m).t())  # M^T P as (P^T M)^T: see the module's docstring
     dist.all_reduce(state.q_memory_dict[index], group=group)
     state.q_memory_dict[index].div_(world_size)
     for (result, _), p, q in zip(matrices, ps, qs):
