@@ -188,6 +188,45 @@ def bench_result(seconds: float, **extra) -> dict:
     return {**base, **extra}
 
 
+class Bucket:
+    """What DDP hands a communication hook: one flat buffer holding some parameters' gradients, one
+    after another (`gradients()` are views of it), with its index and whether it is the step's last."""
+
+    def __init__(self, grads: list[torch.Tensor], *, index: int = 0, params: list | None = None, last: bool = True):
+        self._index, self._params, self._last = index, params or [], last
+        self._buffer = torch.cat([g.reshape(-1) for g in grads]).clone()
+        offsets = torch.tensor([0] + [g.numel() for g in grads]).cumsum(0).tolist()
+        self._grads = [self._buffer[a:b].view(g.shape) for a, b, g in zip(offsets, offsets[1:], grads)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def parameters(self) -> list:
+        return self._params
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-process gloo world, in memory (left as it was found), for hooks called in-process."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
 def fakebin_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """A bare environment, as in a container: the stand-in commands first on PATH, calls logged."""
     env = {

@@ -10,50 +10,13 @@ import signal
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from conftest import FAULT_RUN, SGD, launch, load_weights, max_abs_diff, metrics_rows, run_train, wait_for_step
+from conftest import FAULT_RUN, SGD, Bucket, launch, load_weights, max_abs_diff, metrics_rows, run_train, wait_for_step
 from distqa import comm_hooks
 from distqa.config import TrainConfig
 from distqa.errors import ConfigError
 from distqa.powersgd import PowerSGD
 from distqa.steptimer import StepTimer
-
-
-@pytest.fixture(scope="module")
-def group():
-    """A one-process gloo world, in memory (left as it was found)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
-class Bucket:
-    """What DDP hands a hook: one flat buffer holding some parameters' gradients, in order."""
-
-    def __init__(self, index: int, params: list[torch.nn.Parameter], grads: list[torch.Tensor], last: bool) -> None:
-        self._index, self._params, self._last = index, params, last
-        self._buffer = torch.cat([g.reshape(-1) for g in grads]).clone()
-        offsets = torch.tensor([0] + [g.numel() for g in grads]).cumsum(0).tolist()
-        self._grads = [self._buffer[a:b].view(g.shape) for a, b, g in zip(offsets, offsets[1:], grads)]
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._grads
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return self._params
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._last
 
 
 def _model() -> torch.nn.Module:
@@ -66,7 +29,12 @@ def _step(powersgd: PowerSGD, buckets: list[list[int]], grads: list[torch.Tensor
     the reduced gradient of every parameter."""
     params, out = powersgd.params, {}
     for index, members in enumerate(buckets):
-        bucket = Bucket(index, [params[i] for i in members], [grads[i] for i in members], index == len(buckets) - 1)
+        bucket = Bucket(
+            [grads[i] for i in members],
+            index=index,
+            params=[params[i] for i in members],
+            last=index == len(buckets) - 1,
+        )
         powersgd.reduce(bucket).wait()
         out.update(zip(members, (g.clone() for g in bucket.gradients())))
     return [out[i] for i in range(len(params))]
@@ -100,7 +68,7 @@ def test_powersgd_state_follows_the_parameters_into_other_buckets(group):
 
 def test_bf16_hook_rounds_to_bf16_on_gloo(group):
     values = torch.tensor([1.0, 1.0 + 2**-10, 3.0e-3, -7.25])
-    bucket = Bucket(0, [torch.nn.Parameter(values)], [values], True)
+    bucket = Bucket([values], params=[torch.nn.Parameter(values)])
     reduced = comm_hooks.bf16_hook(None, bucket).wait()
     assert torch.equal(reduced, values.to(torch.bfloat16).float()) and not torch.equal(reduced, values)
 
@@ -110,7 +78,7 @@ def test_the_timer_wraps_the_chosen_hook():
     timer.step_begin()
     timed = timer.wrap(lambda state, bucket: calls.append((state, bucket.is_last())))
     for last in (False, True):
-        timed("state", Bucket(0, [], [torch.zeros(1)], last))
+        timed("state", Bucket([torch.zeros(1)], last=last))
     assert calls == [("state", False), ("state", True)]
     assert [phase for phase, _ in timer._marks] == ["data", "allreduce_wait"]
 

@@ -13,44 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+from conftest import Bucket
 from distqa.powersgd import reduce_on_gloo
 
 # Shapes as in a BERT bucket: matrices PowerSGD compresses (two of one shape: torch groups P and Q
 # by shape), and biases and a small matrix it sends whole.
 SHAPES = [(40, 24), (40,), (40, 24), (16, 40), (3, 2), (16,)]
 STEPS, START = 6, 2
-
-
-class Bucket:
-    """What DDP hands a hook: one flat buffer holding some gradients, in order."""
-
-    def __init__(self, grads: list[torch.Tensor]) -> None:
-        self._buffer = torch.cat([g.reshape(-1) for g in grads]).clone()
-        offsets = torch.tensor([0] + [g.numel() for g in grads]).cumsum(0).tolist()
-        self._grads = [self._buffer[a:b].view(g.shape) for a, b, g in zip(offsets, offsets[1:], grads)]
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._grads
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
-
-
-@pytest.fixture(scope="module")
-def group():
-    """A one-process gloo world, in memory (left as it was found)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def _state(rank: int = 4) -> powerSGD_hook.PowerSGDState:
