@@ -70,8 +70,8 @@ def reduce_on_gloo(state: powerSGD_hook.PowerSGDState, bucket: Any) -> torch.Ten
     buffer, index = bucket.buffer(), bucket.index()
     if state.iter < state.start_powerSGD_iter:  # plain all-reduce first, as torch's hook does
         state.maybe_increase_iter(bucket)
-        # Divided before the sum, as torch's hook and DDP's own all-reduce do (the same bits at any
-        # world size, and no overflow of the sum in 16 bits).
+        # Divided before the sum, as torch's hook and DDP's own all-reduce do: their bits at any
+        # world size, and a sum in 16 bits that cannot overflow.
         dist.all_reduce(buffer.div_(world_size), group=group)
         return buffer
     if index not in state.error_dict:
