@@ -32,9 +32,9 @@ import sys
 import threading
 import time
 from multiprocessing.context import BaseContext
-from pathlib import Path
 
 from distqa.errors import DistqaError
+from distqa.runlock import proc_stat
 
 # The pid of the training process that starts the server: only its own server leaves the group.
 PARENT_ENV = "DISTQA_LOADER_SERVER_PARENT"
@@ -112,10 +112,8 @@ def _start_server(attempts: int = 3, wait_s: float = 30.0) -> None:
 
 def _ended(pid: int) -> bool:
     """Whether our child `pid` has ended, without reaping it (`ensure_running` must see it end)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+    fields = proc_stat(pid)
+    return not fields or fields[0] in ("Z", "X")
 
 
 def _module_of(thing: object) -> str | None:

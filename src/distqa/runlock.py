@@ -41,13 +41,20 @@ LEASE_S = 60.0
 BREAK_STALE_S = 30.0  # breaking a lock takes milliseconds: a breaker file this old was left by a crash
 
 
-def process_start(pid: int) -> str | None:
-    """The start time of process `pid` (clock ticks since boot), or None if there is none."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the process's name (the first: its state, R, S, Z, ...),
+    or None if there is no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name before ")" may hold spaces
+    return stat.rsplit(")", 1)[1].split()  # the name before ")" may hold spaces and parentheses
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process `pid` (clock ticks since boot), or None if there is none."""
+    fields = proc_stat(pid)
+    return fields[19] if fields else None  # field 22 of the whole line
 
 
 def _read(path: Path) -> str:
