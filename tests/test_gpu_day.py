@@ -9,19 +9,19 @@ prove that a step past its box is stopped, reported timed-out, and the day goes 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from conftest import ROOT
 
 SCRIPT = ROOT / "scripts" / "gpu_day.sh"
-_spec = importlib.util.spec_from_file_location("gpu_day_report", ROOT / "scripts" / "gpu_day_report.py")
-gpu_day_report = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(gpu_day_report)  # type: ignore[union-attr]
+# scripts/ is not a package: the report builder runs as a script, its sibling gpu_day_markdown beside it.
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_day_report  # noqa: E402
 
 NVIDIA_SMI = """#!/usr/bin/env bash
 ((${FAKE_GPUS:-0} > 0)) || { echo "NVIDIA-SMI has failed because it couldn't communicate with the driver."; exit 9; }
