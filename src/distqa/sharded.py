@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distqa.dist import DistInfo, all_gather_objects
@@ -173,11 +173,35 @@ class _IndexUnpickler(pickle._Unpickler):  # the Python one: its BUILD step can 
 
 
 class _Reader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        with open(Path(self.path) / METADATA_FILE, "rb") as f:
-            metadata = _IndexUnpickler(f).load()
+    """DCP's reader with the index read through `_IndexUnpickler`, once. `index()` is called before
+    `dcp.load`: DCP 2.11 drops a reader's exception and says only "metadata is None", so a damaged
+    or planted index is reported here, as one ValueError naming the file (OSError stays OSError)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._index: Metadata | None = None
+
+    def index(self) -> Metadata:
+        if self._index is None:
+            try:
+                with open(Path(self.path) / METADATA_FILE, "rb") as f:
+                    index = _IndexUnpickler(f).load()
+            except OSError:
+                raise
+            except Exception as err:  # arbitrary bytes fail the unpickler in arbitrary ways (KeyError 255)
+                text = " ".join(str(err).split())[:200]
+                if not text.startswith(METADATA_FILE):
+                    text = f"{METADATA_FILE} is damaged: {type(err).__name__} {text}".rstrip()
+                raise ValueError(text) from err
+            if not isinstance(index, Metadata):
+                raise ValueError(f"{METADATA_FILE} holds a {type(index).__name__}, not DCP's index")
+            self._index = index
+        return self._index
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self.index()
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = self.load_id  # reset() gives each dcp.load its own
         return metadata
 
 
@@ -196,7 +220,8 @@ def first_nonfinite_weight(directory: Path, batch_bytes: int = 256 << 20) -> str
     """The name of the first model tensor of a sharded checkpoint holding NaN/inf, or None. Read in
     this process alone (`no_dist`: rank 0 verifies while the others wait), `batch_bytes` at a time,
     through the restricted reader; raises ValueError or OSError on shards that cannot be read."""
-    metadata = _Reader(directory).read_metadata()
+    reader = _Reader(directory)
+    metadata = reader.index()
     wanted = [
         (fqn, entry)
         for fqn, entry in metadata.state_dict_metadata.items()
@@ -213,7 +238,7 @@ def first_nonfinite_weight(directory: Path, batch_bytes: int = 256 << 20) -> str
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(batch, storage_reader=_Reader(directory), planner=_Planner(), no_dist=True)
+                dcp.load(batch, storage_reader=reader, planner=_Planner(), no_dist=True)
         except CheckpointException as err:
             raise ValueError(first_failure(err)) from err
         bad = next((name for name, loaded in batch.items() if not all_finite([loaded])), None)
@@ -227,8 +252,10 @@ def read_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimi
     """Every rank: load the model and optimizer state of `directory` into this rank's shards."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
+    reader = _Reader(directory)
+    reader.index()
     try:
-        dcp.load(state, storage_reader=_Reader(directory), planner=_Planner())
+        dcp.load(state, storage_reader=reader, planner=_Planner())
     except CheckpointException as err:
         raise ValueError(first_failure(err)) from err
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
