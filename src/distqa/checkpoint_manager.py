@@ -50,6 +50,8 @@ class TrainerState:
     total_steps: int
     epoch_steps: int
     data_identity: dict[str, Any]
+    # The validation data's identity (`agreed_identity` of the task's eval dataset), or None.
+    valid_identity: dict[str, Any] | None = None
     step: int = 0  # the last finished step
     # train.best_metric's record so far: {"metric", "mode", "value", "step"} (`distqa.best`).
     best: dict[str, Any] | None = None
@@ -66,6 +68,7 @@ class TrainerState:
             "world_size": self.info.world_size,
             "config": dataclasses.asdict(self.cfg),
             "data": self.data_identity,
+            "valid_data": self.valid_identity,
             "log_window": self.meter.window(),
             "grad_norm_window": self.meter.norm_window(),
             "best": self.best,
@@ -80,7 +83,29 @@ class TrainerState:
         # A record of another metric or direction (changed on resume) is no record of this one.
         best, train = state.get("best"), self.cfg.train
         same = isinstance(best, dict) and (best.get("metric"), best.get("mode")) == (train.best_metric, train.best_mode)
-        self.best = best if same else None
+        self.best = best if same and self._same_validation(state.get("valid_data"), best) else None
+
+    def _same_validation(self, saved: Any, best: dict[str, Any]) -> bool:
+        """Whether the validation data is the checkpoint's (a checkpoint from before identities were
+        recorded counts as the same). Other data: one warning, and the best record, measured on the
+        old data, is no record on the new."""
+        now = self.valid_identity
+        if not isinstance(saved, dict) or now is None:
+            return True
+        if (saved.get("examples"), saved.get("fingerprint")) == (now["examples"], now["fingerprint"]):
+            return True
+        record = (
+            f"; train.best_metric's record ({best['metric']}={best['value']:.4g} at step {best['step']}) "
+            "was measured on it and starts again"
+        )
+        if self.info.is_main:
+            print(
+                f"warning: data.valid={now['valid']!r} ({now['examples']} examples, fingerprint {now['fingerprint']}) "
+                f"is not the validation data this run had until step {self.step} ({saved.get('examples')} examples, "
+                f"fingerprint {saved.get('fingerprint')}){record if best else ''}",
+                flush=True,
+            )
+        return False
 
 
 @dataclasses.dataclass

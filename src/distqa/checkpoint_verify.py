@@ -157,3 +157,29 @@ def step_folders(root: Path) -> list[Path]:
     """Every `step-N` folder under `root`, complete or not (to tell "no run here" from "a run whose
     checkpoints are all unusable")."""
     return sorted(p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and p.is_dir()) if root.is_dir() else []
+
+
+# Written into every export (model/, `distqa export`'s folder): which checkpoint's weights it holds.
+# A finished run is "already exported" only when model/ says it holds the final checkpoint: a
+# model/ left from an earlier, shorter run (its export failed, or the process was killed before
+# it) must not pass for the new one.
+SOURCE_FILE = "distqa_source.json"
+
+
+def source_of(checkpoint: Path) -> dict[str, Any]:
+    """What an export of `checkpoint` records of it: the folder's name, its step and its manifest's
+    SHA-256 (which covers every file of it, so a checkpoint written again at the same step differs)."""
+    return {
+        "checkpoint": checkpoint.name,
+        "step": int(read_trainer_state(checkpoint)["step"]),
+        "manifest_sha256": sha256(checkpoint / MANIFEST_FILE),
+    }
+
+
+def exported_from(export: Path, checkpoint: Path) -> bool:
+    """Whether the export folder `export` holds `checkpoint`'s weights, by its SOURCE_FILE."""
+    try:
+        recorded = json.loads((export / SOURCE_FILE).read_text())
+        return isinstance(recorded, dict) and recorded == source_of(checkpoint)
+    except (OSError, ValueError, KeyError, TypeError):  # none (an older export), or damaged
+        return False

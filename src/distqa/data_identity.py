@@ -205,10 +205,12 @@ def _feed_arrow(stream: _Streams, path: tuple[str, ...], array: Any) -> None:
 
 
 def agreed_identity(
-    fingerprint_of: Callable[[Dataset], str], dataset: Dataset, info: DistInfo, data_train: str
+    fingerprint_of: Callable[[Dataset], str], dataset: Dataset, info: DistInfo, path: str, key: str = "data.train"
 ) -> dict[str, Any]:
     """This dataset's identity, checked to be the same on every rank (one line on every rank if
-    not, before any step: a rank with fewer batches would leave the others waiting forever).
+    not, before any step: a rank with fewer batches would leave the others waiting forever, and
+    validation shares from different files would be scored as one set). `key` names the setting
+    (data.train, data.valid) whose data it is, at `path` on this node.
 
     Under torchrun one process per node (local rank 0) computes the fingerprint and the node's
     other ranks take its result: they read the same files, so hashing them once per node costs the
@@ -223,7 +225,7 @@ def agreed_identity(
             digest = fingerprint_of(dataset)
         except (OSError, ValueError, RuntimeError) as err:  # a file unreadable halfway: said on every rank
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            problem = f"rank {info.rank} cannot hash data.train={data_train!r}: {reason}"
+            problem = f"rank {info.rank} cannot hash {key}={path!r}: {reason}"
     mine = {"node": node, "examples": len(dataset), "fingerprint": digest, "problem": problem}  # type: ignore[arg-type]
     views: list[dict[str, Any]] = all_gather_objects(mine, info)  # type: ignore[assignment]
     failed = next((view.get("problem") for view in views if view.get("problem")), None)
@@ -241,12 +243,13 @@ def agreed_identity(
             f"{_ranks(ranks)}: {examples} examples, fingerprint {digest}"
             for (examples, digest), ranks in groups.items()
         )
+        what = "training" if key == "data.train" else "validation" if key == "data.valid" else key
         raise DistqaError(
-            f"the ranks do not see the same training data ({described}): data.train={data_train!r} "
+            f"the ranks do not see the same {what} data ({described}): {key}={path!r} "
             "must be the same data on every node"
         )
     examples, digest = seen[info.rank]
-    return {"examples": examples, "fingerprint": digest, "train": data_train}
+    return {"examples": examples, "fingerprint": digest, key.removeprefix("data."): path}
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -12,6 +12,7 @@ following one (`distqa.durable`), for a link planted after that check.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from distqa.checkpoint_verify import SOURCE_FILE, source_of
 from distqa.dist import DistInfo
 from distqa.durable import fsync_path, read_no_link, write_atomically
 from distqa.errors import DistqaError
@@ -119,11 +121,14 @@ def _fsync_tree(root: Path) -> None:
         fsync_path(path)
 
 
-def export_atomically(save: Callable[[Path], None], directory: Path, info: DistInfo, note: str) -> None:
+def export_atomically(
+    save: Callable[[Path], None], directory: Path, info: DistInfo, note: str, source: Path | None = None
+) -> None:
     """Rank 0 calls `save(folder)` into a hidden folder beside `directory`, fsyncs it and renames
     it into place, so `directory` is always a whole export: the previous one, or the new one. A
     failure (a full disk) leaves the previous export as it was and is one line on every rank;
-    `note` says what the user can do then."""
+    `note` says what the user can do then. `source`, the checkpoint the weights come from, is
+    recorded in the export (`checkpoint_verify.SOURCE_FILE`)."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     old = directory.with_name(f".old-{directory.name}")
 
@@ -132,6 +137,8 @@ def export_atomically(save: Callable[[Path], None], directory: Path, info: DistI
             _remove(tmp)
             _remove(old)
             save(tmp)
+            if source is not None:
+                (tmp / SOURCE_FILE).write_text(json.dumps(source_of(source), indent=2) + "\n")
             _fsync_tree(tmp)
             if directory.exists():
                 directory.rename(old)

@@ -107,6 +107,56 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+ITEM_STREAM = 0x6974656D  # "item"
+_MASK64 = (1 << 64) - 1
+
+
+def item_seed(base: int, index: int) -> int:
+    """A 32-bit seed for item `index` from an epoch's `base`: splitmix64's finalizer over
+    base + (index + 1) * golden ratio, a microsecond where `derive_seed` takes tens."""
+    z = (base + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
+class ItemSeeded(Dataset):
+    """`dataset` as the DataLoader's workers read it: torch's, numpy's and `random`'s generators
+    seeded before each item from (seed, epoch, index).
+
+    A task whose `__getitem__` draws random numbers (augmentation, masking) would otherwise draw
+    from its worker's stream, whose position depends on which items that worker made before: other
+    after a resume (the epoch's loader starts at a later step, its workers afresh) and with another
+    `data.num_workers`, so neither would give the uninterrupted run's result. Without workers the
+    items are made in the training process, whose generators are checkpointed: not wrapped there
+    (seeding them would also move its dropout stream)."""
+
+    def __init__(self, dataset: Dataset, base: int) -> None:
+        self.dataset, self.base = dataset, base
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def seed(self, index: int) -> None:
+        seed = item_seed(self.base, index)
+        torch.default_generator.manual_seed(seed)  # the CPU generator: workers never draw on a GPU
+        random.seed(seed)
+        np.random.seed(seed)
+
+    def __getitem__(self, index: int) -> Any:
+        self.seed(index)
+        return self.dataset[index]
+
+
+class BatchSeeded(ItemSeeded):
+    """ItemSeeded for a dataset that reads a batch at once (`__getitems__`, as `datasets.Dataset`):
+    seeded per batch, from its first index (the sampler makes the same batches on a resume)."""
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        self.seed(indices[0])
+        return self.dataset.__getitems__(indices)  # type: ignore[attr-defined]
+
+
 def training_batches(
     dataset: Dataset, collate: Callable[[list[Any]], Any], cfg: Config, info: DistInfo, epoch: int, start_step: int
 ) -> Iterator[Any]:
@@ -130,10 +180,14 @@ def training_batches(
     # SIGTERM is held while the workers start (`worker_signals`); a SIGTERM for this process
     # meanwhile is delivered when the block ends. (The caller's previous epoch's workers end after
     # this returns, outside the hold.)
+    items: Dataset = dataset
+    if workers > 0:
+        wrapper = BatchSeeded if hasattr(dataset, "__getitems__") else ItemSeeded
+        items = wrapper(dataset, derive_seed(cfg.seed, epoch, ITEM_STREAM))
     with sigterm_held():
         context = loader_context(workers, uses=(dataset, collate), distributed=distributed)
         loader = DataLoader(
-            dataset,
+            items,
             batch_sampler=sampler,
             collate_fn=collate,
             num_workers=workers,

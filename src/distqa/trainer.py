@@ -22,7 +22,7 @@ from distqa.agreement import check_same_settings
 from distqa.best import best_after_evaluation, require_evaluation
 from distqa.checkpoint_manager import CheckpointManager, Parts, TrainerState
 from distqa.config import Config, to_yaml
-from distqa.console import TrainProgress, dataset_size, outputs_summary, quiet_libraries, run_title
+from distqa.console import TrainProgress, dataset_size, quiet_libraries
 from distqa.control import AfterStep, after_step, diverged_hint
 from distqa.data_identity import agreed_identity
 from distqa.dist import (
@@ -36,11 +36,12 @@ from distqa.dist import (
 )
 from distqa.errors import DistqaError, Preempted
 from distqa.evaluation import run_evaluation
-from distqa.metrics import MetricsWriter, ThroughputMeter, plot_metrics
+from distqa.finish import export_final, is_exported, plot_run, summary
+from distqa.metrics import MetricsWriter, ThroughputMeter
 from distqa.optim import build_optimizer, build_scheduler
-from distqa.outdir import archive_config, claim, export_atomically, write_text
+from distqa.outdir import archive_config, claim, write_text
 from distqa.parent_watch import watch_parent
-from distqa.rank0 import on_rank0, raise_on_every_rank
+from distqa.rank0 import raise_on_every_rank
 from distqa.registry import load_task
 from distqa.replicas import check_replicas
 from distqa.resume import changed_settings, check_continuation, check_resumable, choose_checkpoint
@@ -124,7 +125,7 @@ class Trainer:
             data=self.data_identity,
         )
         # (finished is the same on every rank: the same checkpoint, settings and agreed data.)
-        if finished and (not self.save_outputs or self._exported()):
+        if finished and (not self.save_outputs or is_exported(self.out, resume_from, self.info)):  # type: ignore[arg-type]
             print0(
                 f"the run in {self.out} already finished at step {self.total_steps}: nothing to train, "
                 "nothing written; to train again use another output_dir or train.resume=never"
@@ -136,7 +137,7 @@ class Trainer:
         self.stop = StopSignal(self.info, self.lock)
         if step < self.total_steps:
             self._run_steps(dataset)
-        self._finish(finished)
+        self._finish(finished, resume_from if finished else self.ckpt_root / f"step-{self.total_steps}")  # type: ignore[arg-type]
         barrier()
         return self.out / "model"
 
@@ -159,15 +160,17 @@ class Trainer:
             self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
         require_evaluation(self.task, cfg.train.best_metric)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
+        valid = self.task.eval_dataset()  # its shares are scored as one set: every node's must be the same
+        self.valid_identity = (
+            None
+            if valid is None
+            else agreed_identity(self.task.data_fingerprint, valid, info, str(cfg.data.valid), "data.valid")
+        )
         train = cfg.train
         self.epoch_steps = steps_per_epoch(len(dataset), train.batch_size, train.grad_accum, info.world_size)  # type: ignore[arg-type]
         self.total_steps = train.max_steps if train.max_steps > 0 else train.epochs * self.epoch_steps
         self.dataset_size = dataset_size(dataset)
         return dataset
-
-    def _exported(self) -> bool:
-        """Whether model/ exists (rank 0 looks; every rank learns it)."""
-        return bool(on_rank0(self.info, (self.out / "model").is_dir))
 
     def _set_up(self) -> None:
         """Wrap the model, build what trains it, and register every part of a checkpoint once."""
@@ -178,7 +181,14 @@ class Trainer:
         scheduler = build_scheduler(self.optimizer, cfg.train, self.total_steps)
         scaler = parallel.grad_scaler(cfg.train, info.device)
         self.state = TrainerState(
-            cfg, info, self.meter, self.global_batch, self.total_steps, self.epoch_steps, self.data_identity
+            cfg,
+            info,
+            self.meter,
+            self.global_batch,
+            self.total_steps,
+            self.epoch_steps,
+            self.data_identity,
+            valid_identity=self.valid_identity,
         )
         self.parts = Parts(self.raw_model, self.optimizer, scheduler, scaler, self.task, self.state, comm_hook)
         self.checkpoints.track(self.parts)
@@ -288,41 +298,17 @@ class Trainer:
         return record
 
     # ----------------------------------------------------------------------------- finish
-    def _finish(self, finished: bool) -> None:
-        """model/ from the final weights, and the plot of the run (unless it only exports)."""
+    def _finish(self, finished: bool, final: Path) -> None:
+        """model/ from the final weights (those of checkpoint `final`), and the plot of the run
+        (unless it only exports)."""
         # Rank 0 holds the lock; every rank must learn if it was lost (they all stop, none waits).
         lost = self.lock.verify() if self.lock is not None else None
         raise_on_every_rank(f"{lost}: the model is not exported" if lost else None)
         if not self.save_outputs:
             return
-        plotted = self.info.is_main and not finished and self._plot()
-        # A sharded model is gathered by every rank first; rank 0 then builds the whole one
-        # inside the export, whose failures every rank learns of.
-        weights = parallel.full_weights(self.raw_model) if self.sharded else None
-        whole = parallel.whole_model
-
-        def save(folder: Path) -> None:
-            self.task.save_model(whole(self.raw_model, weights, self.task.build_model), folder)
-            # The task.* settings travel with the model: `distqa predict` builds its inputs alike.
-            self.task.save_settings(folder)
-
-        export_atomically(
-            save,
-            self.out / "model",
-            self.info,
-            note="the final checkpoint holds the same weights: free space and run the same command "
-            "again (it only writes model/)",
-        )
-        print0(outputs_summary(self.out, plotted=plotted))
-
-    def _plot(self) -> bool:
-        """Rank 0: metrics.png, titled with the task and the settings it uses."""
-        metrics_path = self.out / "metrics.jsonl"
-        if not metrics_path.is_file():
-            return False
-        uses = getattr(self.task, "core_settings", None)
-        title = run_title(self.cfg, self.global_batch, uses=uses)
-        return plot_metrics(metrics_path, self.out / "metrics.png", title=title)
+        plotted = self.info.is_main and not finished and plot_run(self.out, self.cfg, self.task, self.global_batch)
+        export_final(self.task, self.raw_model, self.out, self.info, final=final, sharded=self.sharded)
+        summary(self.out, plotted)
 
 
 def train(cfg: Config, *, whole_process: bool = False) -> Path:

@@ -1,0 +1,69 @@
+"""The end of a training run: model/ from the final weights, recorded with the checkpoint they
+come from, and the plot of the run's metrics.
+
+A finished run counts as exported only when model/ says it holds the final checkpoint's weights
+(`checkpoint_verify.SOURCE_FILE`). A model/ left by an earlier, shorter run in the same output_dir
+(its export failed on a full disk, or the process was killed between the final checkpoint and the
+export) would otherwise be reported as this run's model, with exit 0; it is written again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from distqa import parallel
+from distqa.checkpoint_verify import exported_from
+from distqa.config import Config
+from distqa.console import outputs_summary, run_title
+from distqa.dist import DistInfo, print0
+from distqa.metrics import plot_metrics
+from distqa.outdir import export_atomically
+from distqa.rank0 import on_rank0
+from distqa.task import Task
+
+
+def is_exported(out: Path, final: Path, info: DistInfo) -> bool:
+    """Whether out/model holds checkpoint `final`'s weights (rank 0 looks; every rank learns it).
+    When it holds other weights, says that it is written again."""
+    model = out / "model"
+    done = bool(on_rank0(info, lambda: exported_from(model, final)))
+    if not done and info.is_main and model.exists():
+        print(f"{model} does not hold the weights of {final} (an earlier export): writing it again", flush=True)
+    return done
+
+
+def export_final(task: Task, raw_model: nn.Module, out: Path, info: DistInfo, *, final: Path, sharded: bool) -> None:
+    """out/model from the weights of `raw_model`, those of checkpoint `final`. A sharded model is
+    gathered by every rank first; rank 0 then builds the whole one inside the export, whose
+    failures every rank learns of."""
+    weights = parallel.full_weights(raw_model) if sharded else None
+
+    def save(folder: Path) -> None:
+        task.save_model(parallel.whole_model(raw_model, weights, task.build_model), folder)
+        # The task.* settings travel with the model: `distqa predict` builds its inputs alike.
+        task.save_settings(folder)
+
+    export_atomically(
+        save,
+        out / "model",
+        info,
+        note="the final checkpoint holds the same weights: free space and run the same command "
+        "again (it only writes model/)",
+        source=final,
+    )
+
+
+def plot_run(out: Path, cfg: Config, task: Task, global_batch: int) -> bool:
+    """Rank 0: metrics.png, titled with the task and the settings it uses; False without metrics."""
+    metrics_path = out / "metrics.jsonl"
+    if not metrics_path.is_file():
+        return False
+    uses: Any = getattr(task, "core_settings", None)
+    return plot_metrics(metrics_path, out / "metrics.png", title=run_title(cfg, global_batch, uses=uses))
+
+
+def summary(out: Path, plotted: bool) -> None:
+    print0(outputs_summary(out, plotted=plotted))

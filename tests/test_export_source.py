@@ -1,0 +1,57 @@
+"""A finished run counts as exported only when model/ holds its final checkpoint's weights
+(`checkpoint_verify.SOURCE_FILE`): a model/ left by an earlier, shorter run (its export failed,
+or the process was killed before it) is written again, never reported as the finished run's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from safetensors.torch import load_file
+
+from conftest import SMALL
+from distqa.checkpoint_verify import SOURCE_FILE
+from distqa.registry import load_config
+from distqa.trainer import train
+
+TOY = [arg for arg in SMALL if not arg.startswith("task.")] + ["task.name=toy_task:ToyClassificationTask", "train.checkpoint_every=2"]
+
+
+def test_a_stale_model_folder_is_written_again_not_taken_for_the_finished_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=4"]))
+    source = json.loads((out / "model" / SOURCE_FILE).read_text())
+    assert (source["checkpoint"], source["step"]) == ("step-4", 4) and len(source["manifest_sha256"]) == 64
+    shutil.copytree(out / "model", tmp_path / "model-4")
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=6"]))
+    # As if the step-6 export had never happened: model/ still holds step 4's weights.
+    shutil.rmtree(out / "model")
+    shutil.copytree(tmp_path / "model-4", out / "model")
+    capsys.readouterr()
+
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=6"]))
+    said = capsys.readouterr().out
+    assert f"{out / 'model'} does not hold the weights of {out / 'checkpoints' / 'step-6'}" in said
+    assert "already finished" not in said
+    final = load_file(str(out / "checkpoints" / "step-6" / "model.safetensors"))
+    exported = load_file(str(out / "model" / "model.safetensors"))
+    assert final.keys() == exported.keys() and all((final[k] == exported[k]).all() for k in final)
+    assert json.loads((out / "model" / SOURCE_FILE).read_text())["step"] == 6
+
+    # Now it is the final one: a rerun has nothing to do.
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=6"]))
+    assert "already finished at step 6: nothing to train, nothing written" in capsys.readouterr().out
+
+
+def test_an_export_without_a_source_or_with_a_damaged_one_is_not_the_final_one(tmp_path):
+    from distqa.checkpoint_verify import exported_from
+
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    model, final = out / "model", out / "checkpoints" / "step-2"
+    assert exported_from(model, final)
+    for damaged in (b"", b"\xff\xfe", b"[]", b'{"step": 2}', b"null"):
+        (model / SOURCE_FILE).write_bytes(damaged)
+        assert not exported_from(model, final), damaged
+    (model / SOURCE_FILE).unlink()
+    assert not exported_from(model, final)

@@ -1,0 +1,58 @@
+"""A task that draws random numbers in `__getitem__` (augmentation) draws the same numbers for an
+item whatever its DataLoader worker made before: a resume, which starts the epoch's workers afresh
+at a later step, and another data.num_workers give the uninterrupted run's weights
+(`distqa.sampler.ItemSeeded`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, checkpoint_weights, max_abs_diff
+from distqa.registry import load_config
+from distqa.sampler import BatchSeeded, ItemSeeded, item_seed
+from distqa.trainer import train
+from toy_task import NoisyBlobs
+
+TOY = [arg for arg in SMALL if not arg.startswith(("task.", "data.num_workers"))]
+TOY += ["task.name=toy_task:AugmentedTask", "task.size=64", "train.batch_size=4", "train.checkpoint_every=3"]
+TOY += ["train.lr_schedule=constant", "train.warmup_ratio=0"]  # max_steps 3 then 6: one schedule
+
+
+def test_an_item_draws_the_same_whatever_was_drawn_before():
+    items = ItemSeeded(NoisyBlobs(16, seed=3), base=1234)
+    forward = [items[i]["features"] for i in range(8)]
+    torch.randn(100)  # the worker's stream moved on
+    backward = [items[i]["features"] for i in reversed(range(8))][::-1]
+    assert all(torch.equal(a, b) for a, b in zip(forward, backward, strict=True))
+    assert not torch.equal(forward[0], forward[1])  # items draw apart
+    assert not torch.equal(forward[0], ItemSeeded(NoisyBlobs(16, seed=3), base=1235)[0]["features"])  # epochs too
+    assert len({item_seed(1234, i) for i in range(10_000)}) == 10_000
+
+
+def test_a_dataset_that_reads_batches_is_seeded_per_batch():
+    class Batched(NoisyBlobs):
+        def __getitems__(self, indices):
+            return [self[i] for i in indices]
+
+    batches = BatchSeeded(Batched(16, seed=3), base=7)
+    first = batches.__getitems__([4, 5])
+    torch.randn(10)
+    assert all(torch.equal(a["features"], b["features"]) for a, b in zip(first, batches.__getitems__([4, 5])))
+
+
+def run(out: Path, *extra: str) -> Path:
+    train(load_config(None, [*TOY, f"output_dir={out}", *extra]))
+    return out
+
+
+@pytest.mark.safety
+def test_augmenting_workers_resume_exactly_and_their_number_does_not_matter(tmp_path):
+    straight = checkpoint_weights(run(tmp_path / "straight", "data.num_workers=2", "train.max_steps=6"), 6)
+    resumed = tmp_path / "resumed"
+    run(resumed, "data.num_workers=2", "train.max_steps=3")
+    assert max_abs_diff(straight, checkpoint_weights(run(resumed, "data.num_workers=2", "train.max_steps=6"), 6)) == 0
+    one_worker = checkpoint_weights(run(tmp_path / "one", "data.num_workers=1", "train.max_steps=6"), 6)
+    assert max_abs_diff(straight, one_worker) == 0

@@ -1,0 +1,70 @@
+"""The validation data is part of what a run is: every rank must evaluate on the same data (their
+shares are scored as one set), and a resume onto other validation data says so and starts the best
+record again (a record measured on other data would keep checkpoints/best on a step no longer
+comparable)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL, run_train
+from distqa.registry import load_config
+from distqa.trainer import train
+
+TOY = [arg for arg in SMALL if not arg.startswith("task.")] + ["task.name=toy_task:ValidFileTask"]
+
+
+def valid_file(tmp_path: Path, name: str, **spec) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"seed": 1, "size": 11, "score": 1.0, **spec}))
+    return path
+
+
+def final_state(out: Path, step: int) -> dict:
+    return json.loads((out / "checkpoints" / f"step-{step}" / "trainer_state.json").read_text())
+
+
+def test_a_resume_onto_other_validation_data_says_so_and_starts_the_best_record_again(tmp_path, capsys):
+    a = valid_file(tmp_path, "a", score=100.0)
+    b = valid_file(tmp_path, "b", seed=2, score=1.0)
+    out = tmp_path / "run"
+    args = [*TOY, f"output_dir={out}", "train.eval_every=2", "train.checkpoint_every=2"]
+    args += ["train.best_metric=eval_score", "train.best_mode=max"]
+    train(load_config(None, [*args, f"data.valid={a}", "train.max_steps=2"]))
+    assert final_state(out, 2)["best"]["step"] == 2
+    assert final_state(out, 2)["valid_data"]["examples"] == 11
+    capsys.readouterr()
+
+    train(load_config(None, [*args, f"data.valid={b}", "train.max_steps=4"]))
+    said = capsys.readouterr().out
+    assert f"warning: data.valid='{b}' (11 examples, fingerprint" in said
+    assert "is not the validation data this run had until step 2" in said
+    assert "train.best_metric's record (eval_score=100 at step 2) was measured on it and starts again" in said
+    best = final_state(out, 4)["best"]
+    assert (best["step"], best["value"]) == (4, 1.0)
+    assert (out / "checkpoints" / "best").resolve().name == "step-4"
+
+    # The same file again (a moved copy): nothing said, the record kept.
+    moved = tmp_path / "moved.json"
+    moved.write_bytes(b.read_bytes())
+    train(load_config(None, [*args, f"data.valid={moved}", "train.max_steps=6"]))
+    assert "is not the validation data" not in capsys.readouterr().out
+    assert final_state(out, 6)["best"]["step"] == 4
+
+
+@pytest.mark.safety
+def test_ranks_that_evaluate_on_different_data_stop_at_start(tmp_path):
+    skewed = valid_file(tmp_path, "skewed", skew=True)
+    proc = run_train(
+        [*TOY, f"data.valid={skewed}", "train.max_steps=4", f"output_dir={tmp_path / 'run'}"],
+        nproc=2,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "the ranks do not see the same validation data (rank 0: 11 examples" in proc.stderr
+    assert "rank 1: 12 examples" in proc.stderr and f"data.valid='{skewed}' must be the same data" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
