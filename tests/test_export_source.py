@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from safetensors.torch import load_file
 
 from conftest import SMALL
@@ -14,7 +15,8 @@ from distqa.checkpoint_verify import SOURCE_FILE
 from distqa.registry import load_config
 from distqa.trainer import train
 
-TOY = [arg for arg in SMALL if not arg.startswith("task.")] + ["task.name=toy_task:ToyClassificationTask", "train.checkpoint_every=2"]
+TOY = [arg for arg in SMALL if not arg.startswith("task.")]
+TOY += ["task.name=toy_task:ToyClassificationTask", "train.checkpoint_every=2"]
 
 
 def test_a_stale_model_folder_is_written_again_not_taken_for_the_finished_run(tmp_path, capsys):
@@ -55,3 +57,32 @@ def test_an_export_without_a_source_or_with_a_damaged_one_is_not_the_final_one(t
         assert not exported_from(model, final), damaged
     (model / SOURCE_FILE).unlink()
     assert not exported_from(model, final)
+
+
+def test_an_export_replaces_only_an_earlier_export_never_a_run_or_a_file(tmp_path, capsys):
+    from distqa.errors import DistqaError
+    from distqa.export import export_checkpoint
+
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    step = out / "checkpoints" / "step-2"
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine\n")
+    for target, said in (
+        (out, "is a folder that is not a model export (it holds"),
+        (a_file, "is a file, not a folder"),
+    ):
+        with pytest.raises(DistqaError) as refused:
+            export_checkpoint(str(step), str(target))
+        assert str(refused.value).startswith(f"--output {target} {said}")
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and a_file.read_text() == "mine\n"
+    # An earlier export (its source file says so), an older one (its settings file) and an empty
+    # folder are replaced; the new export records its checkpoint.
+    export_checkpoint(str(step), str(out / "model"))
+    assert json.loads((out / "model" / SOURCE_FILE).read_text())["checkpoint"] == "step-2"
+    (out / "model" / SOURCE_FILE).unlink()
+    export_checkpoint(str(step), str(out / "model"))
+    (tmp_path / "empty").mkdir()
+    export_checkpoint(str(step), str(tmp_path / "empty"))
+    assert (tmp_path / "empty" / SOURCE_FILE).is_file()

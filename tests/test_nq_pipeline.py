@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from conftest import ROOT, SMALL, TESTS, run_train, subprocess_env
 from distqa.cli import main
@@ -26,9 +24,6 @@ from distqa.nq.postprocess import (
     WindowBest,
     apply_thresholds,
     best_spans,
-    best_threshold,
-    f1,
-    kind_f1,
     predict_example,
 )
 from distqa.nq.reader import NQExample, NQReader
@@ -69,7 +64,7 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     evals = [r for r in records if "eval_micro_f1" in r]
     assert [r["step"] for r in evals] == [10, 20]
     thresholds = strict_json((out / "model" / "distqa_thresholds.json").read_text())
-    assert set(thresholds) == {"long", "short"}
+    assert set(thresholds) == {"long", "short", "step"}
     # In a log: no progress bars (datasets' preparation, training), a line per logged step, and the
     # last lines name the model, metrics.jsonl and metrics.png.
     assert "\r" not in proc.stdout + proc.stderr and "Generating train split" not in proc.stderr
@@ -108,7 +103,7 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
 
 
 def test_thresholds_file_is_strict_json_and_old_infinity_files_still_read(tmp_path):
-    """+inf ("never answer": what best_threshold gives when answering lowers F1) is written as null."""
+    """+inf ("never answer": chosen when answering lowers F1) is written as null."""
     never = {"long": math.inf, "short": 0.25}
     text = thresholds_json(never)
     assert strict_json(text) == {"long": None, "short": 0.25}
@@ -180,22 +175,3 @@ def test_best_spans_respects_document_and_length():
     # start 9.0 sits outside the document; best inside: start at 3 (4.0) + end at 4 (7.0), length 2.
     assert (best.start_token, best.end_token, best.answer_type) == (11, 13, SHORT)
     assert best.score == pytest.approx(4.0 + 7.0 - (5.0 + 5.0))
-
-
-rows_strategy = st.lists(
-    st.tuples(
-        st.sampled_from([-2.0, -0.5, 0.0, 0.5, 1.0, 3.0]),
-        st.sampled_from(["", "a", "b", "c"]),
-        st.sets(st.sampled_from(["a", "b", "c"]), max_size=2),
-    ),
-    max_size=15,
-)
-
-
-@given(rows_strategy)
-def test_best_threshold_is_the_best_cut(rows):
-    cut, value = best_threshold(rows)
-    assert f1(*kind_f1(rows, cut)) == pytest.approx(value)
-    scores = sorted({r[0] for r in rows})
-    for c in [-math.inf, *[s - 1e-6 for s in scores], math.inf]:
-        assert f1(*kind_f1(rows, c)) <= value + 1e-12

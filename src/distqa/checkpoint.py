@@ -11,7 +11,8 @@ Layout of `output_dir/checkpoints/step-N/`:
   trainer_state.json    step, epoch, position in the epoch, global batch, the resolved config, the
                         task's state and the open log window (`distqa.checkpoint_manager.TrainerState`)
 
-  manifest.json         size and SHA-256 of every file above, checked before a checkpoint is used
+  manifest.json         size and SHA-256 of every file above, checked before a checkpoint is used;
+                        a file it does not list is never read (an unlisted rng- or comm- file is absent)
 
 Every rank takes part (the RNG states are gathered to rank 0); rank 0 alone writes, but for the
 shards of a sharded model, which each rank writes and hashes itself. A checkpoint is
@@ -272,10 +273,12 @@ def load_checkpoint(
         if training_state["scaler"] and scaler.is_enabled():
             scaler.load_state_dict(training_state["scaler"])
     state = read_trainer_state(directory)
+    listed = _listed(directory)
     rng_path = directory / f"rng-rank{info.rank}.pt"
     # A run resumed on more processes (same global batch) has ranks the checkpoint never saw;
-    # the caller seeds those afresh, and says so.
-    state["rng_restored"] = rng_path.is_file()
+    # the caller seeds those afresh, and says so. A file the manifest does not list is not part of
+    # the checkpoint (its hash vouches for nothing): as absent, whatever lies in the folder.
+    state["rng_restored"] = rng_path.name in listed
     state["cuda_rng_restored"] = False
     if state["rng_restored"]:
         with _loading(rng_path):
@@ -284,10 +287,20 @@ def load_checkpoint(
             )
     comm_path = directory / f"comm-rank{info.rank}.pt"
     state["comm_hook"] = None  # none saved (another world size, an older checkpoint): the caller says so
-    if comm_path.is_file():
+    if comm_path.name in listed:
         with _loading(comm_path):
             state["comm_hook"] = torch.load(comm_path, map_location="cpu", weights_only=True)
     return state
+
+
+def _listed(directory: Path) -> Collection[str]:
+    """The files `directory`'s manifest lists: those rank 0 verified before choosing it."""
+    path = directory / MANIFEST_FILE
+    with _loading(path):
+        manifest = json.loads(path.read_bytes())
+        if not isinstance(manifest, dict):
+            raise ValueError("it is not a JSON object")
+    return manifest.keys()
 
 
 # What loading a file that passed its manifest can still raise: it does not fit this model, or it

@@ -60,7 +60,9 @@ class ModelConfig:
     attn_implementation: str | None = setting(
         None,
         "attention kernel: sdpa | eager | flash_attention_2 (default: SDPA where supported)",
-        resume="silent",
+        # Applied, not silent: the kernels round differently (eager against SDPA moved the tiny
+        # model's weights by 3.7e-9 after a resume), so a resume with another is no exact continuation.
+        resume="applied",
     )
 
     def __post_init__(self) -> None:
@@ -235,7 +237,10 @@ class TrainConfig:
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
-            raise ConfigError(f"train.resume={self.resume!r} is not auto, never, or an existing checkpoint folder")
+            raise ConfigError(
+                f"train.resume={self.resume!r} is not auto, never, or an existing checkpoint folder: name an "
+                "existing OUTPUT/checkpoints/step-N, or use train.resume=auto to continue output_dir's newest"
+            )
 
     def resolve_global_batch(self, world_size: int) -> None:
         """Derive `grad_accum` from `global_batch` for this many processes (in place; no-op when unset)."""

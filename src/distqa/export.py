@@ -23,13 +23,14 @@ from torch.distributed.checkpoint import CheckpointException
 
 from distqa import sharded
 from distqa.best import resolve_checkpoint
-from distqa.checkpoint_verify import read_trainer_state
+from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state
 from distqa.config import Config
 from distqa.console import quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.outdir import export_atomically
 from distqa.registry import load_config, load_task
+from distqa.task import SETTINGS_FILE
 
 # What the checkpoint's settings name that an export does not need, and may no longer exist.
 _NOT_NEEDED = ("data.train=dummy", "data.valid=null", "train.resume=auto")
@@ -58,6 +59,22 @@ def load_sharded_weights(directory: Path, model: nn.Module) -> None:
         raise DistqaError(f"cannot load the model from {directory}: {sharded.first_failure(err)}") from err
 
 
+def check_replaceable(target: Path) -> None:
+    """An export replaces its folder whole: an existing `target` must be an earlier export (it holds
+    the files every export has) or empty, never a run's output_dir, a checkpoint or a home folder."""
+    if target.is_symlink() or not target.exists():  # a link is replaced, what it names left alone
+        return
+    if not target.is_dir():
+        raise DistqaError(f"--output {target} is a file, not a folder: name a new folder for the export")
+    names = sorted(path.name for path in target.iterdir())
+    if names and not {SOURCE_FILE, SETTINGS_FILE} & set(names):
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise DistqaError(
+            f"--output {target} is a folder that is not a model export (it holds {shown}), and an export "
+            "replaces its folder whole: name a new folder, or an earlier export to replace"
+        )
+
+
 def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     """Write the model of `checkpoint` (a step-N folder or a `best` pointer) to `output` (default:
     `model-step-N` beside the run's checkpoints/ folder); returns where it went."""
@@ -66,8 +83,12 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     state = read_trainer_state(directory)
     cfg = checkpoint_config(state["config"], directory)
     target = Path(output) if output else directory.parent.parent / f"model-{directory.name}"
+    check_replaceable(target)
     task = load_task(cfg)
     task.load_state_dict(state.get("task") or {})
+    # What a task chose at an evaluation (NQ's thresholds) belongs to that step's weights only: the
+    # task compares. (An attribute a task without such state ignores.)
+    task.weights_step = state["step"]
     model = task.build_model()
     if (directory / sharded.METADATA_FILE).is_file():
         load_sharded_weights(directory, model)
@@ -79,7 +100,8 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
         task.save_settings(folder)
 
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    export_atomically(save, target, info, note=f"the checkpoint {directory} is unchanged: free space and run again")
+    note = f"the checkpoint {directory} is unchanged: free space and run again"
+    export_atomically(save, target, info, note=note, source=directory)
     best = state.get("best")
     what = (
         f" ({best['metric']}={best['value']:.4g}, the best)"

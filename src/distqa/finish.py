@@ -35,13 +35,16 @@ def is_exported(out: Path, final: Path, info: DistInfo) -> bool:
     return done
 
 
-def export_final(task: Task, raw_model: nn.Module, out: Path, info: DistInfo, *, final: Path, sharded: bool) -> None:
-    """out/model from the weights of `raw_model`, those of checkpoint `final`. A sharded model is
-    gathered by every rank first; rank 0 then builds the whole one inside the export, whose
-    failures every rank learns of."""
+def export_final(
+    task: Task, raw_model: nn.Module, out: Path, info: DistInfo, *, final: Path, step: int, sharded: bool
+) -> None:
+    """out/model from the weights of `raw_model`, those of checkpoint `final` at `step`. A sharded
+    model is gathered by every rank first; rank 0 then builds the whole one inside the export,
+    whose failures every rank learns of."""
     weights = parallel.full_weights(raw_model) if sharded else None
 
     def save(folder: Path) -> None:
+        task.weights_step = step
         task.save_model(parallel.whole_model(raw_model, weights, task.build_model), folder)
         # The task.* settings travel with the model: `distqa predict` builds its inputs alike.
         task.save_settings(folder)

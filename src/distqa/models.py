@@ -12,6 +12,7 @@ Hugging Face id, or a local folder.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +153,29 @@ def check_model_fits(
         raise DistqaError(
             f"tokenizer {name!r} has {size} tokens, more than model {cfg.name!r}'s vocabulary of {vocab_size}"
         )
+
+
+def tokenizer_difference(given: Any, saved: Any) -> str | None:
+    """How tokenizer `given` would turn text into other ids than `saved`, or None when it would not:
+    their vocabularies (special tokens included), then, for fast tokenizers, the normalization and
+    pre-tokenization (lower-casing, accents, splitting). Settings that do not change ids (padding,
+    truncation, model_max_length) are not compared."""
+    vocab, saved_vocab = given.get_vocab(), saved.get_vocab()
+    if vocab != saved_vocab:
+        differ = sum(1 for token, index in vocab.items() if saved_vocab.get(token) != index)
+        differ += len(saved_vocab.keys() - vocab.keys())
+        return f"{differ} of {max(len(vocab), len(saved_vocab))} vocabulary entries differ"
+    if _text_pipeline(given) != _text_pipeline(saved):
+        return "same vocabulary, other normalization or splitting (lower-casing, accents, punctuation)"
+    return None
+
+
+def _text_pipeline(tokenizer: Any) -> Any:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer: its class and casing are what it has
+        return type(tokenizer).__name__, getattr(tokenizer, "do_lower_case", None)
+    state = json.loads(backend.to_str())
+    return state.get("normalizer"), state.get("pre_tokenizer")
 
 
 def pad_collate(

@@ -82,13 +82,16 @@ class StopSignal:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._group)
         return [bool(f) for f in found.tolist()]
 
-    def preempted(self, step: int, total_steps: int, checkpoint: Path, grace_s: float) -> Preempted:
-        """The "checkpointed, now exit" outcome, raised once the checkpoint is written."""
+    def preempted(
+        self, step: int, total_steps: int, checkpoint: Path, grace_s: float, *, resume: str = "auto"
+    ) -> Preempted:
+        """The "checkpointed, now exit" outcome, raised once the checkpoint is written. `resume`:
+        the run's train.resume, which says what the same command would do again."""
         waited = self.seconds_since()
         late = f" (later than train.term_grace_s={grace_s:g} s: raise it)" if waited > grace_s else ""
         return Preempted(
             f"stopped by SIGTERM at step {step} of {total_steps}; checkpoint {checkpoint} written "
-            f"{waited:.1f} s after the signal{late}; run the same command again to resume"
+            f"{waited:.1f} s after the signal{late}; {how_to_resume(resume)}"
         )
 
     def seconds_since(self) -> float:
@@ -96,6 +99,14 @@ class StopSignal:
 
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
+
+
+def how_to_resume(resume: str) -> str:
+    """The command that continues a stopped run. Its own train.resume=PATH (or never) would start
+    over from PATH (or from step 0) and set the newer checkpoints aside (`distqa.resume`)."""
+    if resume == "auto":
+        return "run the same command again to resume"
+    return f"to resume, run the same command with train.resume=auto in place of train.resume={resume}"
 
 
 def _diverged(step: int, hint: str) -> DistqaError:

@@ -58,6 +58,11 @@ class Task(ABC):
     # title of metrics.png names those (None: the ones changed from their defaults).
     core_settings: ClassVar[tuple[str, ...] | None] = None
 
+    # The step of the weights `save_model` is about to write, set by whoever exports (the trainer's
+    # finish, `distqa export`) just before: state chosen at another step (NQ's thresholds) must
+    # not be written beside them as if it were theirs. None: not known.
+    weights_step: int | None = None
+
     @classmethod
     def add_commands(cls, commands: Any, add_settings: Callable[..., None]) -> None:
         """Add the task's own `distqa` commands: `parser = commands.add_parser(NAME, help=...)`,

@@ -44,7 +44,13 @@ from distqa.parent_watch import watch_parent
 from distqa.rank0 import raise_on_every_rank
 from distqa.registry import load_task
 from distqa.replicas import check_replicas
-from distqa.resume import changed_settings, check_continuation, check_resumable, choose_checkpoint
+from distqa.resume import (
+    changed_settings,
+    check_continuation,
+    check_resumable,
+    choose_checkpoint,
+    set_aside_other_line,
+)
 from distqa.rounds import as_peer_loss
 from distqa.sampler import seed_everything, steps_per_epoch, training_batches
 from distqa.sharded import require_shared
@@ -131,6 +137,8 @@ class Trainer:
                 "nothing written; to train again use another output_dir or train.resume=never"
             )
             return self.out / "model"
+        if not finished:  # an explicit train.resume to an earlier step: the later line is set aside
+            set_aside_other_line(self.out, resume_from, self.cfg.train.resume, self.info)
         self._set_up()
         step = self._restore(resume_from, saved, finished)
         # From here on, SIGTERM means "checkpoint, then exit"; after the last step, nothing.
@@ -283,7 +291,8 @@ class Trainer:
         if plan.save:
             self.checkpoints.save()
         if plan.stop:
-            raise stop.preempted(step, self.total_steps, self.ckpt_root / f"step-{step}", self.cfg.train.term_grace_s)
+            checkpoint, grace = self.ckpt_root / f"step-{step}", self.cfg.train.term_grace_s
+            raise stop.preempted(step, self.total_steps, checkpoint, grace, resume=self.cfg.train.resume)
 
     def _record(self, plan: AfterStep, step: int, lr: float) -> dict[str, Any]:
         """The metrics line of this step: the log window's figures, and the evaluation's."""
@@ -307,7 +316,7 @@ class Trainer:
         if not self.save_outputs:
             return
         plotted = self.info.is_main and not finished and plot_run(self.out, self.cfg, self.task, self.global_batch)
-        export_final(self.task, self.raw_model, self.out, self.info, final=final, sharded=self.sharded)
+        export_final(self.task, self.raw_model, self.out, self.info, final=final, step=self.step, sharded=self.sharded)
         summary(self.out, plotted)
 
 

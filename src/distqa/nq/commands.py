@@ -124,16 +124,14 @@ def _prepare(args: argparse.Namespace) -> None:
         num_proc=args.num_proc,
         skip_bad_lines=cfg.task.skip_bad_lines,
     )
+    note = result.skipped_note(args.input)  # also on a reuse: the features still lack those lines
     if result.reused:
-        print(f"reused {result.path}: same input, tokenizer and settings, nothing to do")
-        return
-    if result.bad_lines:
-        shown = ", ".join(str(line) for line, _ in result.bad_lines[:10])
         print(
-            f"skipped {len(result.bad_lines)} malformed line(s) of {args.input}: line {shown}"
-            + (" ..." if len(result.bad_lines) > 10 else "")
+            f"reused {result.path}: same input, tokenizer and settings, nothing to do" + (f"; {note}" if note else "")
         )
-        print(f"first reason: {result.bad_lines[0][1]}")
+        return
+    if note:
+        print(note)
     print(
         f"wrote {result.features} features of {result.docs} documents to {result.path} "
         f"in {result.seconds:.1f} s with {args.num_proc} process(es): {result.docs_per_s:.1f} docs/s"
@@ -151,8 +149,13 @@ def _predict(args: argparse.Namespace) -> None:
     # The model's saved task settings apply unless the user set a key (then with a warning if it differs).
     given = given_task_keys(args.config, args.overrides)
     counts = predict(cfg, args.input, args.checkpoint, args.output, given=given)
+    lacking, skipped = "", counts["skipped_lines"]
+    if skipped:  # said last, where a reader of the log looks: the submission lacks those examples
+        shown = ", ".join(str(line) for line in skipped[:10]) + (" ..." if len(skipped) > 10 else "")
+        lacking = f"; no rows for the {len(skipped)} bad line(s) skipped (task.skip_bad_lines): line {shown}"
     print(
         f"wrote {args.output}: {counts['examples']} examples, {counts['long']} long and {counts['short']} short answers"
+        + lacking
     )
 
 

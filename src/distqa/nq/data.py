@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch.utils.data import Dataset
 
 from distqa.config import Config
 from distqa.data_identity import arrow_fingerprint, fingerprint
+from distqa.dist import print0
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS
 from distqa.models import pad_collate as generic_pad_collate
@@ -60,12 +62,14 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
     prepared now if missing. Call on one process per node first (see `dist.local_main_first`)."""
     # Imported here, not at the top: `prepare` pulls in `datasets` (pandas, pyarrow: about 0.5 s
     # per process), which runs on the DummyDataset never use.
-    from distqa.nq.prepare import FINGERPRINT_FILE, prepare_features
+    from distqa.nq.prepare import FINGERPRINT_FILE, prepare_features, recorded_result
 
     source = Path(path)
     if source.is_dir():
         if not (source / FINGERPRINT_FILE).is_file():
             raise DistqaError(f"{source} is a folder but not one `distqa prepare` wrote")
+        if note := recorded_result(source).skipped_note():
+            print0(f"the features at {source} lack the lines their input's preparation skipped: {note}")
         return source
     name = tokenizer_name(cfg)  # first: no tokenizer is one line, before the fingerprint needs one
     target = feature_cache_entry(cfg, source, tokenizer, training=training)
@@ -77,13 +81,37 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
         num_proc=os.cpu_count() or 1,
         skip_bad_lines=cfg.task.skip_bad_lines,
     )
+    note = result.skipped_note()
     if not result.reused:
         print(
             f"prepared {result.docs} documents of {source} into {result.features} features at {target}"
-            + (f"; skipped {len(result.bad_lines)} bad line(s)" if result.bad_lines else ""),
+            + (f"; {note}" if note else ""),
             flush=True,
         )
+    elif note:  # said by every run that uses these features, not only the one that prepared them
+        print0(f"reused the features of {source} at {target}; {note}")
     return target
+
+
+def check_feature_ids(folder: Path, example_ids: Collection[str], source: str | Path) -> None:
+    """Refuse features whose example ids are not those of the examples read from `source`.
+
+    The cache entry is keyed on the file's path, size and modification time: a file edited in
+    place that kept both would get the old features, and a renamed example no window at all (an
+    empty answer, silently). Evaluation features hold a window of every example, so the two sets
+    of ids must be equal."""
+    from distqa.nq.prepare import load_features  # see resolve_features
+
+    cached = set(load_features(folder).unique("example_id"))
+    if cached == set(example_ids):
+        return
+    missing, extra = sorted(set(example_ids) - cached), sorted(cached - set(example_ids))
+    differ = [f"{len(missing)} example(s) of the input have no features (first: {missing[0]})"] if missing else []
+    differ += [f"{len(extra)} cached id(s) are not in the input (first: {extra[0]})"] if extra else []
+    raise DistqaError(
+        f"the features cached at {folder} do not match {source} ({', '.join(differ)}): the cache is stale (the "
+        f"input changed but kept its size and modification time): delete {folder} and run again to rebuild it"
+    )
 
 
 class FeatureDataset(Dataset):

@@ -2,12 +2,14 @@
 
 The trainer runs evaluation (`distqa.evaluation`): each rank's share of the validation windows
 goes through `window_best_spans`, which shrinks each window to its best span (`WindowBest`, a few
-numbers) before the gather; rank 0 groups them by example id, predicts, chooses the long and short
-thresholds that maximise F1, and reports the competition metric (`score_predictions`).
+numbers) before the gather; rank 0 groups them by example id, predicts, chooses the pair of long
+and short thresholds that maximises the competition's micro F1 (one F1 over long and short rows
+together: `best_pair`), and reports it (`score_predictions`).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,6 @@ from distqa.nq.postprocess import (
     WindowBest,
     apply_thresholds,
     best_spans,
-    best_threshold,
     f1,
     kind_f1,
     predict_example,
@@ -75,7 +76,7 @@ class GoldIndex:
 
         self.examples: dict[str, Any] = {}
         self.gold: dict[str, tuple[set[str], set[str]]] = {}
-        reader = NQReader(path, skip_bad_lines=skip_bad_lines)
+        reader = NQReader(path, skip_bad_lines=skip_bad_lines, keyed_by_id=True)
         for example in reader:
             self.gold[example.example_id] = gold_answers(
                 {"annotations": example.annotations, "example_id": example.example_id}
@@ -84,15 +85,78 @@ class GoldIndex:
             self.examples[example.example_id] = example
 
 
+Rows = list[tuple[float, str, set[str]]]  # (score, prediction, gold) of one kind, one per example
+
+
+def _cut_between(score: float, below: float | None) -> float:
+    """A threshold that keeps `score` and drops `below` (None: nothing below): halfway, robust to
+    tiny numeric differences on reuse, unless no float lies strictly between."""
+    if below is None:
+        below = score - 1.0 if score - 1.0 < score else math.nextafter(score, -math.inf)
+    halfway = score / 2 + below / 2  # not (score + below) / 2, which overflows for huge scores
+    return halfway if below < halfway < score else below
+
+
+def kind_cuts(rows: Rows) -> tuple[list[float], list[tuple[int, int, int]]]:
+    """Every distinct way to threshold one kind of row: (thresholds, (TP, FP, FN) at each), from
+    +inf ("never answer": nothing kept) down to keeping every prediction. A row is kept when its
+    score > threshold (`kind_f1`); lowering the cut past a row with a prediction turns it from
+    "empty" (FN when it has gold) into TP or FP. Ties move together. One sort, one sweep."""
+    # NaN and -inf exceed no threshold; +inf exceeds every finite one.
+    scored = sorted((r for r in rows if r[1] and r[0] > -math.inf), key=lambda r: -r[0])
+    tp, fp, fn = 0, 0, sum(1 for _, _, gold in rows if gold)
+    cuts, counts = [math.inf], [(tp, fp, fn)]
+    i = 0
+    while i < len(scored):
+        score = scored[i][0]
+        while i < len(scored) and scored[i][0] == score:
+            _, pred, gold = scored[i]
+            fn -= 1 if gold else 0
+            tp, fp = (tp + 1, fp) if pred in gold else (tp, fp + 1)
+            i += 1
+        cuts.append(_cut_between(score, scored[i][0] if i < len(scored) else None))
+        counts.append((tp, fp, fn))
+    return cuts, counts
+
+
+def _best_cut(counts: list[tuple[int, int, int]], num: int, den: int) -> int:
+    """The cut maximising 2TP - (num/den)(2TP + FP + FN), in integers (exact); the first, i.e. the
+    highest threshold (fewest answers), of equals."""
+    values = [den * 2 * tp - num * (2 * tp + fp + fn) for tp, fp, fn in counts]
+    return values.index(max(values))
+
+
+def best_pair(long_rows: Rows, short_rows: Rows) -> dict[str, float]:
+    """The long and short thresholds that maximise micro F1 = 2TP / (2TP + FP + FN), TP, FP and FN
+    summed over both kinds: the competition's one F1, which the best threshold of each kind on its
+    own does not maximise (a kind's extra answers can lower its own F1 and raise the pooled one).
+
+    Dinkelbach's method, exact over the finite set of pairs: for a ratio lam, maximising
+    2TP - lam(2TP + FP + FN) splits into one choice per kind (each a sweep over its cuts). Starting
+    at lam = 0, the chosen pair's F1 becomes the next lam; it rises strictly until no pair beats lam,
+    and then the chosen pair is optimal (finitely many steps, a handful in practice). Of equally good
+    pairs, each kind takes its highest threshold, "never" (+inf) included."""
+    cuts = [kind_cuts(long_rows), kind_cuts(short_rows)]
+    num, den = 0, 1  # lam = num / den, kept as integers: the comparisons are exact
+    while True:
+        chosen = [_best_cut(counts, num, den) for _, counts in cuts]
+        tp, fp, fn = (sum(c[1][i][k] for c, i in zip(cuts, chosen, strict=True)) for k in range(3))
+        # Not above lam: no pair is (lam is the optimum), and this pair reaches it. (Every pair's
+        # denominator is at least the number of gold rows: > 0 once any TP is possible.)
+        if 2 * tp * den <= num * (2 * tp + fp + fn):
+            return {kind: c[0][i] for kind, c, i in zip(("long", "short"), cuts, chosen, strict=True)}
+        num, den = 2 * tp, 2 * tp + fp + fn
+
+
 def score_predictions(
     grouped: dict[str, list[WindowBest]], gold: GoldIndex, thresholds: dict[str, float] | None = None
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """(metrics, thresholds): chooses the thresholds on these examples unless given."""
+    """(metrics, thresholds): chooses the thresholds on these examples (`best_pair`) unless given."""
     preds = {eid: predict_example(grouped.get(eid, []), ex) for eid, ex in gold.examples.items()}
     long_rows = [(p.score, p.long, gold.gold[eid][0]) for eid, p in preds.items()]
     short_rows = [(p.score, p.short, gold.gold[eid][1]) for eid, p in preds.items()]
     if thresholds is None:
-        thresholds = {"long": best_threshold(long_rows)[0], "short": best_threshold(short_rows)[0]}
+        thresholds = best_pair(long_rows, short_rows)
     lt, lf, ln = kind_f1(long_rows, thresholds["long"])
     st, sf, sn = kind_f1(short_rows, thresholds["short"])
     metrics = {

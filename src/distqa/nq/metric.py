@@ -14,6 +14,11 @@ lists "the predicted indices do NOT match" under FP only, and the public re-impl
 differs from Natural Questions' own nq_eval.py, which also counts it as a miss on the recall side.
 An empty prediction where no gold exists (a true negative) counts nowhere.
 
+A span is compared as two integers, as those graders parse it (`int(start), int(end)`): "01952:2019"
+is the span 1952:2019. Its digits must be ASCII: Python's `int` would also read "١٩٦٠" (Arabic-
+Indic digits) as 1960, but no submission writer produces them and Kaggle's own parser is not
+known to, so such a value is refused rather than scored one way or the other.
+
     micro F1 = 2 TP / (2 TP + FP + FN)        (0.0 when the denominator is 0)
 
 `distqa score GOLD.jsonl submission.csv` runs `main_score`; its last stdout line is one JSON object.
@@ -31,13 +36,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from distqa.errors import DistqaError
+from distqa.nq.reader import BadLine, checked_example_id
 
 Gold = dict[str, tuple[set[str], set[str]]]  # example id -> (gold long strings, gold short strings)
 
 HEADER = ["example_id", "PredictionString"]
 ROW_KINDS = ("long", "short")
 # A prediction value as Kaggle accepts it; YES/NO are allowed on `_short` rows only (checked apart).
-_VALUE = re.compile(r"(\d+):(\d+)|YES|NO|")
+_VALUE = re.compile(r"([0-9]+):([0-9]+)|YES|NO|")
 # Annotators that must give a non-null answer before an example with several annotations "has" one.
 MIN_VOTES = 2
 
@@ -136,13 +142,13 @@ def read_gold(path: str | Path) -> Gold:
                 example = json.loads(line)
                 if not isinstance(example, dict) or "example_id" not in example:
                     raise BadGold("not a JSON object with an example_id")
-                example_id = str(example["example_id"])
+                example_id = checked_example_id(example["example_id"])  # null would be the id "None"
                 if example_id in gold:
                     raise BadGold(f"example_id {example_id} appears a second time")
                 gold[example_id] = gold_answers(example)
             except json.JSONDecodeError as err:
                 raise DistqaError(f"{path}, line {line_no}: not valid JSON ({err.msg} at column {err.colno})") from None
-            except BadGold as err:
+            except (BadGold, BadLine) as err:
                 raise DistqaError(f"{path}, line {line_no}: {err}") from None
     except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as err:
         raise DistqaError(f"{path}: cannot be read as UTF-8 JSON lines ({err})") from None
@@ -190,7 +196,8 @@ def read_submission(path: str | Path) -> dict[str, str]:
                     raise DistqaError(f"{where}: {row_id} has {value!r}, expected {expected}")
                 if value in ("YES", "NO") and kind == "long":
                     raise DistqaError(f"{where}: {row_id} is {value}, but YES/NO is a short answer only")
-                rows[row_id] = value
+                # Compared as integers, as the graders do: "01952:2019" is the span 1952:2019.
+                rows[row_id] = f"{int(match[1])}:{int(match[2])}" if match[1] is not None else value
         except (csv.Error, UnicodeDecodeError) as err:
             raise DistqaError(f"{path}, line {reader.line_num}: not a readable CSV file ({err})") from None
     return rows

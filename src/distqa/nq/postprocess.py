@@ -5,7 +5,8 @@ most `max_answer_len` sub-words, scored `start + end - (start[CLS] + end[CLS])` 
 than "no answer in this window"). Per example: the best span over its windows. The long answer is
 the top-level candidate that contains it; the short answer is the span itself, or YES/NO when the
 answer-type head of that window says so. A prediction is only written when its score clears a
-threshold, chosen separately for long and short answers on the validation set to maximise F1.
+threshold, one for long and one for short answers, chosen together on the validation set to
+maximise the competition's micro F1 over both (`distqa.nq.evaluate.best_pair`).
 """
 
 from __future__ import annotations
@@ -99,31 +100,6 @@ def predict_example(windows: list[WindowBest], example: NQExample) -> ExamplePre
 
 def f1(tp: int, fp: int, fn: int) -> float:
     return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
-
-
-def best_threshold(rows: list[tuple[float, str, set[str]]]) -> tuple[float, float]:
-    """(threshold, F1) for one kind of row: keeping predictions whose score > threshold.
-
-    One sweep from the highest score down: lowering the cut past a row with a prediction turns
-    it from "empty" (FN when it has gold) into TP or FP. Ties move together.
-    """
-    scored = sorted((r for r in rows if r[1] and math.isfinite(r[0])), key=lambda r: -r[0])
-    tp, fp, fn = 0, 0, sum(1 for _, _, gold in rows if gold)
-    best_cut, best_f1 = math.inf, f1(tp, fp, fn)
-    i = 0
-    while i < len(scored):
-        score = scored[i][0]
-        while i < len(scored) and scored[i][0] == score:
-            _, pred, gold = scored[i]
-            fn -= 1 if gold else 0
-            tp, fp = (tp + 1, fp) if pred in gold else (tp, fp + 1)
-            i += 1
-        value = f1(tp, fp, fn)
-        if value > best_f1:
-            # Halfway to the next lower score: robust to tiny numeric differences on reuse.
-            below = scored[i][0] if i < len(scored) else score - 1.0
-            best_cut, best_f1 = (score + below) / 2, value
-    return best_cut, best_f1
 
 
 def kind_f1(rows: list[tuple[float, str, set[str]]], threshold: float) -> tuple[int, int, int]:

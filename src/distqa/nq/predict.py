@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -11,13 +12,13 @@ from distqa.config import Config, ModelConfig
 from distqa.console import quiet_libraries
 from distqa.dist import autocast_dtype
 from distqa.errors import DistqaError
-from distqa.models import check_model_fits, load_tokenizer
-from distqa.nq.data import resolve_features
+from distqa.models import check_model_fits, load_tokenizer, tokenizer_difference
+from distqa.nq.data import check_feature_ids, resolve_features
 from distqa.nq.evaluate import final_answers, window_bests
 from distqa.nq.model import BertJointQA
 from distqa.nq.postprocess import group_by_example
-from distqa.nq.reader import NQReader
-from distqa.nq.submission import write_submission
+from distqa.nq.reader import NQExample, NQReader
+from distqa.nq.submission import check_output_path, write_submission
 from distqa.nq.thresholds import THRESHOLDS_FILE, read_thresholds
 from distqa.task import with_trained_settings
 
@@ -36,25 +37,57 @@ def model_folder(path: str | Path) -> Path:
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spiece.model", "vocab.json")
 
 
-def predict(
-    cfg: Config, input_path: str, checkpoint: str, output: str, *, given: Collection[str] = ()
-) -> dict[str, int]:
-    """Write a submission for `input_path`. The `task.*` settings are the model's (saved with its
-    export), except the keys in `given` (those the user set, `distqa.task.given_task_keys`)."""
-    quiet_libraries(is_main=True)  # no progress bars of the model load and preparation in a log
-    folder = model_folder(checkpoint)
-    # Windows of another length or stride than training's give a plausible, wrong submission.
-    cfg = with_trained_settings(cfg, folder, given)
-    # The export carries its tokenizer (when training had one); an explicit model.tokenizer wins.
-    if cfg.model.tokenizer is None and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+def read_examples(input_path: str, *, skip_bad_lines: bool) -> tuple[dict[str, NQExample], list[tuple[int, str]]]:
+    """(examples by id, skipped bad lines) of the file to predict: read before any model work, so
+    that a repeated or unusable example id is one line at once, not a traceback after the forward."""
+    # Not GoldIndex: the test file, the one a submission is for, has no annotations to read gold from.
+    reader = NQReader(input_path, skip_bad_lines=skip_bad_lines, keyed_by_id=True)
+    examples = {}
+    for example in reader:
+        example.tokens = []  # postprocessing needs the long-answer candidates, not the text
+        examples[example.example_id] = example
+    return examples, reader.bad_lines
+
+
+def model_tokenizer(cfg: Config, folder: Path) -> Any:
+    """The tokenizer saved with the model in `folder`; `model.tokenizer` when given (and set as
+    cfg.model). One given for a model that has its own must turn text into the same ids: any other
+    feeds the model the wrong words, and the submission is plausible and wrong."""
+    given = cfg.model.tokenizer
+    saved_files = any((folder / f).is_file() for f in TOKENIZER_FILES)
+    if given is None and not saved_files:
         raise DistqaError(
             f"{folder} has no tokenizer files (a model trained without a tokenizer, e.g. on dummy data): "
             "set model.tokenizer to the tokenizer of its vocabulary, e.g. model.tokenizer=bert-base-uncased"
         )
-    cfg.model = ModelConfig(name=str(folder), tokenizer=cfg.model.tokenizer or str(folder))
+    cfg.model = ModelConfig(name=str(folder), tokenizer=given or str(folder))
     tokenizer = load_tokenizer(cfg.model)
     if tokenizer is None:
         raise DistqaError(f"{folder} has no tokenizer files: set model.tokenizer")
+    if given is not None and saved_files and Path(given).resolve() != folder.resolve():
+        saved = load_tokenizer(ModelConfig(name=str(folder), tokenizer=str(folder)))
+        difference = tokenizer_difference(tokenizer, saved)
+        if difference:
+            raise DistqaError(
+                f"model.tokenizer={given} is not the tokenizer saved with the model in {folder} ({difference}): "
+                "leave model.tokenizer out to use the saved one"
+            )
+    return tokenizer
+
+
+def predict(
+    cfg: Config, input_path: str, checkpoint: str, output: str, *, given: Collection[str] = ()
+) -> dict[str, Any]:
+    """Write a submission for `input_path`. The `task.*` settings are the model's (saved with its
+    export), except the keys in `given` (those the user set, `distqa.task.given_task_keys`).
+    Returns the counts of examples, long and short answers, and the numbers of the bad lines
+    skipped (`skipped_lines`: no rows for them)."""
+    quiet_libraries(is_main=True)  # no progress bars of the model load and preparation in a log
+    check_output_path(output, input_path=input_path)
+    folder = model_folder(checkpoint)
+    # Windows of another length or stride than training's give a plausible, wrong submission.
+    cfg = with_trained_settings(cfg, folder, given)
+    tokenizer = model_tokenizer(cfg, folder)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = BertJointQA.from_pretrained(folder).to(device)
     check_model_fits(model, cfg.model, max_seq_len=cfg.task.max_seq_len, tokenizer=tokenizer, exported=True)
@@ -65,11 +98,14 @@ def predict(
         print(f"thresholds from {thresholds_path}: long {thresholds.get('long')}, short {thresholds.get('short')}")
     else:
         print(
-            f"no {THRESHOLDS_FILE} in {folder} (the model was trained without data.valid): every example "
-            "gets its best long and short answer"
+            f"no {THRESHOLDS_FILE} in {folder} (no thresholds were chosen with these weights: trained without "
+            "data.valid, or exported from a step that was not evaluated): every example gets its best long and "
+            "short answer"
         )
 
+    examples, bad_lines = read_examples(input_path, skip_bad_lines=cfg.task.skip_bad_lines)
     features = resolve_features(cfg, input_path, tokenizer, training=False)
+    check_feature_ids(features, examples.keys(), input_path)
     bests = window_bests(
         model,
         features,
@@ -79,15 +115,11 @@ def predict(
         max_len=cfg.task.max_seq_len,
         autocast_dtype=autocast_dtype(cfg.train.precision) if device.type == "cuda" else None,
     )
-    # Not GoldIndex: the test file, the one a submission is for, has no annotations to read gold from.
-    examples = {}
-    for example in NQReader(input_path, skip_bad_lines=cfg.task.skip_bad_lines):
-        example.tokens = []  # postprocessing needs the long-answer candidates, not the text
-        examples[example.example_id] = example
     answers = final_answers(group_by_example(bests), examples, thresholds)
     write_submission(output, answers)
     return {
         "examples": len(answers),
         "long": sum(1 for long, _ in answers.values() if long),
         "short": sum(1 for _, short in answers.values() if short),
+        "skipped_lines": [line for line, _ in bad_lines],
     }

@@ -35,6 +35,9 @@ from distqa.nq.reader import NQReader, byte_ranges
 FEATURES_VERSION = 2
 FINGERPRINT_FILE = "distqa_fingerprint.json"
 STAGING_DIR = ".distqa-partial"
+# Skipped lines whose numbers and reasons the fingerprint file keeps, so that a run reusing the
+# features says which lines its data lacks, as the run that prepared them did.
+BAD_LINES_KEPT = 10
 
 FEATURES = datasets.Features(
     {
@@ -83,7 +86,13 @@ def _generate(shards: list[dict[str, Any]]) -> Any:
     for shard in shards:
         tokenizer = AutoTokenizer.from_pretrained(shard["tokenizer"])
         builder = FeatureBuilder(tokenizer, FeatureSettings(**shard["settings"]))
-        reader = NQReader(shard["path"], skip_bad_lines=shard["skip_bad_lines"], byte_range=tuple(shard["range"]))
+        reader = NQReader(
+            shard["path"],
+            skip_bad_lines=shard["skip_bad_lines"],
+            byte_range=tuple(shard["range"]),
+            # Evaluation features are grouped by example id (validation, predict): ids must be unique.
+            keyed_by_id=not shard["settings"]["training"],
+        )
         stats: dict[str, Any] = {"docs": 0, "features": 0, "started": time.time()}  # after start-up
         try:
             for example in reader:
@@ -105,12 +114,41 @@ class PrepareResult:
     reused: bool
     docs: int = 0
     features: int = 0
+    # (line number, reason) of the skipped lines: all of them when prepared now, the first
+    # BAD_LINES_KEPT when reused (as the fingerprint file recorded them); `skipped` counts them all.
     bad_lines: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    skipped: int = 0
 
     @property
     def docs_per_s(self) -> float:
         return self.docs / self.seconds if self.seconds else 0.0
+
+    def skipped_note(self, source: str | os.PathLike | None = None) -> str:
+        """'skipped N bad line(s) [of FILE]: line 3, 7 (first: reason)', or '' when none was skipped."""
+        if not self.skipped:
+            return ""
+        of = f" of {source}" if source is not None else ""
+        shown = [line for line, _ in self.bad_lines[:BAD_LINES_KEPT]]
+        if not shown:  # a folder stamped before the lines were recorded
+            return (
+                f"skipped {self.skipped} bad line(s){of} (which ones was not recorded: "
+                f"delete {self.path} to prepare it again and see them)"
+            )
+        more = " ..." if self.skipped > len(shown) else ""
+        lines = ", ".join(str(line) for line in shown)
+        return f"skipped {self.skipped} bad line(s){of}: line {lines}{more} (first: {self.bad_lines[0][1]})"
+
+
+def recorded_result(folder: str | os.PathLike, record: dict[str, Any] | None = None) -> PrepareResult:
+    """A reuse of a prepared folder, with the counts its fingerprint record (read if not given) holds."""
+    record = (_read_stamp(Path(folder) / FINGERPRINT_FILE) or {}) if record is None else record
+    count = {k: v for k, v in record.items() if type(v) is int}  # docs, features, bad_lines
+    kept = record.get("bad_line_samples")
+    samples = [tuple(b) for b in kept if isinstance(b, list) and len(b) == 2] if isinstance(kept, list) else []
+    return PrepareResult(
+        Path(folder), True, count.get("docs", 0), count.get("features", 0), samples, skipped=count.get("bad_lines", 0)
+    )
 
 
 def _fast_tokenizer(name: str) -> Any:
@@ -153,7 +191,20 @@ def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, sta
     errors = [s["error"] for s in _shard_stats(shards) if "error" in s]
     if errors:
         raise DistqaError(errors[0])
+    if len(shards) > 1 and not shards[0]["settings"]["training"]:
+        _refuse_repeated_ids(source, dataset, sum(s["docs"] for s in _shard_stats(shards)))
     return dataset
+
+
+def _refuse_repeated_ids(source: Path, dataset: datasets.Dataset, docs: int) -> None:
+    """Each shard refused an id repeated inside it; one repeated across shards shows as fewer ids
+    than documents (an evaluation feature set has a window of every document). Only then is the
+    file read again, to name the two lines."""
+    if len(dataset.unique("example_id")) == docs:
+        return
+    for _ in NQReader(source, skip_bad_lines=True, keyed_by_id=True):
+        pass  # raises at the second line of the first repeated id
+    raise DistqaError(f"{source}: an example_id appears on more than one line: each example must appear once")
 
 
 def _summary(target: Path, stats: list[dict[str, Any]]) -> PrepareResult:
@@ -162,8 +213,9 @@ def _summary(target: Path, stats: list[dict[str, Any]]) -> PrepareResult:
         reused=False,
         docs=sum(s["docs"] for s in stats),
         features=sum(s["features"] for s in stats),
-        bad_lines=sorted(b for s in stats for b in s["bad_lines"]),
+        bad_lines=sorted(tuple(b) for s in stats for b in s["bad_lines"]),
         seconds=max(s["finished"] for s in stats) - min(s["started"] for s in stats),
+        skipped=sum(len(s["bad_lines"]) for s in stats),
     )
 
 
@@ -184,7 +236,7 @@ def prepare_features(
     stamp = target / FINGERPRINT_FILE
     recorded = _read_stamp(stamp)
     if recorded is not None and recorded.get("fingerprint") == fp:
-        return PrepareResult(target, reused=True)
+        return recorded_result(target, recorded)
     staging = _open_staging(target)
     committing = False
     try:
@@ -205,7 +257,8 @@ def prepare_features(
             "fingerprint": fp,
             "docs": result.docs,
             "features": result.features,
-            "bad_lines": len(result.bad_lines),
+            "bad_lines": result.skipped,
+            "bad_line_samples": result.bad_lines[:BAD_LINES_KEPT],
         }
         try:
             dataset.save_to_disk(str(staging / "dataset"))

@@ -8,6 +8,10 @@ The file is read line by line (never whole), and a byte range of it can be read 
 is how `distqa prepare` splits one file over several processes without a pre-pass. A malformed line
 is an error naming the file and the line; with `skip_bad_lines` it is counted instead, and the
 count is reported by the caller. Nothing is dropped silently.
+
+Where examples are keyed by their id (validation, prediction: `keyed_by_id=True`), an id must also
+be usable as a submission row id, and appear once: a repeated id would pool the windows of two
+documents under one answer, and `distqa score`/`split` refuse such files too.
 """
 
 from __future__ import annotations
@@ -45,6 +49,25 @@ def _span(obj: Any, what: str, n_tokens: int) -> tuple[int, int]:
     if (start, end) != (-1, -1) and not 0 <= start < end <= n_tokens:
         raise BadLine(f"{what} [{start}, {end}) is outside the document's {n_tokens} tokens")
     return start, end
+
+
+def checked_example_id(value: object) -> str:
+    """str(example_id), or a BadLine: NQ train ids are integers, test ids strings; anything else
+    (null, true, 1.5) would become an id like "None" that two lines could share."""
+    # bool is an int too, but `true` is no id.
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        kind = "null" if value is None else type(value).__name__
+        raise BadLine(f"example_id is {kind}, not a string or an integer")
+    return str(value)
+
+
+def submission_id_problem(example_id: str) -> str | None:
+    """Why `example_id` cannot name a submission row (`<id>_long`), or None if it can."""
+    if not example_id:
+        return "example_id is empty"
+    if any(c in example_id for c in ",\r\n"):
+        return f"example_id {example_id!r} holds a comma or a line break, which a submission row id cannot"
+    return None
 
 
 def load_object(line: str) -> dict[str, Any]:
@@ -101,7 +124,7 @@ def parse_example(line: str) -> NQExample:
             _span(short, f"annotations[{i}].short_answers[{j}]", n)
         if ann.get("yes_no_answer", "NONE") not in ("YES", "NO", "NONE"):
             raise BadLine(f"annotations[{i}].yes_no_answer is {ann.get('yes_no_answer')!r}")
-    return NQExample(str(raw["example_id"]), raw["question_text"], tokens, candidates, annotations)
+    return NQExample(checked_example_id(raw["example_id"]), raw["question_text"], tokens, candidates, annotations)
 
 
 def line_number_at(path: Path, offset: int) -> int:
@@ -128,17 +151,26 @@ class NQReader:
     """Iterate the examples of one JSONL file, or of one byte range of it.
 
     `bad_lines` holds (line number, reason) for each skipped line once iteration is over.
+    `keyed_by_id`: an id that cannot name a submission row is a bad line, and a repeated id is an
+    error (never skipped: which of the two documents is meant cannot be known).
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, skip_bad_lines: bool = False, byte_range: tuple[int, int] | None = None
+        self,
+        path: str | os.PathLike,
+        *,
+        skip_bad_lines: bool = False,
+        byte_range: tuple[int, int] | None = None,
+        keyed_by_id: bool = False,
     ) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise DistqaError(f"{self.path} does not exist or is not a file")
         self.skip_bad_lines = skip_bad_lines
         self.byte_range = byte_range or (0, self.path.stat().st_size)
+        self.keyed_by_id = keyed_by_id
         self.bad_lines: list[tuple[int, str]] = []
+        self._first_offset: dict[str, int] = {}  # keyed_by_id: where each id was first seen
 
     def _lines(self) -> Iterator[tuple[int, bytes]]:
         """(byte offset, raw line) for every line that starts inside the byte range."""
@@ -160,7 +192,9 @@ class NQReader:
             if not raw.strip():
                 continue  # blank lines (a trailing newline, say) are not examples
             try:
-                yield parse_example(raw.decode("utf-8"))
+                example = parse_example(raw.decode("utf-8"))
+                if self.keyed_by_id and (problem := submission_id_problem(example.example_id)):
+                    raise BadLine(problem)
             except (BadLine, UnicodeDecodeError, KeyError, TypeError) as err:
                 line_no = line_number_at(self.path, offset)
                 reason = str(err) if isinstance(err, BadLine) else f"{type(err).__name__}: {err}"
@@ -169,3 +203,16 @@ class NQReader:
                         f"{self.path}, line {line_no}: {reason} (set task.skip_bad_lines=true to skip such lines)"
                     ) from None
                 self.bad_lines.append((line_no, reason))
+                continue
+            if self.keyed_by_id:
+                self._check_first(example.example_id, offset)
+            yield example
+
+    def _check_first(self, example_id: str, offset: int) -> None:
+        first = self._first_offset.setdefault(example_id, offset)
+        if first != offset:
+            raise DistqaError(
+                f"{self.path}, line {line_number_at(self.path, offset)}: example_id {example_id} appears a second "
+                f"time (first on line {line_number_at(self.path, first)}): each example must appear once, "
+                "remove or rename one of them"
+            )

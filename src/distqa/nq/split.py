@@ -37,20 +37,13 @@ from typing import IO
 
 from distqa.durable import fsync_path
 from distqa.errors import DistqaError
-from distqa.nq.reader import BadLine, load_object
+from distqa.nq.reader import BadLine, checked_example_id, load_object
 
 OUTPUTS = ("train.jsonl", "valid.jsonl", "split.json")
 _KEY = b'"example_id"'
 _JSON_WS = " \t\n\r"  # JSON's whitespace; str.strip() alone would also accept "\x0b" and friends
 _JSON_WS_BYTES = _JSON_WS.encode()
 _DECODER = json.JSONDecoder()
-
-
-def _checked_id(value: object) -> str:
-    # bool is an int too, but `true` is no id; NQ train ids are integers, test ids strings.
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise BadLine(f"example_id is {type(value).__name__}, not a string or an integer")
-    return str(value)
 
 
 def _parse_fully(line: bytes) -> str:
@@ -61,7 +54,7 @@ def _parse_fully(line: bytes) -> str:
     obj = load_object(text)
     if "example_id" not in obj:
         raise BadLine("no example_id")
-    return _checked_id(obj["example_id"])
+    return checked_example_id(obj["example_id"])
 
 
 def example_id_of(line: bytes) -> str:
@@ -87,7 +80,7 @@ def example_id_of(line: bytes) -> str:
                 pass
             else:
                 if tail[end:].strip(_JSON_WS) == "}":
-                    return _checked_id(value)
+                    return checked_example_id(value)
     return _parse_fully(line)
 
 

@@ -24,8 +24,10 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from distqa.errors import DistqaError
+
 HEADER = ("example_id", "PredictionString")
-_SPAN = re.compile(r"(\d+):(\d+)")
+_SPAN = re.compile(r"([0-9]+):([0-9]+)")  # ASCII digits: `\d` would also take "١٩٦٠"
 
 
 def format_span(start: int, end: int) -> str:
@@ -72,6 +74,26 @@ def submission_rows(predictions: Mapping[str, tuple[str, str]]) -> list[tuple[st
         rows.append((f"{example_id}_long", _check_value(example_id, "long", long_value)))
         rows.append((f"{example_id}_short", _check_value(example_id, "short", short_value)))
     return rows
+
+
+def check_output_path(output: str | os.PathLike, *, input_path: str | os.PathLike) -> None:
+    """Refuse an --output that `write_submission` could not write, or that would overwrite the
+    input, before any prediction work (each was a traceback at the very end, or a lost input)."""
+    path = Path(output)
+    if path.is_dir():
+        raise DistqaError(
+            f"--output {path} is a folder: name the file to write, e.g. --output {path / 'submission.csv'}"
+        )
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise DistqaError(f"--output {path}: {blocker} is a file, not a folder: choose another --output")
+    if path.exists() and Path(input_path).exists() and os.path.samefile(path, input_path):
+        raise DistqaError(
+            f"--output {path} is the --input file: the submission would overwrite it: choose another --output"
+        )
+    folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise DistqaError(f"--output {path} cannot be written: {folder} is not writable: choose another --output")
 
 
 def write_submission(path: str | os.PathLike, predictions: Mapping[str, tuple[str, str]]) -> None:

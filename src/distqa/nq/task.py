@@ -37,6 +37,11 @@ class NQTask(Task):
         self._valid_folder: Path | None = None
         self._gold: GoldIndex | None = None  # rank 0 only, loaded at the first evaluation
         self.thresholds: dict[str, float] | None = None
+        # The step whose weights the thresholds were chosen on (None: a checkpoint of an older distqa).
+        self.thresholds_step: int | None = None
+        # The step of the weights `save_model` exports, set by the exporter (the trainer at the end
+        # of a run, `distqa export`): thresholds of another step are not written with them.
+        self.weights_step: int | None = None
 
     def build_model(self) -> nn.Module:
         model = BertJointQA.build(self.cfg.model)
@@ -107,29 +112,58 @@ class NQTask(Task):
         return window_best_spans(model, batch)
 
     def compute_metrics(self, outputs: list[WindowBest], step: int) -> dict[str, float]:
-        """Competition F1 on data.valid; also chooses the thresholds saved with the model."""
+        """Competition F1 on data.valid; also chooses the thresholds saved with these (step's) weights."""
         if self._gold is None:
             self._gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.task.skip_bad_lines)
         metrics, self.thresholds = score_predictions(group_by_example(outputs), self._gold)
+        self.thresholds_step = step
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The thresholds of the latest evaluation travel in each checkpoint, so that a resumed run,
-        or `distqa export` of an earlier (the best) checkpoint, exports the thresholds chosen with
-        those weights. JSON: +inf ("never answer") is written as null, as in the thresholds file."""
+        """The thresholds of the latest evaluation, with its step, travel in each checkpoint: a resumed
+        run, or `distqa export` of an earlier (the best) checkpoint, has them, and exports them with
+        the weights of that step only. JSON: +inf ("never answer") as null, as in the thresholds file."""
         if self.thresholds is None:
             return {}
-        return {"thresholds": to_json_values(self.thresholds)}
+        return {"thresholds": to_json_values(self.thresholds, self.thresholds_step)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("thresholds")
-        if isinstance(saved, dict):
-            self.thresholds = from_json_values(saved)
+        if saved is None:  # nothing evaluated before that checkpoint
+            return
+        try:
+            self.thresholds, self.thresholds_step = from_json_values(saved)
+        except ValueError as err:
+            raise DistqaError(
+                f"the checkpoint's task state holds thresholds distqa cannot read ({err}): resume from, "
+                "or export, another checkpoint"
+            ) from None
+
+    def _thresholds_to_write(self) -> dict[str, float] | None:
+        """The thresholds if they belong to the weights being exported; else None, and one line why."""
+        chosen, weights = self.thresholds_step, self.weights_step
+        if self.thresholds is None or weights is None or chosen == weights:
+            return self.thresholds  # (weights None: an exporter that does not say its step)
+        if chosen is None:  # a checkpoint of an older distqa: write them, as it did, but say so
+            print0(
+                f"warning: {THRESHOLDS_FILE} holds the thresholds of the latest evaluation up to step {weights} "
+                "(a checkpoint of an older distqa records no step): they fit these weights only if step "
+                f"{weights} was evaluated"
+            )
+            return self.thresholds
+        # Another step's thresholds give a plausible, wrong submission (a "never" one an empty one).
+        print0(
+            f"warning: the thresholds were chosen at step {chosen}, these weights are step {weights}: "
+            f"{THRESHOLDS_FILE} is not written, so `distqa predict` gives every example its best answer; "
+            "for thresholds of their own, export an evaluated checkpoint (checkpoints/best) or train on with data.valid"
+        )
+        return None
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
         assert isinstance(model, BertJointQA)
         model.save_pretrained(directory)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(directory))
-        if self.thresholds is not None:  # chosen on data.valid; `distqa predict` applies them
-            (directory / THRESHOLDS_FILE).write_text(thresholds_json(self.thresholds))
+        thresholds = self._thresholds_to_write()
+        if thresholds is not None:  # chosen on data.valid with these weights; `distqa predict` applies them
+            (directory / THRESHOLDS_FILE).write_text(thresholds_json(thresholds, self.thresholds_step))

@@ -2,6 +2,12 @@
 
 A leaf module (no torch): the task writes the file (`NQTask.save_model`) and `distqa predict` reads it, and
 neither imports the other.
+
+The file, and the task state each checkpoint carries, is one JSON object: `{"long": 1.25, "short": null,
+"step": 10}`. A threshold is a finite number, or null for +inf ("never answer"); `step` is the optimizer
+step whose weights the thresholds were chosen on (absent in files and checkpoints of an older distqa).
+Thresholds belong to the weights they were chosen on: with another step's weights they are a plausible,
+wrong setting (the review's case: "never answer" from step 10 emptied a submission of step 15's weights).
 """
 
 from __future__ import annotations
@@ -9,38 +15,83 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from distqa.errors import DistqaError
 
 THRESHOLDS_FILE = "distqa_thresholds.json"
+KINDS = ("long", "short")
+STEP_KEY = "step"
 
 
-def to_json_values(thresholds: dict[str, float]) -> dict[str, float | None]:
-    """The thresholds as JSON can hold them: +inf ("never answer") as null (JSON has no Infinity)."""
-    return {kind: None if value == math.inf else value for kind, value in thresholds.items()}
+def to_json_values(thresholds: dict[str, float], step: int | None = None) -> dict[str, float | int | None]:
+    """The thresholds as JSON can hold them: +inf ("never answer") as null (JSON has no Infinity),
+    and the step they were chosen at when it is known."""
+    values: dict[str, float | int | None] = {
+        kind: None if thresholds[kind] == math.inf else thresholds[kind] for kind in KINDS
+    }
+    if step is not None:
+        values[STEP_KEY] = step
+    return values
 
 
-def from_json_values(raw: dict[str, float | None]) -> dict[str, float]:
-    """`to_json_values` undone: null is +inf again."""
-    return {str(kind): math.inf if value is None else float(value) for kind, value in raw.items()}
+def _threshold(kind: str, value: Any) -> float:
+    if value is None:
+        return math.inf
+    # bool is an int to Python: `true` would be read as 1.0.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{kind} is {json.dumps(value)}, not a number or null")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float's range
+        number = math.nan
+    # +inf: files before null meant "never" wrote it as `Infinity`, which Python's json reads.
+    # NaN or -inf would silently empty (or fill) every answer of that kind.
+    if not (math.isfinite(number) or number == math.inf):
+        raise ValueError(f"{kind} is {value}, not a finite number or null")
+    return number
 
 
-def thresholds_json(thresholds: dict[str, float]) -> str:
+def from_json_values(raw: Any) -> tuple[dict[str, float], int | None]:
+    """`to_json_values` undone, strictly: (thresholds, the step they were chosen at or None when not
+    recorded). ValueError naming the problem for anything else: a misspelt or missing key would
+    otherwise be ignored, and that kind answered always."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON {type(raw).__name__}, not an object with keys {', '.join(KINDS)}")
+    unknown = sorted(str(key) for key in raw if key not in (*KINDS, STEP_KEY))
+    missing = [kind for kind in KINDS if kind not in raw]
+    if unknown or missing:
+        parts = ([f"unknown key(s) {', '.join(unknown)}"] if unknown else []) + (
+            [f"no {' or '.join(missing)}"] if missing else []
+        )
+        raise ValueError(f"{'; '.join(parts)} (the keys are {', '.join(KINDS)} and {STEP_KEY})")
+    step = raw.get(STEP_KEY)
+    if STEP_KEY in raw and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"{STEP_KEY} is {json.dumps(step)}, not a step number")
+    return {kind: _threshold(kind, raw[kind]) for kind in KINDS}, step
+
+
+def thresholds_json(thresholds: dict[str, float], step: int | None = None) -> str:
     """The text of distqa_thresholds.json. A threshold of +inf means "never answer" (no score is
     above it; the choice when answering lowers F1) and is written as null: JSON has no Infinity,
     and strict parsers (JavaScript's, jq, Go's) reject the `Infinity` Python writes by default.
-    Thresholds are otherwise finite (halfway between two finite scores), so allow_nan=False only
-    guards against writing invalid JSON."""
-    return json.dumps(to_json_values(thresholds), indent=2, allow_nan=False) + "\n"
+    Thresholds are otherwise finite (between two finite scores), so allow_nan=False only guards
+    against writing invalid JSON."""
+    return json.dumps(to_json_values(thresholds, step), indent=2, allow_nan=False) + "\n"
+
+
+def read_chosen(path: Path) -> tuple[dict[str, float], int | None]:
+    """distqa_thresholds.json as `thresholds_json` writes it (null: never answer), or as exports
+    before it did (`Infinity`, no step): (thresholds, the step they were chosen at or None)."""
+    try:
+        return from_json_values(json.loads(path.read_text(encoding="utf-8")))
+    except ValueError as err:  # not JSON (JSONDecodeError, UnicodeDecodeError), or not thresholds
+        raise DistqaError(
+            f"{path} is not a thresholds file ({str(err).splitlines()[0]}): export the model again, or remove "
+            "it to give every example its best answer"
+        ) from None
 
 
 def read_thresholds(path: Path) -> dict[str, float]:
-    """distqa_thresholds.json as `thresholds_json` writes it (null: never answer), or as exports
-    before it did (`Infinity`, which Python's json still reads)."""
-    try:
-        return from_json_values(json.loads(path.read_text()))
-    except (ValueError, TypeError, AttributeError) as err:  # not JSON, not an object, not numbers
-        raise DistqaError(
-            f"{path} is not a thresholds file ({err}): export the model again, or remove it to give "
-            "every example its best answer"
-        ) from None
+    """The thresholds of distqa_thresholds.json (`read_chosen` without the step)."""
+    return read_chosen(path)[0]

@@ -1,0 +1,235 @@
+"""What `distqa predict`, validation and `distqa score` refuse in their input, in one line and before
+the expensive work: a repeated or unusable example id, an --output that cannot be written or is the
+input, features cached from an earlier version of the file; and what they say about lines skipped
+with task.skip_bad_lines, on every run that uses those features, not only the one that prepared them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import SMALL, TESTS
+from distqa.cli import main
+from distqa.errors import DistqaError
+from distqa.models import load_tokenizer
+from distqa.nq.data import resolve_features
+from distqa.nq.features import FeatureSettings
+from distqa.nq.metric import read_gold, read_submission, score
+from distqa.nq.prepare import PrepareResult, prepare_features
+from distqa.nq.reader import BadLine, NQReader, parse_example
+from distqa.registry import load_config
+
+SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+LINES = SAMPLE.read_text().splitlines()
+EVAL = FeatureSettings(max_seq_len=64, doc_stride=32, max_query_len=16, training=False)
+
+
+def write(path, lines: list[str]):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def short(line: str, n_tokens: int = 200) -> str:
+    """A real line cut to its first tokens, in the test file's shape (no annotations): a few
+    windows each, so that a prediction takes a second, not ten."""
+    obj = json.loads(line)
+    obj["document_text"] = " ".join(obj["document_text"].split(" ")[:n_tokens])
+    obj["long_answer_candidates"] = [c for c in obj["long_answer_candidates"] if c["end_token"] <= n_tokens]
+    del obj["annotations"]
+    return json.dumps(obj)
+
+
+SHORT = [short(line) for line in LINES[:3]]
+
+
+def with_id(line: str, example_id: object) -> str:
+    obj = json.loads(line)
+    obj["example_id"] = example_id
+    return json.dumps(obj)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny model (task.max_seq_len=64) exported as `distqa train` exports one: weights, config and
+    task settings. Untrained: these tests are about what happens before and around its forward pass."""
+    from distqa.nq.task import NQTask
+
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    task = NQTask(load_config(None, SMALL))
+    task.save_model(task.build_model(), folder)
+    task.save_settings(folder)
+    return folder
+
+
+def predict_here(tmp_path, capsys, run, minilm_dir, source, *overrides: str, output=None) -> tuple[int, str, str]:
+    output = tmp_path / "sub.csv" if output is None else output
+    argv = ["predict", "--input", str(source), "--checkpoint", str(run), "--output", str(output)]
+    capsys.readouterr()
+    status = main([*argv, f"model.tokenizer={minilm_dir}", f"task.cache_dir={tmp_path / 'cache'}", *overrides])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Example ids: unique, and usable as a submission row id
+
+
+@pytest.mark.parametrize("value", [None, True, 1.5, [1], {"id": 1}])
+def test_an_example_id_that_is_not_a_string_or_an_integer_is_a_bad_line(tmp_path, value):
+    """null once became the id "None", which a second null line then shared."""
+    with pytest.raises(BadLine, match="example_id is .*, not a string or an integer"):
+        parse_example(with_id(LINES[0], value))
+    reader = NQReader(write(tmp_path / "in.jsonl", [LINES[0], with_id(LINES[1], value)]), skip_bad_lines=True)
+    assert len(list(reader)) == 1 and [n for n, _ in reader.bad_lines] == [2]
+    with pytest.raises(DistqaError, match="example_id"):
+        read_gold(tmp_path / "in.jsonl")
+
+
+def test_a_keyed_reader_refuses_a_repeated_id_even_when_skipping_bad_lines(tmp_path):
+    path = write(tmp_path / "in.jsonl", [LINES[0], LINES[1], "{broken", LINES[0]])
+    assert len(list(NQReader(path, skip_bad_lines=True))) == 3  # training pools windows: no ids needed
+    with pytest.raises(DistqaError) as caught:
+        list(NQReader(path, skip_bad_lines=True, keyed_by_id=True))
+    example_id = json.loads(LINES[0])["example_id"]
+    message = str(caught.value)
+    assert message.startswith(f"{path}, line 4: example_id {example_id} appears a second time (first on line 1)")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("value", ["a,b", "a\nb", "a\rb", ""])
+def test_an_id_that_cannot_name_a_submission_row_is_a_bad_line_where_ids_are_keys(tmp_path, value):
+    path = write(tmp_path / "in.jsonl", [LINES[0], with_id(LINES[1], value)])
+    assert len(list(NQReader(path))) == 2
+    with pytest.raises(DistqaError, match=r"line 2: example_id .*task.skip_bad_lines=true"):
+        list(NQReader(path, keyed_by_id=True))
+    reader = NQReader(path, skip_bad_lines=True, keyed_by_id=True)
+    assert len(list(reader)) == 1 and [n for n, _ in reader.bad_lines] == [2]
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_validation_features_refuse_a_repeated_id_in_one_shard_or_across_two(tmp_path, minilm_dir, num_proc):
+    """Evaluation features (validation, predict) are grouped by id: a repeated id would pool two
+    documents' windows. With two processes the repeats lie in different byte ranges."""
+    path = write(tmp_path / "valid.jsonl", [SHORT[0], SHORT[1], SHORT[2], SHORT[0]])
+    with pytest.raises(DistqaError, match=r"line 4: example_id .* appears a second time \(first on line 1\)"):
+        prepare_features(path, tmp_path / "f", tokenizer_name=str(minilm_dir), settings=EVAL, num_proc=num_proc)
+    assert not (tmp_path / "f" / "distqa_fingerprint.json").exists()
+
+
+def test_predict_refuses_a_repeated_or_unusable_id_before_preparing_anything(tmp_path, capsys, tiny_run, minilm_dir):
+    for lines, said in [
+        ([SHORT[0], SHORT[1], SHORT[0]], "line 3: example_id"),
+        ([SHORT[0], with_id(SHORT[1], None)], "line 2: example_id is null"),
+        ([SHORT[0], with_id(SHORT[1], "a,b")], "line 2: example_id 'a,b' holds a comma"),
+    ]:
+        status, _, err = predict_here(tmp_path, capsys, tiny_run, minilm_dir, write(tmp_path / "in.jsonl", lines))
+        last = err.strip().splitlines()[-1]
+        assert status != 0 and said in last, err[-2000:]
+        assert not (tmp_path / "cache").exists() and not (tmp_path / "sub.csv").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Skipped lines are said by every run that uses the features
+
+
+def test_a_run_reusing_features_says_which_lines_were_skipped(tmp_path, minilm_dir, capsys):
+    path = write(tmp_path / "in.jsonl", [SHORT[0], "{broken", SHORT[1], "[]"])
+    settings = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=64", f"task.cache_dir={tmp_path}/c"]
+    cfg = load_config(None, [*settings, "task.skip_bad_lines=true"])
+    tokenizer = load_tokenizer(cfg.model)
+    for run in ("prepares", "reuses"):
+        capsys.readouterr()
+        folder = resolve_features(cfg, str(path), tokenizer, training=False)
+        out = capsys.readouterr().out
+        assert "skipped 2 bad line(s): line 2, 4 (first: not valid JSON" in out, (run, out)
+    assert out.startswith(f"reused the features of {path} at {folder}; "), out
+    # The same from `distqa prepare --output` on the folder, and on a reuse of it.
+    assert "skipped 2 bad line(s)" in resolve_and_capture(folder, cfg, tokenizer, capsys)
+
+
+def resolve_and_capture(folder, cfg, tokenizer, capsys) -> str:
+    capsys.readouterr()
+    resolve_features(cfg, str(folder), tokenizer, training=False)  # a prepared folder named directly
+    return capsys.readouterr().out
+
+
+def test_a_folder_stamped_before_lines_were_recorded_says_how_to_see_them(tmp_path):
+    note = PrepareResult(tmp_path, reused=True, skipped=3).skipped_note("x.jsonl")
+    assert note.startswith("skipped 3 bad line(s) of x.jsonl (which ones was not recorded: delete"), note
+    assert str(tmp_path) in note
+    assert PrepareResult(tmp_path, reused=True).skipped_note() == ""
+
+
+def test_predict_with_skipped_lines_says_in_its_last_line_that_they_have_no_rows(
+    tmp_path, capsys, tiny_run, minilm_dir
+):
+    source = write(tmp_path / "in.jsonl", [SHORT[0], "{broken", SHORT[1]])
+    for _ in range(2):  # the second run reuses the cached features
+        status, out, err = predict_here(tmp_path, capsys, tiny_run, minilm_dir, source, "task.skip_bad_lines=true")
+        assert status == 0, err[-2000:]
+        lines = out.strip().splitlines()
+        assert lines[-1].endswith("no rows for the 1 bad line(s) skipped (task.skip_bad_lines): line 2"), out
+        assert "skipped 1 bad line(s): line 2" in lines[-2], out
+
+
+# ---------------------------------------------------------------------------------------------
+# Stale features, and the output path
+
+
+def test_predict_refuses_features_cached_from_an_earlier_version_of_the_file(tmp_path, capsys, tiny_run, minilm_dir):
+    """The cache is keyed on path, size and mtime: an id edited in place, mtime restored, once gave
+    an empty answer for the renamed example and a submission with exit 0."""
+    source = write(tmp_path / "in.jsonl", SHORT[:2])
+    assert predict_here(tmp_path, capsys, tiny_run, minilm_dir, source)[0] == 0
+    old_id = str(json.loads(LINES[0])["example_id"])
+    new_id = old_id[:-1] + ("0" if old_id[-1] != "0" else "1")  # same length: same file size
+    stat = source.stat()
+    source.write_text(source.read_text().replace(old_id, new_id))
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert source.stat().st_size == stat.st_size
+    status, _, err = predict_here(tmp_path, capsys, tiny_run, minilm_dir, source, output=tmp_path / "again.csv")
+    last = err.strip().splitlines()[-1]
+    assert status != 0 and "the cache is stale" in last and f"first: {new_id}" in last and "delete" in last, err
+    assert not (tmp_path / "again.csv").exists()
+
+
+def test_an_output_that_cannot_be_written_or_is_the_input_is_refused_first(tmp_path, capsys):
+    """Each was a traceback after all the prediction work, or (the input itself) an overwritten input
+    and exit 0. The checkpoint here does not exist: the output is checked before anything else."""
+    source = write(tmp_path / "in.jsonl", LINES[:1])
+    (tmp_path / "folder").mkdir()
+    for output, said in [
+        (tmp_path / "folder", "is a folder: name the file to write"),
+        (source / "sub.csv", f"{source} is a file, not a folder"),
+        (source, "is the --input file"),
+    ]:
+        capsys.readouterr()
+        argv = ["predict", "--input", str(source), "--checkpoint", str(tmp_path / "none"), "--output", str(output)]
+        assert main(argv) != 0
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert said in last and "--output" in last, last
+    assert source.read_text() == LINES[0] + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# `distqa score`: spans compared as integers, ASCII digits only
+
+
+def test_a_span_with_leading_zeros_is_compared_as_integers(tmp_path):
+    gold = read_gold(write(tmp_path / "gold.jsonl", LINES[:1]))
+    ((example_id, (gold_long, gold_short)),) = gold.items()
+    start, end = sorted(gold_short)[0].split(":")
+    sub = tmp_path / "sub.csv"
+    sub.write_text(f"example_id,PredictionString\n{example_id}_long,\n{example_id}_short,0{start}:00{end}\n")
+    assert read_submission(sub)[f"{example_id}_short"] == f"{start}:{end}"
+    result = score(gold, read_submission(sub))
+    assert (result["short_tp"], result["short_fp"]) == (1, 0)
+
+
+def test_a_span_in_other_digits_is_refused(tmp_path):
+    sub = tmp_path / "sub.csv"
+    sub.write_text("example_id,PredictionString\n1_long,١٩٥٢:٢٠١٩\n1_short,\n")
+    with pytest.raises(DistqaError, match="line 2: 1_long has '١٩٥٢:٢٠١٩', expected start:end"):
+        read_submission(sub)
