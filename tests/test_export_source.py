@@ -33,7 +33,7 @@ def test_a_stale_model_folder_is_written_again_not_taken_for_the_finished_run(tm
 
     train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=6"]))
     said = capsys.readouterr().out
-    assert f"{out / 'model'} does not hold the weights of {out / 'checkpoints' / 'step-6'}" in said
+    assert f"{out / 'model'} does not record that it holds the weights of {out / 'checkpoints' / 'step-6'}" in said
     assert "already finished" not in said
     final = load_file(str(out / "checkpoints" / "step-6" / "model.safetensors"))
     exported = load_file(str(out / "model" / "model.safetensors"))

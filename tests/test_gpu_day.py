@@ -87,7 +87,7 @@ def _fakes(tmp_path: Path) -> dict[str, str]:
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "FAKE_LOG": str(tmp_path / "calls.log"),
         "GPU_CHECK": str(bin_dir / "gpu_check.sh"),
-        "PYTHON": str(ROOT / ".venv" / "bin" / "python"),
+        "PYTHON": sys.executable,  # the suite's own (make test-torch-floor runs another venv)
         "GPU_DAY_GRACE_S": "1",
         "GPU_DAY_MIN_BOX_S": "1",
     }

@@ -14,10 +14,10 @@ from conftest import SMALL, checkpoint_weights, max_abs_diff
 from distqa.registry import load_config
 from distqa.sampler import BatchSeeded, ItemSeeded, item_seed
 from distqa.trainer import train
-from toy_task import NoisyBlobs
+from toy_data_tasks import NoisyBlobs
 
 TOY = [arg for arg in SMALL if not arg.startswith(("task.", "data.num_workers"))]
-TOY += ["task.name=toy_task:AugmentedTask", "task.size=64", "train.batch_size=4", "train.checkpoint_every=3"]
+TOY += ["task.name=toy_data_tasks:AugmentedTask", "task.size=64", "train.batch_size=4", "train.checkpoint_every=3"]
 TOY += ["train.lr_schedule=constant", "train.warmup_ratio=0"]  # max_steps 3 then 6: one schedule
 
 

@@ -216,3 +216,24 @@ def test_a_resume_without_data_valid_exports_no_thresholds_of_an_earlier_step(ev
     train(load_config(None, [*RUN, "train.max_steps=5", f"output_dir={out}"]))  # no evaluation: no data.valid
     assert not (out / "model" / THRESHOLDS_FILE).exists()
     assert "thresholds were chosen at step 4, these weights are step 5" in capsys.readouterr().out
+
+
+def test_predict_refuses_thresholds_copied_beside_other_weights(evaluated_run, tmp_path, capsys, minilm_dir):
+    import shutil
+
+    from conftest import TESTS
+    from distqa.cli import main
+
+    two = export_checkpoint(str(evaluated_run / "checkpoints" / "step-2"), str(tmp_path / "two"))
+    shutil.copy(evaluated_run / "model" / THRESHOLDS_FILE, two / THRESHOLDS_FILE)  # step 4's, beside step 2's weights
+    source = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+    output = tmp_path / "sub.csv"
+    capsys.readouterr()
+    status = main(
+        ["predict", "--input", str(source), "--checkpoint", str(two), "--output", str(output)]
+        + [f"model.tokenizer={minilm_dir}", f"task.cache_dir={tmp_path / 'cache'}"]
+    )
+    assert status == 2 and not output.exists()
+    assert (
+        f"{two / THRESHOLDS_FILE} was chosen at step 4, but the weights in {two} are step 2" in capsys.readouterr().err
+    )

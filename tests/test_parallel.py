@@ -174,7 +174,7 @@ def test_a_checkpoint_index_naming_other_code_is_not_unpickled(tmp_path):
         # OrderedDict for the rest of the process.
         "sets attributes of PosixPath itself": _class_build_payload(),
         # Damage, not attack: each named as the index's (torch 2.11's DCP alone says "metadata is None").
-        "holds a int, not DCP's index": pickle.dumps(5),
+        "holds a value of type int, not DCP's index": pickle.dumps(5),
         "is damaged: KeyError 255": b"\xff\xfe" + bytes(range(64)),
         "is damaged: (UnpicklingError|EOFError)": (checkpoint / ".metadata").read_bytes()[:200],
     }

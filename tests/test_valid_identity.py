@@ -14,7 +14,7 @@ from conftest import SMALL, run_train
 from distqa.registry import load_config
 from distqa.trainer import train
 
-TOY = [arg for arg in SMALL if not arg.startswith("task.")] + ["task.name=toy_task:ValidFileTask"]
+TOY = [arg for arg in SMALL if not arg.startswith("task.")] + ["task.name=toy_data_tasks:ValidFileTask"]
 
 
 def valid_file(tmp_path: Path, name: str, **spec) -> Path:
@@ -53,6 +53,12 @@ def test_a_resume_onto_other_validation_data_says_so_and_starts_the_best_record_
     train(load_config(None, [*args, f"data.valid={moved}", "train.max_steps=6"]))
     assert "is not the validation data" not in capsys.readouterr().out
     assert final_state(out, 6)["best"]["step"] == 4
+
+    # Without a best metric the eval_* figures still change data set from here on: said all the same.
+    no_best = [arg for arg in args if not arg.startswith("train.best_")]
+    train(load_config(None, [*no_best, f"data.valid={a}", "train.max_steps=8"]))
+    said = capsys.readouterr().out
+    assert f"warning: data.valid='{a}' (11 examples, fingerprint" in said and "best_metric's record" not in said
 
 
 @pytest.mark.safety

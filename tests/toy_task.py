@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -354,35 +353,3 @@ class SyncProbeTask(ToyClassificationTask):
     def save_model(self, model: nn.Module, directory: Path) -> None:
         super().save_model(model, directory)
         (directory / "reduced_before.json").write_text(json.dumps(self.reduced_before))
-
-
-class ValidFileTask(ToyClassificationTask):
-    """Validation data read from data.valid, a JSON object {"seed", "size", "score"}: IndexedBlobs of
-    that seed and size, whose metric eval_score is the file's "score". With "skew": true, rank 1
-    sees one item more, as a node whose data.valid holds another file at the same path would."""
-
-    def build_eval_dataset(self) -> Dataset:
-        spec = json.loads(Path(self.cfg.data.valid).read_text())
-        self.score = float(spec["score"])
-        extra = 1 if spec.get("skew") and int(os.environ.get("RANK", "0")) == 1 else 0
-        return IndexedBlobs(spec["size"] + extra, seed=spec["seed"])
-
-    def eval_step(self, model: nn.Module, batch: Batch) -> list:
-        return [int(i) for i in batch["index"]]
-
-    def compute_metrics(self, outputs: list, step: int) -> dict[str, float]:
-        return {"eval_score": self.score, "eval_items": float(len(outputs))}
-
-
-class NoisyBlobs(BlobsDataset):
-    """Augmentation as a fork writes it: noise drawn from the global RNGs in `__getitem__`."""
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        item = super().__getitem__(index)
-        noise = torch.randn(FEATURES) + float(np.random.normal()) + random.random()
-        return {**item, "features": item["features"] + noise}
-
-
-class AugmentedTask(ToyClassificationTask):
-    def build_train_dataset(self) -> Dataset:
-        return NoisyBlobs(self.cfg.task.size, self.cfg.seed)

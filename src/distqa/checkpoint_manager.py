@@ -22,6 +22,7 @@ from distqa import parallel
 from distqa.best import BEST_NAME, point_at, pointed
 from distqa.comm_hooks import CommHook
 from distqa.config import Config
+from distqa.data_identity import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.metrics import ThroughputMeter
 from distqa.optim import apply_settings
@@ -83,26 +84,27 @@ class TrainerState:
         # A record of another metric or direction (changed on resume) is no record of this one.
         best, train = state.get("best"), self.cfg.train
         same = isinstance(best, dict) and (best.get("metric"), best.get("mode")) == (train.best_metric, train.best_mode)
-        self.best = best if same and self._same_validation(state.get("valid_data"), best) else None
+        same_data = self._same_validation(state.get("valid_data"), best if same else None)
+        self.best = best if same and same_data else None
 
-    def _same_validation(self, saved: Any, best: dict[str, Any]) -> bool:
+    def _same_validation(self, saved: Any, best: dict[str, Any] | None) -> bool:
         """Whether the validation data is the checkpoint's (a checkpoint from before identities were
-        recorded counts as the same). Other data: one warning, and the best record, measured on the
-        old data, is no record on the new."""
+        recorded counts as the same). Other data: one warning (the eval_* figures change data set
+        from here on), and the best record, measured on the old data, is no record on the new."""
         now = self.valid_identity
-        if not isinstance(saved, dict) or now is None:
+        if not isinstance(saved, dict) or now is None or same_identity(saved, now):
             return True
-        if (saved.get("examples"), saved.get("fingerprint")) == (now["examples"], now["fingerprint"]):
-            return True
-        record = (
-            f"; train.best_metric's record ({best['metric']}={best['value']:.4g} at step {best['step']}) "
-            "was measured on it and starts again"
-        )
+        record = ""
+        if best is not None:
+            record = (
+                f"; train.best_metric's record ({best['metric']}={best['value']:.4g} at step {best['step']}) "
+                "was measured on it and starts again"
+            )
         if self.info.is_main:
             print(
                 f"warning: data.valid={now['valid']!r} ({now['examples']} examples, fingerprint {now['fingerprint']}) "
                 f"is not the validation data this run had until step {self.step} ({saved.get('examples')} examples, "
-                f"fingerprint {saved.get('fingerprint')}){record if best else ''}",
+                f"fingerprint {saved.get('fingerprint')}){record}",
                 flush=True,
             )
         return False

@@ -252,6 +252,12 @@ def agreed_identity(
     return {"examples": examples, "fingerprint": digest, key.removeprefix("data."): path}
 
 
+def same_identity(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether an identity a checkpoint recorded (`agreed_identity`'s) is this data's: the same
+    length and fingerprint, wherever the file now lies."""
+    return (saved.get("examples"), saved.get("fingerprint")) == (now["examples"], now["fingerprint"])
+
+
 def _ranks(ranks: list[int]) -> str:
     """`rank 3` or `ranks 0-7`, `ranks 0,2,5`: short even for many GPUs."""
     if len(ranks) == 1:

@@ -67,7 +67,8 @@ def check_replaceable(target: Path) -> None:
     if not target.is_dir():
         raise DistqaError(f"--output {target} is a file, not a folder: name a new folder for the export")
     names = sorted(path.name for path in target.iterdir())
-    if names and not {SOURCE_FILE, SETTINGS_FILE} & set(names):
+    # An export holds its source or settings file; one from before distqa wrote them, the weights.
+    if names and not ({SOURCE_FILE, SETTINGS_FILE} & set(names) or {"config.json", "model.safetensors"} <= set(names)):
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise DistqaError(
             f"--output {target} is a folder that is not a model export (it holds {shown}), and an export "

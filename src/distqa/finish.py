@@ -31,7 +31,7 @@ def is_exported(out: Path, final: Path, info: DistInfo) -> bool:
     model = out / "model"
     done = bool(on_rank0(info, lambda: exported_from(model, final)))
     if not done and info.is_main and model.exists():
-        print(f"{model} does not hold the weights of {final} (an earlier export): writing it again", flush=True)
+        print(f"{model} does not record that it holds the weights of {final}: writing it again", flush=True)
     return done
 
 

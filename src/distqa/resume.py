@@ -25,6 +25,7 @@ from distqa.agreement import flatten
 from distqa.best import BEST_NAME, pointed
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
 from distqa.config import Config, setting_field
+from distqa.data_identity import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.durable import read_no_link, write_atomically
 from distqa.errors import ConfigError
@@ -285,7 +286,7 @@ def check_continuation(
 def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -> None:
     if not isinstance(saved, dict):
         return  # a checkpoint from before data identities were recorded
-    if (saved.get("examples"), saved.get("fingerprint")) == (now["examples"], now["fingerprint"]):
+    if same_identity(saved, now):
         return
     old = str(saved.get("fingerprint", ""))
     if saved.get("examples") == now["examples"] and len(old) != len(str(now["fingerprint"])):

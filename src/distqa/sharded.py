@@ -194,7 +194,7 @@ class _Reader(dcp.FileSystemReader):
                     text = f"{METADATA_FILE} is damaged: {type(err).__name__} {text}".rstrip()
                 raise ValueError(text) from err
             if not isinstance(index, Metadata):
-                raise ValueError(f"{METADATA_FILE} holds a {type(index).__name__}, not DCP's index")
+                raise ValueError(f"{METADATA_FILE} holds a value of type {type(index).__name__}, not DCP's index")
             self._index = index
         return self._index
 

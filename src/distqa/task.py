@@ -114,9 +114,10 @@ class Task(ABC):
         return 0
 
     def data_fingerprint(self, dataset: Dataset) -> str:
-        """An identity of the training data's content: stored in checkpoints, compared on resume
-        and across ranks. The default hashes every item in order (an Arrow dataset column by column;
-        see `distqa.data_identity`); override it with a cheaper exact identity if you have one."""
+        """An identity of a dataset's content, called with the training dataset and with the
+        validation one (`build_eval_dataset`'s): stored in checkpoints, compared on resume and across
+        ranks. The default hashes every item in order (an Arrow dataset column by column; see
+        `distqa.data_identity`); override it with a cheaper exact identity if you have one."""
         return fingerprint(dataset)
 
     def model_shape(self, model: nn.Module) -> ModelShape:

@@ -131,14 +131,15 @@ class Trainer:
             data=self.data_identity,
         )
         # (finished is the same on every rank: the same checkpoint, settings and agreed data.)
+        # train.resume=PATH: output_dir then holds PATH's line alone (later checkpoints, or another
+        # run there, set aside), finished or not: an export must not land beside another run's files.
+        set_aside_other_line(self.out, resume_from, self.cfg.train.resume, self.info)
         if finished and (not self.save_outputs or is_exported(self.out, resume_from, self.info)):  # type: ignore[arg-type]
             print0(
                 f"the run in {self.out} already finished at step {self.total_steps}: nothing to train, "
                 "nothing written; to train again use another output_dir or train.resume=never"
             )
             return self.out / "model"
-        if not finished:  # an explicit train.resume to an earlier step: the later line is set aside
-            set_aside_other_line(self.out, resume_from, self.cfg.train.resume, self.info)
         self._set_up()
         step = self._restore(resume_from, saved, finished)
         # From here on, SIGTERM means "checkpoint, then exit"; after the last step, nothing.
@@ -172,7 +173,9 @@ class Trainer:
         self.valid_identity = (
             None
             if valid is None
-            else agreed_identity(self.task.data_fingerprint, valid, info, str(cfg.data.valid), "data.valid")
+            else agreed_identity(
+                self.task.data_fingerprint, valid, info, cfg.data.valid or "(none: the task's own set)", "data.valid"
+            )
         )
         train = cfg.train
         self.epoch_steps = steps_per_epoch(len(dataset), train.batch_size, train.grad_accum, info.world_size)  # type: ignore[arg-type]

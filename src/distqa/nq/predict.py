@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from distqa.checkpoint_verify import SOURCE_FILE
 from distqa.config import Config, ModelConfig
 from distqa.console import quiet_libraries
 from distqa.dist import autocast_dtype
@@ -19,7 +21,7 @@ from distqa.nq.model import BertJointQA
 from distqa.nq.postprocess import group_by_example
 from distqa.nq.reader import NQExample, NQReader
 from distqa.nq.submission import check_output_path, write_submission
-from distqa.nq.thresholds import THRESHOLDS_FILE, read_thresholds
+from distqa.nq.thresholds import THRESHOLDS_FILE, read_chosen
 from distqa.task import with_trained_settings
 
 
@@ -75,6 +77,24 @@ def model_tokenizer(cfg: Config, folder: Path) -> Any:
     return tokenizer
 
 
+def chosen_thresholds(path: Path, folder: Path) -> dict[str, float]:
+    """The thresholds saved with the model; refused when they say they were chosen at another step
+    than the weights' (`distqa_source.json`): a file copied beside other weights."""
+    thresholds, chosen_at = read_chosen(path)
+    source = folder / SOURCE_FILE
+    try:
+        weights_at = json.loads(source.read_text()).get("step") if source.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        weights_at = None  # a damaged source file vouches for nothing either way
+    if chosen_at is not None and isinstance(weights_at, int) and chosen_at != weights_at:
+        raise DistqaError(
+            f"{path} was chosen at step {chosen_at}, but the weights in {folder} are step {weights_at} "
+            f"({SOURCE_FILE}): export the model again from one checkpoint, or remove the thresholds file to give "
+            "every example its best answer"
+        )
+    return thresholds
+
+
 def predict(
     cfg: Config, input_path: str, checkpoint: str, output: str, *, given: Collection[str] = ()
 ) -> dict[str, Any]:
@@ -93,7 +113,7 @@ def predict(
     check_model_fits(model, cfg.model, max_seq_len=cfg.task.max_seq_len, tokenizer=tokenizer, exported=True)
     thresholds_path = folder / THRESHOLDS_FILE
     # Without thresholds (a run with no data.valid) every example gets its best answer.
-    thresholds = read_thresholds(thresholds_path) if thresholds_path.is_file() else {}
+    thresholds = chosen_thresholds(thresholds_path, folder) if thresholds_path.is_file() else {}
     if thresholds:
         print(f"thresholds from {thresholds_path}: long {thresholds.get('long')}, short {thresholds.get('short')}")
     else:

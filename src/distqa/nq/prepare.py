@@ -61,6 +61,7 @@ def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> 
     used = dataclasses.asdict(settings)
     if not settings.training:
         del used["keep_unknown"], used["seed"]
+        used["ids_checked"] = True  # repeated/unusable ids refused: folders made before are made again
     stat = input_path.stat()
     vocab = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
     return {
