@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
 
 
+@pytest.mark.safety  # two launches of seconds: make test-safety, beside make test's 5 minutes
 def test_a_second_run_into_a_held_output_dir_stops_and_the_first_is_untouched(tmp_path, capsys):
     """rel-one-run-per-dir, with DataLoader workers on in the first run. The second run is this
     process, which is another process than the first's rank 0, as a second command would be."""
@@ -46,6 +47,7 @@ def test_a_second_run_into_a_held_output_dir_stops_and_the_first_is_untouched(tm
     assert "step-40 at step 40" in capsys.readouterr().out
 
 
+@pytest.mark.safety  # two launches of seconds: make test-safety, beside make test's 5 minutes
 def test_ranks_that_see_different_data_stop_at_start_instead_of_hanging(tmp_path):
     start = time.monotonic()
     proc = run_train(
