@@ -176,10 +176,20 @@ def source_of(checkpoint: Path) -> dict[str, Any]:
     }
 
 
-def exported_from(export: Path, checkpoint: Path) -> bool:
-    """Whether the export folder `export` holds `checkpoint`'s weights, by its SOURCE_FILE."""
+def recorded_source(export: Path) -> dict[str, Any] | None:
+    """The export folder `export`'s SOURCE_FILE, or None: there is none (an older export), or it is
+    damaged, and then it vouches for nothing."""
     try:
         recorded = json.loads((export / SOURCE_FILE).read_text())
-        return isinstance(recorded, dict) and recorded == source_of(checkpoint)
-    except (OSError, ValueError, KeyError, TypeError):  # none (an older export), or damaged
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def exported_from(export: Path, checkpoint: Path) -> bool:
+    """Whether the export folder `export` holds `checkpoint`'s weights, by its SOURCE_FILE."""
+    recorded = recorded_source(export)
+    try:
+        return recorded is not None and recorded == source_of(checkpoint)
+    except (OSError, ValueError, KeyError, TypeError):  # the checkpoint's own files cannot say
         return False

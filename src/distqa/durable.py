@@ -52,3 +52,9 @@ def read_no_link(path: Path) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
         return f.read()
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The first of `folder` and its parents that exists and is not a folder (a file where a folder
+    must be created or written into), or None."""
+    return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)

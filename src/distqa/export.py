@@ -10,7 +10,6 @@ saved by the task's own `save_model` and `save_settings`, written aside and rena
 from __future__ import annotations
 
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,6 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_model
 from torch import nn
-from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
 
 from distqa import sharded
 from distqa.best import resolve_checkpoint
@@ -52,11 +49,9 @@ def load_sharded_weights(directory: Path, model: nn.Module) -> None:
     alone, through the restricted reader that resume and verification use."""
     state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=sharded._Reader(directory), planner=sharded._Planner(), no_dist=True)
-    except CheckpointException as err:
-        raise DistqaError(f"cannot load the model from {directory}: {sharded.first_failure(err)}") from err
+        sharded.load_restricted(state, directory, no_dist=True)
+    except (ValueError, OSError) as err:
+        raise DistqaError(f"cannot load the model from {directory}: {err}") from err
 
 
 def check_replaceable(target: Path) -> None:

@@ -216,6 +216,20 @@ class _Planner(dcp.DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
+def load_restricted(state: dict[str, Any], reader: Path | _Reader, *, no_dist: bool = False) -> None:
+    """`dcp.load` of `state` through the restricted reader and planner, the one way every load here
+    goes: the index read first (`_Reader.index`), DCP's gathered failure as one ValueError.
+    `no_dist`: in this process alone (verification, `distqa export`), with or without a group."""
+    reader = reader if isinstance(reader, _Reader) else _Reader(reader)
+    reader.index()
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=_Planner(), no_dist=no_dist)
+    except CheckpointException as err:
+        raise ValueError(first_failure(err)) from err
+
+
 def first_nonfinite_weight(directory: Path, batch_bytes: int = 256 << 20) -> str | None:
     """The name of the first model tensor of a sharded checkpoint holding NaN/inf, or None. Read in
     this process alone (`no_dist`: rank 0 verifies while the others wait), `batch_bytes` at a time,
@@ -235,12 +249,7 @@ def first_nonfinite_weight(directory: Path, batch_bytes: int = 256 << 20) -> str
         size += tensor.numel() * tensor.element_size()
         if size < batch_bytes and number < len(wanted) - 1:
             continue
-        try:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(batch, storage_reader=reader, planner=_Planner(), no_dist=True)
-        except CheckpointException as err:
-            raise ValueError(first_failure(err)) from err
+        load_restricted(batch, reader, no_dist=True)  # one reader: the index is read once
         bad = next((name for name, loaded in batch.items() if not all_finite([loaded])), None)
         if bad is not None:
             return bad.removeprefix("model.")
@@ -252,10 +261,5 @@ def read_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimi
     """Every rank: load the model and optimizer state of `directory` into this rank's shards."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    reader = _Reader(directory)
-    reader.index()
-    try:
-        dcp.load(state, storage_reader=reader, planner=_Planner())
-    except CheckpointException as err:
-        raise ValueError(first_failure(err)) from err
+    load_restricted(state, directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

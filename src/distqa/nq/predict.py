@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from distqa.checkpoint_verify import SOURCE_FILE
+from distqa.checkpoint_verify import SOURCE_FILE, recorded_source
 from distqa.config import Config, ModelConfig
 from distqa.console import quiet_libraries
 from distqa.dist import autocast_dtype
@@ -81,11 +80,7 @@ def chosen_thresholds(path: Path, folder: Path) -> dict[str, float]:
     """The thresholds saved with the model; refused when they say they were chosen at another step
     than the weights' (`distqa_source.json`): a file copied beside other weights."""
     thresholds, chosen_at = read_chosen(path)
-    source = folder / SOURCE_FILE
-    try:
-        weights_at = json.loads(source.read_text()).get("step") if source.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        weights_at = None  # a damaged source file vouches for nothing either way
+    weights_at = (recorded_source(folder) or {}).get("step")
     if chosen_at is not None and isinstance(weights_at, int) and chosen_at != weights_at:
         raise DistqaError(
             f"{path} was chosen at step {chosen_at}, but the weights in {folder} are step {weights_at} "

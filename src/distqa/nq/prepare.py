@@ -25,7 +25,7 @@ from typing import Any
 import datasets
 from transformers import AutoTokenizer
 
-from distqa.durable import fsync_path
+from distqa.durable import file_in_the_way, fsync_path
 from distqa.errors import DistqaError
 from distqa.models import load_error
 from distqa.nq.features import FeatureBuilder, FeatureSettings
@@ -294,7 +294,7 @@ def _open_staging(target: Path) -> Path:
 
     Only the output folder itself must be writable: its parent only when it has to be created.
     """
-    blocker = next((p for p in (target, *target.parents) if p.exists() and not p.is_dir()), None)
+    blocker = file_in_the_way(target)
     if blocker is not None:
         where = "it" if blocker == target else str(blocker)
         raise DistqaError(f"cannot write features to {target}: {where} is a file, not a folder")

@@ -24,6 +24,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from distqa.durable import file_in_the_way
 from distqa.errors import DistqaError
 
 HEADER = ("example_id", "PredictionString")
@@ -84,7 +85,7 @@ def check_output_path(output: str | os.PathLike, *, input_path: str | os.PathLik
         raise DistqaError(
             f"--output {path} is a folder: name the file to write, e.g. --output {path / 'submission.csv'}"
         )
-    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    blocker = file_in_the_way(path.parent)
     if blocker is not None:
         raise DistqaError(f"--output {path}: {blocker} is a file, not a folder: choose another --output")
     if path.exists() and Path(input_path).exists() and os.path.samefile(path, input_path):
