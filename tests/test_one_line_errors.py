@@ -6,6 +6,7 @@ line the launch scripts add no torchrun failure report (but keep it for a crash 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -204,6 +205,37 @@ def test_distqa_torchrun_after_a_sigterm(tmp_path, monkeypatch, lines, result):
         torchrun.main([])
     (tmp_path / "node.txt").write_text("".join(f"{line}\n" for line in lines))
     assert torchrun.main([]) == result
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_store_closed_during_torchrun_s_exit_barrier_is_one_line(tmp_path, monkeypatch, capfd, caplog, closed):
+    """pytorch/pytorch#69520, seen in make test-nodes: node 0's agent left as the exit barrier
+    completed and node 1's torchrun logged a connection traceback, then exited 0. torchrun's own
+    _exit_barrier runs here on a store whose server is gone (closed) or alive with no other node
+    (a timeout: torchrun's record stays)."""
+    import types
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from distqa import torchrun
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    agent = object.__new__(LocalElasticAgent)  # only what _exit_barrier reads
+    agent._store = TCPStore("127.0.0.1", server.port, is_master=False)
+    agent._worker_group = types.SimpleNamespace(group_world_size=2, state="SUCCEEDED")
+    agent._exit_barrier_timeout = 1
+    agent._in_exit_barrier = False
+    if closed:
+        del server
+    monkeypatch.setattr("torch.distributed.run.main", lambda argv: agent._exit_barrier())
+    monkeypatch.setattr(sys, "argv", ["x"])
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(tmp_path / "node.txt"))
+    with caplog.at_level(logging.INFO, logger="torch.distributed.elastic.agent.server.api"):
+        assert torchrun.main([]) == 0
+    said = capfd.readouterr().err.count("distqa: the master node's store closed during torchrun's exit barrier")
+    logged = [r for r in caplog.records if r.getMessage().startswith("Error waiting on exit barrier")]
+    assert (said, len(logged)) == ((1, 0) if closed else (0, 1)), caplog.text
 
 
 # ---- the real thing: 2 processes ---------------------------------------------------------------
