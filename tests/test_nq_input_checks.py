@@ -195,6 +195,37 @@ def test_predict_refuses_features_cached_from_an_earlier_version_of_the_file(tmp
     assert not (tmp_path / "again.csv").exists()
 
 
+def test_validation_refuses_features_cached_from_an_earlier_version_of_its_file(tmp_path, minilm_dir):
+    """The same stale cache under `data.valid`: the gold is read from the file, the windows from
+    the cache, and a renamed example scored as unanswered (a lower eval_micro_f1, exit 0)."""
+    from distqa.nq.task import NQTask
+
+    def annotated(line: str) -> str:  # gold inside the 200 tokens kept: the first candidate
+        obj = json.loads(line)
+        first = obj["long_answer_candidates"][0]
+        long = {"start_token": first["start_token"], "end_token": first["end_token"], "candidate_index": 0}
+        obj["annotations"] = [{"yes_no_answer": "NONE", "long_answer": long, "short_answers": [], "annotation_id": 1}]
+        return json.dumps(obj)
+
+    source = write(tmp_path / "valid.jsonl", [annotated(line) for line in SHORT[:2]])
+    args = [*SMALL, f"model.tokenizer={minilm_dir}", f"task.cache_dir={tmp_path / 'cache'}", f"data.valid={source}"]
+
+    def scored() -> dict[str, float]:
+        task = NQTask(load_config(None, args))
+        task.build_model()
+        task.build_train_dataset()  # prepares (or finds) the validation features
+        return task.compute_metrics([], step=0)
+
+    assert "eval_micro_f1" in scored()
+    old_id = str(json.loads(LINES[0])["example_id"])
+    new_id = old_id[:-1] + ("0" if old_id[-1] != "0" else "1")
+    stat = source.stat()
+    source.write_text(source.read_text().replace(old_id, new_id))
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(DistqaError, match=f"first: {new_id}\\).*the cache is stale"):
+        scored()
+
+
 def test_an_output_that_cannot_be_written_or_is_the_input_is_refused_first(tmp_path, capsys):
     """Each was a traceback after all the prediction work, or (the input itself) an overwritten input
     and exit 0. The checkpoint here does not exist: the output is checked before anything else."""

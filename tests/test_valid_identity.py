@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SMALL, run_train
+from distqa import outcome
 from distqa.registry import load_config
 from distqa.trainer import train
 
@@ -74,3 +75,20 @@ def test_ranks_that_evaluate_on_different_data_stop_at_start(tmp_path):
     assert "the ranks do not see the same validation data (rank 0: 11 examples" in proc.stderr
     assert "rank 1: 12 examples" in proc.stderr and f"data.valid='{skewed}' must be the same data" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.safety
+def test_a_refusal_of_rank_0_s_scoring_stops_every_rank_with_its_line(tmp_path, monkeypatch):
+    """Rank 0 alone scores the gathered outputs. Its one-line error once stopped rank 0 alone, and
+    the other ranks said "lost a peer ... torchrun starts the next round": a restart, and the same
+    error again, each round (on another node, its last line named no reason at all)."""
+    refusing = valid_file(tmp_path, "refusing", refuse="the cache at X is stale: delete X")
+    said = tmp_path / "node.txt"
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(said))
+    args = [*TOY, f"data.valid={refusing}", "train.eval_every=2", "train.max_steps=6"]
+    proc = run_train([*args, f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=120, check=False)
+    # printed once, by the rank that said it first
+    assert proc.returncode != 0 and proc.stderr.count("]: error: the cache at X is stale: delete X") == 1, proc.stderr
+    lines = said.read_text().splitlines()
+    assert "distqa [rank 1]: error: the cache at X is stale: delete X" in lines, lines
+    assert outcome.read(said).error_ranks == {0, 1} and "lost a peer" not in said.read_text(), lines

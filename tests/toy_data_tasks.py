@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from distqa.errors import DistqaError
 from distqa.task import Batch
 from toy_task import FEATURES, BlobsDataset, IndexedBlobs, ToyClassificationTask
 
@@ -32,6 +33,9 @@ class ValidFileTask(ToyClassificationTask):
         return [int(i) for i in batch["index"]]
 
     def compute_metrics(self, outputs: list, step: int) -> dict[str, float]:
+        refusal = json.loads(Path(self.cfg.data.valid).read_text()).get("refuse")
+        if refusal:  # what a task's scoring refuses on rank 0 (a stale cache, a bad gold line)
+            raise DistqaError(refusal)
         return {"eval_score": self.score, "eval_items": float(len(outputs))}
 
 

@@ -26,7 +26,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from distqa.dist import DistInfo, gather_to_main, print0
+from distqa.errors import DistqaError
 from distqa.parallel import is_sharded
+from distqa.rank0 import raise_on_every_rank
 
 
 def to_device(batch: Any, device: torch.device) -> dict[str, Any]:
@@ -51,7 +53,18 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
         for _ in range(math.ceil(math.ceil(n / info.world_size) / size) - len(loader)):
             task.eval_step(model, to_device(spare, info.device))
     gathered = [item for part in gather_to_main(outputs, info) for item in part]
-    return task.compute_metrics(gathered, step) if info.is_main else {}
+    # Rank 0 alone scores. Its one-line error (a stale validation cache, a bad gold line) stops
+    # every rank with that line, rather than rank 0 alone while the others wait in the next
+    # step's collective until its absence is noticed.
+    metrics: dict[str, float] = {}
+    problem: DistqaError | None = None
+    if info.is_main:
+        try:
+            metrics = task.compute_metrics(gathered, step)
+        except DistqaError as err:
+            problem = err
+    raise_on_every_rank(problem)
+    return metrics
 
 
 @contextlib.contextmanager

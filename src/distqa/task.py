@@ -158,8 +158,8 @@ class Task(ABC):
         raise NotImplementedError(f"{type(self).__name__} has a validation set but no eval_step")
 
     def compute_metrics(self, outputs: list[Any], step: int) -> dict[str, float]:
-        """Rank 0: metrics from every rank's `eval_step` outputs, in dataset order. Prefix the keys
-        `eval_`; they go to metrics.jsonl, TensorBoard, the console and metrics.png."""
+        """Rank 0: metrics from every rank's `eval_step` outputs, in dataset order, keys `eval_*`
+        (metrics.jsonl, TensorBoard, console, metrics.png). A DistqaError stops every rank."""
         raise NotImplementedError(f"{type(self).__name__} has a validation set but no compute_metrics")
 
     def state_dict(self) -> dict[str, Any]:

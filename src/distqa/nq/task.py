@@ -14,7 +14,14 @@ from distqa.config import Config
 from distqa.dist import print0
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS, check_model_fits, load_tokenizer
-from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, pad_collate, resolve_features, train_data_fingerprint
+from distqa.nq.data import (
+    TRAIN_COLUMNS,
+    FeatureDataset,
+    check_feature_ids,
+    pad_collate,
+    resolve_features,
+    train_data_fingerprint,
+)
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
 from distqa.nq.model import BertJointQA, bert_joint_loss
@@ -114,7 +121,13 @@ class NQTask(Task):
     def compute_metrics(self, outputs: list[WindowBest], step: int) -> dict[str, float]:
         """Competition F1 on data.valid; also chooses the thresholds saved with these (step's) weights."""
         if self._gold is None:
-            self._gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.task.skip_bad_lines)
+            gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.task.skip_bad_lines)
+            # The features' cache is keyed on the file's path, size and modification time, the
+            # gold is read from the file itself: an edit that kept both would score old windows
+            # against new answers (an example without windows scores as unanswered, silently).
+            if self._valid_folder is not None:
+                check_feature_ids(self._valid_folder, gold.examples.keys(), self.cfg.data.valid)
+            self._gold = gold
         metrics, self.thresholds = score_predictions(group_by_example(outputs), self._gold)
         self.thresholds_step = step
         return metrics
