@@ -19,7 +19,7 @@ One more traceback of torchrun's is a race of its own (pytorch/pytorch#69520): a
 every node finished, torchrun's agents meet in an exit barrier on the store that node 0's agent
 hosts, and node 0 may exit the moment the barrier completes, before the last node's final request
 is answered. That node then logs "Error waiting on exit barrier" with a connection traceback and
-exits 0 all the same (seen on two network namespaces, once in many runs). It is one line here.
+exits 0 all the same (seen once in `make test-nodes`). It is one line here.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ class _ExitBarrierNote(logging.Filter):
     ended. Another cause (a node that never came: a timeout) keeps torchrun's record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from torch.distributed import DistNetworkError
-
         if not str(record.msg).startswith("Error waiting on exit barrier"):
             return True
+        from torch.distributed import DistNetworkError  # imported by torchrun long before
+
         if not (record.exc_info and isinstance(record.exc_info[1], DistNetworkError)):
             return True
         print(
