@@ -162,6 +162,16 @@ def test_a_folder_stamped_before_lines_were_recorded_says_how_to_see_them(tmp_pa
     assert PrepareResult(tmp_path, reused=True).skipped_note() == ""
 
 
+def test_more_skipped_lines_than_are_named_end_in_dots(tmp_path):
+    """Ten line numbers are named; more (all known when prepared now, or only counted when reused
+    from the record) end in " ...", and exactly ten end without."""
+    bad = [(line, "why") for line in range(1, 13)]
+    named = "line 1, 2, 3, 4, 5, 6, 7, 8, 9, 10"
+    assert f"{named} ... (first: why)" in PrepareResult(tmp_path, False, bad_lines=bad, skipped=12).skipped_note()
+    assert f"{named} ... (first: why)" in PrepareResult(tmp_path, True, bad_lines=bad[:10], skipped=12).skipped_note()
+    assert f"{named} (first: why)" in PrepareResult(tmp_path, True, bad_lines=bad[:10], skipped=10).skipped_note()
+
+
 def test_predict_with_skipped_lines_says_in_its_last_line_that_they_have_no_rows(
     tmp_path, capsys, tiny_run, minilm_dir
 ):

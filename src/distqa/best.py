@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distqa.checkpoint_verify import read_trainer_state, verify_checkpoint
+from distqa.checkpoint_verify import folder_step, read_trainer_state, verify_checkpoint
 from distqa.dist import print0
 from distqa.durable import fsync_path, write_atomically
 from distqa.errors import ConfigError, DistqaError
@@ -122,6 +122,6 @@ def resolve_checkpoint(path: Path) -> Path:
     if damage is not None:
         raise DistqaError(f"checkpoint {folder} cannot be used ({damage}): name another step-N folder")
     best = read_trainer_state(folder).get("best")
-    if folder != path and not (isinstance(best, dict) and best.get("step") == int(folder.name[5:])):
+    if folder != path and not (isinstance(best, dict) and best.get("step") == folder_step(folder)):
         raise DistqaError(f"{path} names {folder.name}, whose trainer state records another best: name a step-N folder")
     return folder

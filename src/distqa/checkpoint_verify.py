@@ -131,10 +131,16 @@ def _check_trainer_state(directory: Path) -> str | None:
             return f"{STATE_FILE} has no valid {key!r}"
     if not isinstance(state.get("config"), dict):
         return f"{STATE_FILE} has no config"
-    match = _STEP_DIR.match(directory.name)
-    if match and int(match.group(1)) != state["step"]:
-        return f"{STATE_FILE} is for step {state['step']}, not {match.group(1)}"
+    named = folder_step(directory)
+    if named is not None and named != state["step"]:
+        return f"{STATE_FILE} is for step {state['step']}, not {named}"
     return None
+
+
+def folder_step(folder: Path) -> int | None:
+    """N of a folder named `step-N`, or None for any other name."""
+    match = _STEP_DIR.match(folder.name)
+    return int(match.group(1)) if match else None
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -143,9 +149,9 @@ def list_checkpoints(root: Path) -> list[Path]:
         return []
     found = []
     for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and path.is_dir() and (path / STATE_FILE).is_file():
-            found.append((int(match.group(1)), path))
+        step = folder_step(path)
+        if step is not None and path.is_dir() and (path / STATE_FILE).is_file():
+            found.append((step, path))
     return [path for _, path in sorted(found)]
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from distqa.agreement import flatten
 from distqa.best import BEST_NAME, pointed
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
+from distqa.checkpoint_verify import folder_step
 from distqa.config import Config, setting_field
 from distqa.data_identity import same_identity
 from distqa.dist import DistInfo, print0
@@ -101,13 +102,13 @@ def _set_aside(output_dir: Path, resume_from: Path, mode: str) -> Path | None:
             )
         return moved
     step = int(read_trainer_state(resume_from)["step"])
-    later = [p for p in step_folders(root) if int(p.name[len("step-") :]) > step]
+    later = [p for p in step_folders(root) if (folder_step(p) or 0) > step]  # (each is a step-N)
     if not later:
         return None
     target = _new_folder(output_dir, f"-after-step-{step}")
     (target / "checkpoints").mkdir()
     best = pointed(root)
-    moved_best = best is not None and int(best.name[len("step-") :]) > step
+    moved_best = best is not None and (folder_step(best) or 0) > step
     for folder in [*later, *([root / BEST_NAME] if moved_best else [])]:
         folder.rename(target / "checkpoints" / folder.name)  # `best` is relative: it still names its step there
     for name in ("model", "metrics.png"):  # the end of that continuation, not of this one

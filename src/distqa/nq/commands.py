@@ -144,6 +144,7 @@ def _predict(args: argparse.Namespace) -> None:
     # A settings mistake is said before torch and transformers are imported (seconds).
     cfg = load_config(args.config, args.overrides)
     from distqa.nq.predict import predict
+    from distqa.nq.reader import shown_lines
     from distqa.task import given_task_keys
 
     # The model's saved task settings apply unless the user set a key (then with a warning if it differs).
@@ -151,8 +152,9 @@ def _predict(args: argparse.Namespace) -> None:
     counts = predict(cfg, args.input, args.checkpoint, args.output, given=given)
     lacking, skipped = "", counts["skipped_lines"]
     if skipped:  # said last, where a reader of the log looks: the submission lacks those examples
-        shown = ", ".join(str(line) for line in skipped[:10]) + (" ..." if len(skipped) > 10 else "")
-        lacking = f"; no rows for the {len(skipped)} bad line(s) skipped (task.skip_bad_lines): line {shown}"
+        lacking = (
+            f"; no rows for the {len(skipped)} bad line(s) skipped (task.skip_bad_lines): line {shown_lines(skipped)}"
+        )
     print(
         f"wrote {args.output}: {counts['examples']} examples, {counts['long']} long and {counts['short']} short answers"
         + lacking

@@ -102,10 +102,10 @@ def check_feature_ids(folder: Path, example_ids: Collection[str], source: str | 
     of ids must be equal."""
     from distqa.nq.prepare import load_features  # see resolve_features
 
-    cached = set(load_features(folder).unique("example_id"))
-    if cached == set(example_ids):
+    cached, wanted = set(load_features(folder).unique("example_id")), set(example_ids)
+    if cached == wanted:
         return
-    missing, extra = sorted(set(example_ids) - cached), sorted(cached - set(example_ids))
+    missing, extra = sorted(wanted - cached), sorted(cached - wanted)
     differ = [f"{len(missing)} example(s) of the input have no features (first: {missing[0]})"] if missing else []
     differ += [f"{len(extra)} cached id(s) are not in the input (first: {extra[0]})"] if extra else []
     raise DistqaError(

@@ -29,7 +29,7 @@ from distqa.durable import file_in_the_way, fsync_path
 from distqa.errors import DistqaError
 from distqa.models import load_error
 from distqa.nq.features import FeatureBuilder, FeatureSettings
-from distqa.nq.reader import NQReader, byte_ranges
+from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, shown_lines
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
 FEATURES_VERSION = 2
@@ -37,7 +37,7 @@ FINGERPRINT_FILE = "distqa_fingerprint.json"
 STAGING_DIR = ".distqa-partial"
 # Skipped lines whose numbers and reasons the fingerprint file keeps, so that a run reusing the
 # features says which lines its data lacks, as the run that prepared them did.
-BAD_LINES_KEPT = 10
+BAD_LINES_KEPT = LINES_SHOWN
 
 FEATURES = datasets.Features(
     {
@@ -136,9 +136,8 @@ class PrepareResult:
                 f"skipped {self.skipped} bad line(s){of} (which ones was not recorded: "
                 f"delete {self.path} to prepare it again and see them)"
             )
-        more = " ..." if self.skipped > len(shown) else ""
-        lines = ", ".join(str(line) for line in shown)
-        return f"skipped {self.skipped} bad line(s){of}: line {lines}{more} (first: {self.bad_lines[0][1]})"
+        lines = shown_lines(shown, self.skipped)
+        return f"skipped {self.skipped} bad line(s){of}: line {lines} (first: {self.bad_lines[0][1]})"
 
 
 def recorded_result(folder: str | os.PathLike, record: dict[str, Any] | None = None) -> PrepareResult:

@@ -70,6 +70,18 @@ def submission_id_problem(example_id: str) -> str | None:
     return None
 
 
+# How many skipped line numbers a message names (and `distqa prepare`'s record keeps).
+LINES_SHOWN = 10
+
+
+def shown_lines(numbers: list[int], total: int | None = None) -> str:
+    """'3, 7, 12 ...': the first LINES_SHOWN of `numbers`, and ' ...' when there are more (of
+    `total`, when only some of the numbers are known)."""
+    shown = numbers[:LINES_SHOWN]
+    more = " ..." if (len(numbers) if total is None else total) > len(shown) else ""
+    return ", ".join(str(line) for line in shown) + more
+
+
 def load_object(line: str) -> dict[str, Any]:
     """One JSONL line to a JSON object, or a BadLine that says what is wrong with it."""
     try:
