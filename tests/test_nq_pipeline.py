@@ -27,7 +27,7 @@ from distqa.nq.postprocess import (
     predict_example,
 )
 from distqa.nq.reader import NQExample, NQReader
-from distqa.nq.thresholds import read_thresholds, thresholds_json
+from distqa.nq.thresholds import read_chosen, thresholds_json
 
 SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
 
@@ -109,14 +109,14 @@ def test_thresholds_file_is_strict_json_and_old_infinity_files_still_read(tmp_pa
     assert strict_json(text) == {"long": None, "short": 0.25}
     path = tmp_path / "distqa_thresholds.json"
     path.write_text(text)
-    assert read_thresholds(path) == never
+    assert read_chosen(path)[0] == never
     path.write_text('{"long": Infinity, "short": -1.5}')  # as exports before this format wrote it
-    assert read_thresholds(path) == {"long": math.inf, "short": -1.5}
+    assert read_chosen(path)[0] == {"long": math.inf, "short": -1.5}
     # What it means: a score never exceeds +inf, so that kind of answer is never given.
-    assert apply_thresholds(ExamplePrediction("3:9", "4:5", 1e30), read_thresholds(path)) == ("", "4:5")
+    assert apply_thresholds(ExamplePrediction("3:9", "4:5", 1e30), read_chosen(path)[0]) == ("", "4:5")
     path.write_text("[1, 2]")
     with pytest.raises(DistqaError, match="is not a thresholds file"):
-        read_thresholds(path)
+        read_chosen(path)[0]
 
 
 class ModeProbe(torch.nn.Module):

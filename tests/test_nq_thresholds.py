@@ -19,7 +19,7 @@ from distqa.export import export_checkpoint
 from distqa.nq.evaluate import best_pair, score_predictions
 from distqa.nq.postprocess import WindowBest, f1, kind_f1
 from distqa.nq.task import NQTask
-from distqa.nq.thresholds import THRESHOLDS_FILE, read_chosen, read_thresholds, thresholds_json
+from distqa.nq.thresholds import THRESHOLDS_FILE, read_chosen, thresholds_json
 from distqa.registry import load_config
 from distqa.trainer import train
 
@@ -93,7 +93,7 @@ def test_files_old_and_new_read(tmp_path):
     assert read_chosen(path) == ({"long": math.inf, "short": -1.5}, 10)
     path.write_text('{"long": Infinity, "short": 2}')  # before null, and before the step
     assert read_chosen(path) == ({"long": math.inf, "short": 2.0}, None)
-    assert read_thresholds(path) == {"long": math.inf, "short": 2.0}
+    assert read_chosen(path)[0] == {"long": math.inf, "short": 2.0}
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,7 @@ def test_a_damaged_file_is_one_line_naming_it(tmp_path, text, problem):
     path = tmp_path / THRESHOLDS_FILE
     path.write_text(text)
     with pytest.raises(DistqaError) as caught:
-        read_thresholds(path)
+        read_chosen(path)[0]
     message = str(caught.value)
     assert message.startswith(f"{path} is not a thresholds file (") and problem in message, message
     assert "\n" not in message

@@ -90,8 +90,3 @@ def read_chosen(path: Path) -> tuple[dict[str, float], int | None]:
             f"{path} is not a thresholds file ({str(err).splitlines()[0]}): export the model again, or remove "
             "it to give every example its best answer"
         ) from None
-
-
-def read_thresholds(path: Path) -> dict[str, float]:
-    """The thresholds of distqa_thresholds.json (`read_chosen` without the step)."""
-    return read_chosen(path)[0]
