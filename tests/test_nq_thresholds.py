@@ -67,7 +67,7 @@ def test_best_pair_is_the_best_of_all_pairs(long_rows, short_rows):
 
 
 def test_the_pair_is_chosen_for_the_pooled_f1_not_each_kind_s_own():
-    """The review's case: each kind's own best gives long 4.5, short 4.5 (pooled 0.706); answering no
+    """A case found by hand: each kind's own best gives long 4.5, short 4.5 (pooled 0.706); answering no
     short answer at all (its gold one scores lowest) gives 0.957."""
     examples = {str(i): NS(candidates=[{"start_token": 0, "end_token": 10, "top_level": True}]) for i in range(11)}
     gold = {str(i): ({"0:10"}, {"2:4"} if i == 0 else set()) for i in range(11)}

@@ -78,7 +78,7 @@ def records(path: Path) -> list[tuple[int, float]]:
 
 
 def test_a_resume_from_an_earlier_checkpoint_sets_the_later_line_aside(tmp_path, capsys, monkeypatch):
-    """The review's case: 6 steps at lr 1e-2 (as if resumed at step 4 with 2e-2: config-history/4.yaml),
+    """A case found by hand: 6 steps at lr 1e-2 (as if resumed at step 4 with 2e-2: config-history/4.yaml),
     then train.resume=step-2 at 3e-2 with keep_checkpoints=1, preempted at step 3, then
     train.resume=auto: it continues step-3, never the other line's step-6, and every record says
     what trained."""

@@ -7,7 +7,7 @@ The file, and the task state each checkpoint carries, is one JSON object: `{"lon
 "step": 10}`. A threshold is a finite number, or null for +inf ("never answer"); `step` is the optimizer
 step whose weights the thresholds were chosen on (absent in files and checkpoints of an older distqa).
 Thresholds belong to the weights they were chosen on: with another step's weights they are a plausible,
-wrong setting (the review's case: "never answer" from step 10 emptied a submission of step 15's weights).
+wrong setting (for example, "never answer" from step 10 emptied a submission of step 15's weights).
 """
 
 from __future__ import annotations
