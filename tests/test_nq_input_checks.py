@@ -205,17 +205,20 @@ def test_predict_refuses_features_cached_from_an_earlier_version_of_the_file(tmp
     assert not (tmp_path / "again.csv").exists()
 
 
+def annotated(line: str) -> str:
+    """A SHORT line with a gold long answer inside the 200 tokens kept: its first candidate."""
+    obj = json.loads(line)
+    first = obj["long_answer_candidates"][0]
+    long = {"start_token": first["start_token"], "end_token": first["end_token"], "candidate_index": 0}
+    obj["annotations"] = [{"yes_no_answer": "NONE", "long_answer": long, "short_answers": [], "annotation_id": 1}]
+    return json.dumps(obj)
+
+
 def test_validation_refuses_features_cached_from_an_earlier_version_of_its_file(tmp_path, minilm_dir):
     """The same stale cache under `data.valid`: the gold is read from the file, the windows from
-    the cache, and a renamed example scored as unanswered (a lower eval_micro_f1, exit 0)."""
+    the cache, and a renamed example scored as unanswered (a lower eval_micro_f1, exit 0). The
+    refusal comes at start, when the data is built, not at the first evaluation hours later."""
     from distqa.nq.task import NQTask
-
-    def annotated(line: str) -> str:  # gold inside the 200 tokens kept: the first candidate
-        obj = json.loads(line)
-        first = obj["long_answer_candidates"][0]
-        long = {"start_token": first["start_token"], "end_token": first["end_token"], "candidate_index": 0}
-        obj["annotations"] = [{"yes_no_answer": "NONE", "long_answer": long, "short_answers": [], "annotation_id": 1}]
-        return json.dumps(obj)
 
     source = write(tmp_path / "valid.jsonl", [annotated(line) for line in SHORT[:2]])
     args = [*SMALL, f"model.tokenizer={minilm_dir}", f"task.cache_dir={tmp_path / 'cache'}", f"data.valid={source}"]
@@ -232,8 +235,38 @@ def test_validation_refuses_features_cached_from_an_earlier_version_of_its_file(
     stat = source.stat()
     source.write_text(source.read_text().replace(old_id, new_id))
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    task = NQTask(load_config(None, args))
+    task.build_model()
     with pytest.raises(DistqaError, match=f"first: {new_id}\\).*the cache is stale"):
-        scored()
+        task.build_train_dataset()
+
+
+def test_validation_data_without_gold_answers_is_refused_at_start_in_one_line(tmp_path, minilm_dir):
+    """A test-format file (no annotations) as data.valid trained until the first evaluation, then
+    ended in a traceback (metric.BadGold); `task.skip_bad_lines` did not help."""
+    from distqa.nq.task import NQTask
+
+    source = write(tmp_path / "valid.jsonl", [annotated(SHORT[0]), SHORT[1]])  # line 2: no annotations
+    args = [*SMALL, f"model.tokenizer={minilm_dir}", f"task.cache_dir={tmp_path / 'cache'}", f"data.valid={source}"]
+    for skip in ("false", "true"):
+        task = NQTask(load_config(None, [*args, f"task.skip_bad_lines={skip}"]))
+        task.build_model()
+        with pytest.raises(DistqaError) as caught:
+            task.build_train_dataset()
+        example_id = json.loads(SHORT[1])["example_id"]
+        assert str(caught.value).startswith(f"{source}: example {example_id}: no annotations"), caught.value
+        assert "validation needs the gold answers" in str(caught.value)
+
+
+def test_a_prepared_folder_as_validation_data_is_refused_naming_the_file_it_needs(tmp_path):
+    """Gold answers are only in the JSONL file: a folder failed at the first evaluation with
+    "does not exist or is not a file" (and a --mode train folder would have dropped windows)."""
+    from distqa.nq.task import NQTask
+
+    folder = tmp_path / "features"
+    folder.mkdir()
+    with pytest.raises(DistqaError, match=f"data.valid={folder} is a folder: validation reads its gold answers"):
+        NQTask(load_config(None, [*SMALL, f"data.valid={folder}"]))
 
 
 def test_an_output_that_cannot_be_written_or_is_the_input_is_refused_first(tmp_path, capsys):
@@ -274,3 +307,61 @@ def test_a_span_in_other_digits_is_refused(tmp_path):
     sub.write_text("example_id,PredictionString\n1_long,١٩٥٢:٢٠١٩\n1_short,\n")
     with pytest.raises(DistqaError, match="line 2: 1_long has '١٩٥٢:٢٠١٩', expected start:end"):
         read_submission(sub)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files no line of which can be read, and lines of the wrong shape
+
+
+def test_a_gzip_file_or_a_byte_order_mark_is_one_line_that_does_not_suggest_skipping(tmp_path):
+    """A .gz input was 'line 1: UnicodeDecodeError ... (set task.skip_bad_lines=true ...)', and
+    skipping then left nothing; a BOM's advice to skip line 1 dropped a real example."""
+    import gzip
+
+    packed = tmp_path / "in.jsonl.gz"
+    packed.write_bytes(gzip.compress(SAMPLE.read_bytes()))
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + SAMPLE.read_bytes())
+    for path, expected in ((packed, "is gzip-compressed"), (marked, "starts with a UTF-8 byte-order mark")):
+        for skip in (False, True):
+            with pytest.raises(DistqaError) as caught:
+                NQReader(path, skip_bad_lines=skip)
+            message = str(caught.value)
+            assert message.startswith(f"{path} {expected}") and "skip_bad_lines" not in message, message
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (
+            {"annotations": [{"long_answer": {"start_token": -1, "end_token": -1}, "short_answers": "x"}]},
+            "annotations[0].short_answers is not a list",
+        ),
+        ({"document_tokens": [{"token": "a"}, "b"], "document_text": None}, "document_tokens is not a list of objects"),
+        ({"document_tokens": "a b", "document_text": None}, "document_tokens is not a list of objects"),
+    ],
+)
+def test_a_field_of_the_wrong_shape_is_named(change, reason):
+    obj = json.loads(SHORT[0])
+    obj.update(change)
+    if obj.get("document_text", "") is None:
+        del obj["document_text"]
+        obj["long_answer_candidates"] = []
+    with pytest.raises(BadLine) as caught:
+        parse_example(json.dumps(obj))
+    assert str(caught.value) == reason
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_an_input_without_examples_says_so_and_blames_no_setting(tmp_path, minilm_dir, training):
+    """'produced no features (... task.keep_unknown ...)' for a blank file, where keep_unknown
+    plays no part (and none at all in evaluation features)."""
+    blank = write(tmp_path / "blank.jsonl", ["", "  "])
+    settings = FeatureSettings(max_seq_len=64, doc_stride=32, max_query_len=16, training=training)
+    with pytest.raises(DistqaError) as caught:
+        prepare_features(blank, tmp_path / "out", tokenizer_name=str(minilm_dir), settings=settings)
+    assert str(caught.value) == f"{blank} holds no examples: it is blank"
+    bad = write(tmp_path / "bad.jsonl", ["{broken", "[1]"])
+    with pytest.raises(DistqaError) as caught:
+        prepare_features(bad, tmp_path / "out2", tokenizer_name=str(minilm_dir), settings=settings, skip_bad_lines=True)
+    assert str(caught.value) == f"{bad} holds no examples: all 2 of its lines were skipped as bad (task.skip_bad_lines)"

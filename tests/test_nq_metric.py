@@ -74,6 +74,22 @@ def test_read_gold_reads_gzip(tmp_path):
     assert read_gold(packed) == read_gold(TRAIN_SAMPLE)
 
 
+def damaged_gzip(data: bytes) -> bytes:
+    """A gzip file whose compressed data is corrupt, not truncated: zlib.error, which neither
+    EOFError nor gzip.BadGzipFile catches. Its first deflate block (after the 10-byte header)
+    gets the reserved block type 11, so the error comes at once, on every zlib."""
+    packed = bytearray(gzip.compress(data, mtime=0))
+    packed[10] |= 0b110
+    return bytes(packed)
+
+
+def test_a_damaged_gzip_is_one_line(tmp_path):
+    packed = tmp_path / "sample.jsonl.gz"
+    packed.write_bytes(damaged_gzip(TRAIN_SAMPLE.read_bytes()))
+    with pytest.raises(DistqaError, match=rf"{re.escape(str(packed))}: cannot be read as UTF-8 JSON lines"):
+        read_gold(packed)
+
+
 def test_malformed_line_names_file_and_line(tmp_path):
     lines = TRAIN_SAMPLE.read_text(encoding="utf-8").splitlines(keepends=True)
     broken = tmp_path / "broken.jsonl"

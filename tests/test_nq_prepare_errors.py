@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from conftest import ROOT, TESTS, subprocess_env, unavailable
 from distqa import cli
 from distqa.errors import DistqaError
-from distqa.nq import prepare
+from distqa.nq import feature_folder, prepare
+from distqa.nq.feature_folder import LOCK_FILE, STAGING_DIR, read_stamp
 from distqa.nq.features import FeatureSettings
-from distqa.nq.prepare import FINGERPRINT_FILE, STAGING_DIR, load_features, prepare_features
+from distqa.nq.prepare import FINGERPRINT_FILE, load_features, prepare_features
 
 SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
 SETTINGS = FeatureSettings(max_seq_len=128, doc_stride=64)
@@ -149,7 +150,7 @@ def test_unwritable_output_is_one_line_and_a_writable_folder_is_enough(shared_tm
     assert rc == 0, err
     assert f"to {stale}" in out
     assert sorted(p.name for p in stale.iterdir()) == sorted(
-        ["data-00000-of-00001.arrow", "dataset_info.json", "state.json", FINGERPRINT_FILE]
+        ["data-00000-of-00001.arrow", "dataset_info.json", "state.json", FINGERPRINT_FILE, LOCK_FILE]
     )
     record = json.loads((stale / FINGERPRINT_FILE).read_text())
     assert record["fingerprint"]["settings"]["max_seq_len"] == 128
@@ -172,7 +173,7 @@ def test_a_run_killed_mid_build_leaves_a_folder_that_is_rebuilt_not_used(tmp_pat
 def test_a_crash_while_swapping_in_is_never_taken_as_complete(tmp_path, monkeypatch, minilm_dir, when):
     out = tmp_path / "features"
     old = prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=FeatureSettings(max_seq_len=256))
-    real_fsync, real_unlink, real_iterdir = prepare.fsync_path, Path.unlink, Path.iterdir
+    real_fsync, real_unlink, real_iterdir = feature_folder.fsync_path, Path.unlink, Path.iterdir
     removed = []
 
     def crash_before_the_stamp(path: Path) -> None:
@@ -193,7 +194,7 @@ def test_a_crash_while_swapping_in_is_never_taken_as_complete(tmp_path, monkeypa
         return iter(sorted(real_iterdir(path), key=lambda p: p.name == FINGERPRINT_FILE))
 
     if when == "before the new stamp":
-        monkeypatch.setattr(prepare, "fsync_path", crash_before_the_stamp)
+        monkeypatch.setattr(feature_folder, "fsync_path", crash_before_the_stamp)
     else:
         monkeypatch.setattr(Path, "unlink", crash_half_way_through_removal)
         monkeypatch.setattr(Path, "iterdir", stamp_listed_last)  # the order most at risk
@@ -216,7 +217,8 @@ def test_a_full_disk_while_writing_is_one_line(tmp_path, monkeypatch, minilm_dir
     out = tmp_path / "features"
     with pytest.raises(DistqaError, match=rf"cannot write features to {out}: No space left on device"):
         prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS)
-    assert list(out.iterdir()) == []  # the staging folder is gone; an empty folder is fine to reuse
+    # The staging folder is gone; a folder holding only the lock file is fine to reuse.
+    assert [p.name for p in out.iterdir()] == [LOCK_FILE]
 
 
 @settings(max_examples=200, deadline=None)
@@ -225,7 +227,7 @@ def test_a_damaged_fingerprint_file_is_never_trusted_nor_a_crash(data):
     with tempfile.TemporaryDirectory() as folder:
         stamp = Path(folder) / FINGERPRINT_FILE
         stamp.write_bytes(data)
-        record = prepare._read_stamp(stamp)
+        record = read_stamp(stamp)
         assert record is None or isinstance(record, dict)
 
 
@@ -236,3 +238,32 @@ def test_a_damaged_fingerprint_file_means_rebuild(tmp_path, minilm_dir):
         (out / FINGERPRINT_FILE).write_bytes(damage)
         assert not prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS).reused
         assert prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS).reused
+
+
+def test_a_second_prepare_into_the_same_folder_waits_for_the_first_and_reuses_its_features(tmp_path, minilm_dir):
+    """Two writers of one folder (two runs sharing a feature cache, `prepare` beside a training run)
+    used to delete each other's staging folder: both failed, one with a false "no features". The
+    lock of the folder is held here while a real `distqa prepare` starts into it: it must say that
+    it waits, write nothing meanwhile, then build the folder once the lock is free. A second
+    command started after it then reuses the folder instead of rebuilding it."""
+    import fcntl
+
+    out = tmp_path / "features"
+    out.mkdir()
+    command = [sys.executable, "-m", "distqa", "prepare", "--input", str(SAMPLE), "--output", str(out)]
+    command += [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", "task.doc_stride=64"]
+    lock_fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # as another writer holds it
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        line = first.stdout.readline()  # the first line it prints: it must wait before writing
+        assert line.startswith(f"waiting for another process that is preparing features in {out}"), line
+        assert [p.name for p in out.iterdir()] == [LOCK_FILE]  # no staging folder while it waits
+    finally:
+        os.close(lock_fd)  # the other writer is done
+    rest, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert "wrote" in rest and len(load_features(out)) > 0
+    second = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "reused" in second.stdout and "waiting" not in second.stdout, second.stdout

@@ -94,6 +94,15 @@ def test_gzip_input_blank_lines_and_a_missing_last_newline(tmp_path):
     assert Counter(written.splitlines()) == Counter(line.rstrip(b"\r\n") for line in lines if line.strip())
 
 
+def test_a_damaged_gzip_input_is_one_line_and_writes_nothing(tmp_path, capsys):
+    from test_nq_metric import damaged_gzip
+
+    code, out = run(tmp_path, [damaged_gzip(b"".join(LINES))], "--valid", "5", name="in.jsonl.gz")
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"distqa: error: {tmp_path / 'in.jsonl.gz'}: cannot be read as gzip") and "\n" not in err
+
+
 def test_the_figure_read_is_the_input_s_size_on_disk(tmp_path, capsys):
     """0.5 MB of input says 0.5 MB read (not both passes' 1.0 MB); a .gz input, its compressed size."""
     lines = generated(30)
@@ -154,6 +163,9 @@ BAD = {
     # \x0c is whitespace to Python's strip() but not to JSON: the line is not valid JSON.
     "junk after": ([LINES[0], b'{"example_id": 5}\x0c\n'], ["--valid", "1"], "{src}, line 2: not valid JSON"),
     "empty": ([b"\n"], ["--valid", "1"], "{src} holds no examples"),
+    # Text before the object: the id read from the line's end would have made it an example.
+    "stray text": ([LINES[0], b'GARBAGE {"example_id": 77}\n'], ["--valid", "1"], "{src}, line 2: not valid JSON"),
+    "byte-order mark": ([b"\xef\xbb\xbf" + LINES[0], LINES[1]], ["--valid", "1"], "{src}, line 1: not valid JSON"),
 }
 
 

@@ -9,8 +9,11 @@ it); files that are appended to are opened with O_NOFOLLOW.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -58,3 +61,21 @@ def file_in_the_way(folder: Path) -> Path | None:
     """The first of `folder` and its parents that exists and is not a folder (a file where a folder
     must be created or written into), or None."""
     return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+
+
+@contextlib.contextmanager
+def held_exclusively(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """Hold an exclusive flock on `lock_file` (created if missing, never through a link) for the
+    body; when another process holds it, call `on_wait` once, then wait for it. The lock goes
+    with the process (a killed holder leaves no stale lock), and the file is never removed:
+    a waiter would otherwise lock a file nobody else sees. Raises OSError."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from distqa.errors import DistqaError
 from distqa.evaluation import eval_mode, to_device
 from distqa.nq.data import pad_collate
 from distqa.nq.postprocess import (
@@ -72,15 +73,20 @@ class GoldIndex:
     """What rank 0 needs of the validation examples: candidates and gold answers, not the text."""
 
     def __init__(self, path: str | Path, *, skip_bad_lines: bool = False) -> None:
-        from distqa.nq.metric import gold_answers  # the competition's gold rules, in one place
+        from distqa.nq.metric import BadGold, gold_answers  # the competition's gold rules, in one place
 
         self.examples: dict[str, Any] = {}
         self.gold: dict[str, tuple[set[str], set[str]]] = {}
         reader = NQReader(path, skip_bad_lines=skip_bad_lines, keyed_by_id=True)
         for example in reader:
-            self.gold[example.example_id] = gold_answers(
-                {"annotations": example.annotations, "example_id": example.example_id}
-            )
+            try:
+                self.gold[example.example_id] = gold_answers(
+                    {"annotations": example.annotations, "example_id": example.example_id}
+                )
+            except BadGold as err:  # a test-format line, say: never skipped, nothing could score it
+                raise DistqaError(
+                    f"{path}: example {example.example_id}: {err}; validation needs the gold answers of every example"
+                ) from None
             example.tokens = []  # candidates are all postprocessing needs; the text is large
             self.examples[example.example_id] = example
 

@@ -31,6 +31,7 @@ import gzip
 import json
 import re
 import sys
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -150,7 +151,7 @@ def read_gold(path: str | Path) -> Gold:
                 raise DistqaError(f"{path}, line {line_no}: not valid JSON ({err.msg} at column {err.colno})") from None
             except (BadGold, BadLine) as err:
                 raise DistqaError(f"{path}, line {line_no}: {err}") from None
-    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as err:
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as err:  # zlib: damaged compressed data
         raise DistqaError(f"{path}: cannot be read as UTF-8 JSON lines ({err})") from None
     if not gold:
         raise DistqaError(f"{path} holds no examples")

@@ -4,11 +4,7 @@ The input is cut into byte ranges, one per process (`--num-proc`); each process 
 builds features with its own word cache and writes Arrow through `datasets.Dataset.from_generator`.
 The result is saved with `save_to_disk` under a fingerprint of (input file, tokenizer, settings):
 running `prepare` again with the same three reuses it, and `distqa train` reads the same cache.
-
-Everything is staged inside the output folder (`.distqa-partial/`), so a writable output folder is
-enough even where its parent is not writable. The fingerprint file is removed before the old files
-are replaced and written last, so a folder is complete exactly when it holds that file; a folder
-left without it by a crash still holds `.distqa-partial/`, which marks it as ours to rebuild.
+How the folder is staged, committed and written by one process at a time: `distqa.nq.feature_folder`.
 """
 
 from __future__ import annotations
@@ -25,16 +21,14 @@ from typing import Any
 import datasets
 from transformers import AutoTokenizer
 
-from distqa.durable import file_in_the_way, fsync_path
 from distqa.errors import DistqaError
 from distqa.models import load_error
+from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer, open_staging, read_stamp
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, shown_lines
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
 FEATURES_VERSION = 2
-FINGERPRINT_FILE = "distqa_fingerprint.json"
-STAGING_DIR = ".distqa-partial"
 # Skipped lines whose numbers and reasons the fingerprint file keeps, so that a run reusing the
 # features says which lines its data lacks, as the run that prepared them did.
 BAD_LINES_KEPT = LINES_SHOWN
@@ -142,7 +136,7 @@ class PrepareResult:
 
 def recorded_result(folder: str | os.PathLike, record: dict[str, Any] | None = None) -> PrepareResult:
     """A reuse of a prepared folder, with the counts its fingerprint record (read if not given) holds."""
-    record = (_read_stamp(Path(folder) / FINGERPRINT_FILE) or {}) if record is None else record
+    record = (read_stamp(Path(folder) / FINGERPRINT_FILE) or {}) if record is None else record
     count = {k: v for k, v in record.items() if type(v) is int}  # docs, features, bad_lines
     kept = record.get("bad_line_samples")
     samples = [tuple(b) for b in kept if isinstance(b, list) and len(b) == 2] if isinstance(kept, list) else []
@@ -183,10 +177,7 @@ def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, sta
         if errors:
             raise DistqaError(errors[0]) from None
         if sum(s["features"] for s in stats) == 0:
-            raise DistqaError(
-                f"{source} produced no features (no examples, or every window dropped: "
-                "task.keep_unknown keeps that fraction of windows without an answer)"
-            ) from None
+            raise DistqaError(_no_features(source, stats, training=shards[0]["settings"]["training"])) from None
         raise
     errors = [s["error"] for s in _shard_stats(shards) if "error" in s]
     if errors:
@@ -194,6 +185,20 @@ def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, sta
     if len(shards) > 1 and not shards[0]["settings"]["training"]:
         _refuse_repeated_ids(source, dataset, sum(s["docs"] for s in _shard_stats(shards)))
     return dataset
+
+
+def _no_features(source: Path, stats: list[dict[str, Any]], *, training: bool) -> str:
+    """Why `source` gave no features: no examples at all, or (training) every window dropped."""
+    docs, skipped = sum(s["docs"] for s in stats), sum(len(s["bad_lines"]) for s in stats)
+    if docs == 0:
+        why = f"all {skipped} of its lines were skipped as bad (task.skip_bad_lines)" if skipped else "it is blank"
+        return f"{source} holds no examples: {why}"
+    if training:
+        return (
+            f"{source} produced no features from its {docs} example(s): every window was dropped "
+            "(task.keep_unknown keeps that fraction of the windows without an answer)"
+        )
+    return f"{source} produced no features from its {docs} example(s)"
 
 
 def _refuse_repeated_ids(source: Path, dataset: datasets.Dataset, docs: int) -> None:
@@ -234,10 +239,32 @@ def prepare_features(
         raise DistqaError(f"{source} does not exist or is not a file")
     fp = fingerprint(source, _fast_tokenizer(tokenizer_name), settings)
     stamp = target / FINGERPRINT_FILE
-    recorded = _read_stamp(stamp)
+    recorded = read_stamp(stamp)
     if recorded is not None and recorded.get("fingerprint") == fp:
         return recorded_result(target, recorded)
-    staging = _open_staging(target)
+    # One writer at a time (two runs sharing a cache, nodes on shared storage, `prepare` beside a
+    # training run): each would otherwise delete the other's staging folder mid-write. A waiter
+    # then finds the folder the other one wrote, and reuses it if it is what it needs.
+    claim(target)
+    with one_writer(target):
+        recorded = read_stamp(stamp)
+        if recorded is not None and recorded.get("fingerprint") == fp:
+            return recorded_result(target, recorded)
+        return _prepare_into(source, target, fp, settings, tokenizer_name, num_proc, skip_bad_lines)
+
+
+def _prepare_into(
+    source: Path,
+    target: Path,
+    fp: dict[str, Any],
+    settings: FeatureSettings,
+    tokenizer_name: str,
+    num_proc: int,
+    skip_bad_lines: bool,
+) -> PrepareResult:
+    """Build the features of `source` in a staging folder and commit them to `target` (held locked)."""
+    stamp = target / FINGERPRINT_FILE
+    staging = open_staging(target)
     committing = False
     try:
         shards = [
@@ -263,9 +290,9 @@ def prepare_features(
         try:
             dataset.save_to_disk(str(staging / "dataset"))
             committing = True
-            _commit(target, staging / "dataset", json.dumps(record, indent=2))
+            commit(target, staging / "dataset", json.dumps(record, indent=2))
         except OSError as err:  # a full disk, a folder made read-only meanwhile
-            raise DistqaError(f"cannot write features to {target}: {_reason(err)}") from None
+            raise DistqaError(f"cannot write features to {target}: {err.strerror or err}") from None
         return result
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -273,69 +300,6 @@ def prepare_features(
             # Stopped half-way through the swap: keep the (now empty) marker, so that the next
             # run knows this stamp-less folder is a partial one of ours and rebuilds it.
             staging.mkdir(exist_ok=True)
-
-
-def _read_stamp(stamp: Path) -> dict[str, Any] | None:
-    """The fingerprint record, or None when it is missing or damaged (then the folder is rebuilt)."""
-    try:
-        record = json.loads(stamp.read_bytes())
-    except (OSError, ValueError, RecursionError):  # absent, unreadable, not UTF-8, not JSON, too deep
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _reason(err: OSError) -> str:
-    return err.strerror or str(err)
-
-
-def _open_staging(target: Path) -> Path:
-    """Check that `target` can become a features folder and make an empty staging folder in it.
-
-    Only the output folder itself must be writable: its parent only when it has to be created.
-    """
-    blocker = file_in_the_way(target)
-    if blocker is not None:
-        where = "it" if blocker == target else str(blocker)
-        raise DistqaError(f"cannot write features to {target}: {where} is a file, not a folder")
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DistqaError(f"cannot create the folder {target} ({_reason(err)}): choose another --output") from None
-    try:
-        ours = (target / FINGERPRINT_FILE).is_file() or (target / STAGING_DIR).is_dir()
-        if not ours and any(target.iterdir()):
-            raise DistqaError(f"{target} exists and is not a distqa features folder: choose another --output")
-        staging = target / STAGING_DIR
-        shutil.rmtree(staging, ignore_errors=True)  # left by a run that was killed: never reused
-        staging.mkdir()
-    except OSError as err:
-        raise DistqaError(f"cannot write features to {target}: {_reason(err)}") from None
-    return staging
-
-
-def _commit(target: Path, staged: Path, record: str) -> None:
-    """Replace the contents of `target` with those of `staged`; the stamp goes first and comes last."""
-    for path in staged.rglob("*"):
-        if path.is_file():
-            fsync_path(path)
-    # From here until the new stamp lands, readers (`load_features`, a reuse check) see an
-    # incomplete folder and refuse or rebuild it, instead of mixing old and new files.
-    (target / FINGERPRINT_FILE).unlink(missing_ok=True)
-    fsync_path(target)
-    for entry in target.iterdir():
-        if entry.name == STAGING_DIR:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    for entry in staged.iterdir():
-        os.replace(entry, target / entry.name)
-    pending = target / STAGING_DIR / FINGERPRINT_FILE
-    pending.write_text(record)
-    fsync_path(pending)
-    os.replace(pending, target / FINGERPRINT_FILE)
-    fsync_path(target)
 
 
 def load_features(path: str | os.PathLike) -> datasets.Dataset:

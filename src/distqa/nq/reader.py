@@ -105,7 +105,10 @@ def parse_example(line: str) -> NQExample:
             raise BadLine("document_text is not a string")
         tokens = text.split(" ")  # exactly the split that NQ's token indices refer to
     elif "document_tokens" in raw:  # the original (non-simplified) NQ format
-        tokens = [t["token"] for t in raw["document_tokens"]]
+        listed = raw["document_tokens"]
+        if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
+            raise BadLine("document_tokens is not a list of objects")
+        tokens = [t.get("token") for t in listed]
         if not all(isinstance(t, str) for t in tokens):
             raise BadLine("document_tokens[].token is not always a string")
     else:
@@ -132,11 +135,39 @@ def parse_example(line: str) -> NQExample:
         if not isinstance(ann, dict):
             raise BadLine(f"annotations[{i}] is not an object")
         _span(ann.get("long_answer"), f"annotations[{i}].long_answer", n)
-        for j, short in enumerate(ann.get("short_answers", [])):
+        shorts = ann.get("short_answers", [])
+        if not isinstance(shorts, list):  # a string would be read as a list of characters
+            raise BadLine(f"annotations[{i}].short_answers is not a list")
+        for j, short in enumerate(shorts):
             _span(short, f"annotations[{i}].short_answers[{j}]", n)
         if ann.get("yes_no_answer", "NONE") not in ("YES", "NO", "NONE"):
             raise BadLine(f"annotations[{i}].yes_no_answer is {ann.get('yes_no_answer')!r}")
     return NQExample(checked_example_id(raw["example_id"]), raw["question_text"], tokens, candidates, annotations)
+
+
+GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def refuse_unreadable_start(path: Path) -> None:
+    """One line for a file whose first bytes no line of it can get past: a gzip file (read line by
+    line, every line would be a bad one, and skipping them leaves nothing) or a UTF-8 byte-order
+    mark (JSON text must not start with one; skipping line 1 would drop a real example)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(UTF8_BOM))
+    except OSError as err:
+        raise DistqaError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if head.startswith(GZIP_MAGIC):
+        raise DistqaError(
+            f"{path} is gzip-compressed: this command reads plain JSON lines (it splits the file by byte "
+            f"ranges), so unpack it first (gunzip -k {path})"
+        )
+    if head == UTF8_BOM:
+        raise DistqaError(
+            f"{path} starts with a UTF-8 byte-order mark, which JSON lines must not: remove it "
+            f"(sed -i '1s/^\\xEF\\xBB\\xBF//' {path}) and run again"
+        )
 
 
 def line_number_at(path: Path, offset: int) -> int:
@@ -178,6 +209,7 @@ class NQReader:
         self.path = Path(path)
         if not self.path.is_file():
             raise DistqaError(f"{self.path} does not exist or is not a file")
+        refuse_unreadable_start(self.path)
         self.skip_bad_lines = skip_bad_lines
         self.byte_range = byte_range or (0, self.path.stat().st_size)
         self.keyed_by_id = keyed_by_id

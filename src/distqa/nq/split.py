@@ -30,6 +30,7 @@ import json
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,9 @@ def example_id_of(line: bytes) -> str:
     key, nesting) is left to `json.loads`.
     """
     at = line.rfind(_KEY)
-    if at > 0 and line[at - 1] != ord("\\"):
+    # Only a line that opens an object: anything else before it (a byte-order mark, stray text)
+    # is no JSON, and the full parse says so.
+    if at > 0 and line[at - 1] != ord("\\") and line.lstrip(_JSON_WS_BYTES).startswith(b"{"):
         rest = line[at + len(_KEY) :].lstrip(_JSON_WS_BYTES)
         if rest.startswith(b":"):
             try:
@@ -110,7 +113,7 @@ def _examples(path: Path, seed: int) -> Iterator[tuple[int, bytes, bytes]]:
                 except BadLine as err:
                     raise DistqaError(f"{path}, line {line_no}: {err}") from None
                 yield line_no, line, key
-    except gzip.BadGzipFile as err:
+    except (gzip.BadGzipFile, zlib.error) as err:  # not gzip; damaged compressed data
         raise DistqaError(f"{path}: cannot be read as gzip ({err})") from None
     except EOFError:
         raise DistqaError(f"{path}: the gzip stream ends early (a truncated download?)") from None

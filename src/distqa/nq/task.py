@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,13 @@ class NQTask(Task):
         self.tokenizer = load_tokenizer(cfg.model)
         if cfg.data.valid is not None and cfg.data.valid == "dummy":
             raise DistqaError("data.valid=dummy: validation needs Natural Questions data (a JSONL file)")
+        if cfg.data.valid is not None and Path(cfg.data.valid).is_dir():
+            # Scoring needs the gold answers, which only the JSONL file holds (features have none).
+            raise DistqaError(
+                f"data.valid={cfg.data.valid} is a folder: validation reads its gold answers from the Natural "
+                "Questions JSONL file, so name the file (its features are cached on first use; `distqa prepare "
+                "--mode eval --input FILE` without --output prepares them ahead)"
+            )
         self._valid_folder: Path | None = None
         self._gold: GoldIndex | None = None  # rank 0 only, loaded at the first evaluation
         self.thresholds: dict[str, float] | None = None
@@ -62,6 +70,12 @@ class NQTask(Task):
         # dropped silently) when training on the DummyDataset.
         if data.valid is not None:  # prepared here too: this runs on one process per node first
             self._valid_folder = resolve_features(self.cfg, data.valid, self.tokenizer, training=False)
+            # The gold, read now by one process per node: a file without answers (a test file) or
+            # a stale feature cache stops every node in one line before the first step, not at the
+            # first evaluation, hours in. Rank 0 keeps it for scoring.
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                gold = self._read_gold()
+                self._gold = gold if os.environ.get("RANK", "0") == "0" else None
         if data.train == "dummy":
             if self.cfg.model.name not in RANDOM_MODELS:  # fine-tuning real weights on noise: say so once
                 print0(
@@ -120,17 +134,20 @@ class NQTask(Task):
 
     def compute_metrics(self, outputs: list[WindowBest], step: int) -> dict[str, float]:
         """Competition F1 on data.valid; also chooses the thresholds saved with these (step's) weights."""
-        if self._gold is None:
-            gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.task.skip_bad_lines)
-            # The features' cache is keyed on the file's path, size and modification time, the
-            # gold is read from the file itself: an edit that kept both would score old windows
-            # against new answers (an example without windows scores as unanswered, silently).
-            if self._valid_folder is not None:
-                check_feature_ids(self._valid_folder, gold.examples.keys(), self.cfg.data.valid)
-            self._gold = gold
+        if self._gold is None:  # rank 0 read it at start (build_train_dataset); a task used without that reads it now
+            self._gold = self._read_gold()
         metrics, self.thresholds = score_predictions(group_by_example(outputs), self._gold)
         self.thresholds_step = step
         return metrics
+
+    def _read_gold(self) -> GoldIndex:
+        gold = GoldIndex(self.cfg.data.valid, skip_bad_lines=self.cfg.task.skip_bad_lines)
+        # The features' cache is keyed on the file's path, size and modification time, the gold is
+        # read from the file itself: an edit that kept both would score old windows against new
+        # answers (an example without windows scores as unanswered, silently).
+        if self._valid_folder is not None:
+            check_feature_ids(self._valid_folder, gold.examples.keys(), self.cfg.data.valid)
+        return gold
 
     def state_dict(self) -> dict[str, Any]:
         """The thresholds of the latest evaluation, with its step, travel in each checkpoint: a resumed
