@@ -29,6 +29,7 @@ from distqa.dist import DistInfo, gather_to_main, print0
 from distqa.errors import DistqaError
 from distqa.parallel import is_sharded
 from distqa.rank0 import raise_on_every_rank
+from distqa.rng_state import capture_rng_state, restore_rng_state
 
 
 def to_device(batch: Any, device: torch.device) -> dict[str, Any]:
@@ -90,8 +91,16 @@ def run_evaluation(
     start = time.perf_counter()
     # A fork's evaluate(model, info) may predate the step argument.
     extra = {"step": step} if "step" in inspect.signature(task.evaluate).parameters else {}
-    with eval_mode(model, info.device.type, autocast_dtype):
-        metrics = task.evaluate(model, info, **extra)
+    # Evaluating moves no random stream that training draws from: its DataLoader takes a base seed
+    # from torch's CPU generator (and a task's evaluate may draw too), which shifted the dropout
+    # masks of every later step. train.eval_every and data.valid change nothing computed, and a
+    # resume that changes them may say nothing (resume="silent").
+    rng = capture_rng_state(info.device)
+    try:
+        with eval_mode(model, info.device.type, autocast_dtype):
+            metrics = task.evaluate(model, info, **extra)
+    finally:
+        restore_rng_state(rng, info.device)
     if metrics:  # rank 0's; none at all means the task has nothing to evaluate (no data.valid)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         print0(f"eval at step {step}: {shown} ({time.perf_counter() - start:.1f} s)")
