@@ -56,3 +56,23 @@ def test_augmenting_workers_resume_exactly_and_their_number_does_not_matter(tmp_
     assert max_abs_diff(straight, checkpoint_weights(run(resumed, "data.num_workers=2", "train.max_steps=6"), 6)) == 0
     one_worker = checkpoint_weights(run(tmp_path / "one", "data.num_workers=1", "train.max_steps=6"), 6)
     assert max_abs_diff(straight, one_worker) == 0
+    # No workers: items made in the training process draw the same, and its own streams do not
+    # move (a resume changing data.num_workers from 2 to 0 was 1.1e-4 off, without a word).
+    switched = tmp_path / "switched"
+    run(switched, "data.num_workers=2", "train.max_steps=3")
+    assert max_abs_diff(straight, checkpoint_weights(run(switched, "data.num_workers=0", "train.max_steps=6"), 6)) == 0
+
+
+def test_an_item_made_in_the_training_process_leaves_its_streams_where_they_were():
+    import random
+
+    import numpy as np
+
+    items = ItemSeeded(NoisyBlobs(16, seed=3), base=1234, in_process=True)
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    made = items[3]["features"]
+    after = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    untouched = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(after[0], untouched[0]) and after[1:] == untouched[1:]
+    assert torch.equal(made, ItemSeeded(NoisyBlobs(16, seed=3), base=1234)[3]["features"])  # a worker's draw

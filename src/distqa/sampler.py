@@ -14,6 +14,7 @@ trainer's batches through a DataLoader over it; `seed_everything` and `derive_se
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 from collections.abc import Callable, Iterator
@@ -127,25 +128,37 @@ class ItemSeeded(Dataset):
     A task whose `__getitem__` draws random numbers (augmentation, masking) would otherwise draw
     from its worker's stream, whose position depends on which items that worker made before: other
     after a resume (the epoch's loader starts at a later step, its workers afresh) and with another
-    `data.num_workers`, so neither would give the uninterrupted run's result. Without workers the
-    items are made in the training process, whose generators are checkpointed: not wrapped there
-    (seeding them would also move its dropout stream)."""
+    `data.num_workers`, so neither would give the uninterrupted run's result.
 
-    def __init__(self, dataset: Dataset, base: int) -> None:
-        self.dataset, self.base = dataset, base
+    `in_process` (data.num_workers=0: items made in the training process): the same seeds, with
+    the process's own streams set aside around each item and put back after it, so its dropout
+    stream does not move and 0 workers draw what N workers draw (data.num_workers is a setting a
+    resume may change without a word)."""
+
+    def __init__(self, dataset: Dataset, base: int, *, in_process: bool = False) -> None:
+        self.dataset, self.base, self.in_process = dataset, base, in_process
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def seed(self, index: int) -> None:
+    @contextlib.contextmanager
+    def seeded(self, index: int) -> Iterator[None]:
+        kept = (torch.get_rng_state(), random.getstate(), np.random.get_state()) if self.in_process else None
         seed = item_seed(self.base, index)
-        torch.default_generator.manual_seed(seed)  # the CPU generator: workers never draw on a GPU
+        torch.default_generator.manual_seed(seed)  # the CPU generator: items are never made on a GPU
         random.seed(seed)
         np.random.seed(seed)
+        try:
+            yield
+        finally:
+            if kept is not None:
+                torch.set_rng_state(kept[0])
+                random.setstate(kept[1])
+                np.random.set_state(kept[2])
 
     def __getitem__(self, index: int) -> Any:
-        self.seed(index)
-        return self.dataset[index]
+        with self.seeded(index):
+            return self.dataset[index]
 
 
 class BatchSeeded(ItemSeeded):
@@ -153,8 +166,8 @@ class BatchSeeded(ItemSeeded):
     seeded per batch, from its first index (the sampler makes the same batches on a resume)."""
 
     def __getitems__(self, indices: list[int]) -> Any:
-        self.seed(indices[0])
-        return self.dataset.__getitems__(indices)  # type: ignore[attr-defined]
+        with self.seeded(indices[0]):
+            return self.dataset.__getitems__(indices)  # type: ignore[attr-defined]
 
 
 def training_batches(
@@ -180,10 +193,8 @@ def training_batches(
     # SIGTERM is held while the workers start (`worker_signals`); a SIGTERM for this process
     # meanwhile is delivered when the block ends. (The caller's previous epoch's workers end after
     # this returns, outside the hold.)
-    items: Dataset = dataset
-    if workers > 0:
-        wrapper = BatchSeeded if hasattr(dataset, "__getitems__") else ItemSeeded
-        items = wrapper(dataset, derive_seed(cfg.seed, epoch, ITEM_STREAM))
+    wrapper = BatchSeeded if hasattr(dataset, "__getitems__") else ItemSeeded
+    items = wrapper(dataset, derive_seed(cfg.seed, epoch, ITEM_STREAM), in_process=workers == 0)
     with sigterm_held():
         context = loader_context(workers, uses=(dataset, collate), distributed=distributed)
         loader = DataLoader(
