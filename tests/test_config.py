@@ -330,3 +330,65 @@ def test_a_section_given_a_value_on_the_command_line_is_named():
     with pytest.raises(ConfigError, match=r"^train is a section, not a setting: give its keys, e.g. train\.\w+=VALUE$"):
         load_config(None, ["train=5"])
     assert load_config(None, ["task=textcls"]).task.name == "textcls"  # the shorthand stays
+
+
+# ---------------------------------------------------------------------------- text settings
+@pytest.mark.parametrize("value", ["010", "1:30", "1.10", "1e5", "007", "true", "2024-01-01"])
+def test_a_text_setting_on_the_command_line_is_the_text_as_typed(value):
+    """YAML would read output_dir=010 as the octal 8, 1:30 as 90 and 1.10 as 1.1: a run wrote to
+    another folder than the one named, with exit 0."""
+    cfg = load_config(None, [f"output_dir={value}", f"model.name={value}", f"task.cache_dir={value}"])
+    assert (cfg.output_dir, cfg.model.name, cfg.task.cache_dir) == (value, value, value)
+    assert load_config(None, ["model.tokenizer=null"]).model.tokenizer is None  # null still means none
+    assert load_config(None, ["train.lr=1e-3"]).train.lr == 1e-3  # numbers stay numbers where they belong
+
+
+@pytest.mark.parametrize("text", ["output_dir: 010", "output_dir: 1.10", "model:\n  name: yes", "model:\n  tokenizer: 7"])
+def test_a_text_setting_that_yaml_read_as_a_number_is_refused_in_a_file(tmp_path, text):
+    """In a file the text is already lost when the value is read: say so, and how to keep it."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=rf"in config file {re.escape(str(path))} is text, and YAML read its value"):
+        load_config(str(path))
+    quoted = re.sub(r": (.*)$", r": '\1'", text)
+    path.write_text(quoted + "\n")
+    assert load_config(str(path)) is not None
+
+
+def test_none_for_an_optional_text_setting_is_refused_for_null(tmp_path):
+    for source in (None, "file"):
+        path = tmp_path / "run.yaml"
+        path.write_text("task:\n  cache_dir: None\n")
+        with pytest.raises(
+            ConfigError, match=r"^task\.cache_dir=None in .* would be the text 'None': for no value give null$"
+        ):
+            load_config(str(path)) if source else load_config(None, ["task.cache_dir=None"])
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("train:\n  lr: 0.001\n  lr: 0.1\n", "found duplicate key lr at line 3, column 3"),
+        ("train:\n\tlr: 0.1\n", "at line 2, column 1"),
+        ("train:\n  lr: 0.1\n    x: 1\n", "mapping values are not allowed in this context at line 3, column 6"),
+        ("train.lr: 0.5\n", "has the key 'train.lr': YAML nests keys by indenting, not by dots: write 'train:'"),
+    ],
+)
+def test_a_yaml_mistake_names_its_place(tmp_path, text, expected):
+    """The parser's first line ('while constructing a mapping') named neither the problem nor where."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(path))
+    assert str(caught.value).startswith(f"config file {path} ") and expected in str(caught.value), caught.value
+
+
+def test_a_second_config_file_is_refused_not_dropped(tmp_path, capsys):
+    """The second --config replaced the first, whose settings vanished without a word."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("train:\n  lr: 0.5\n")
+    second.write_text("train:\n  max_steps: 5\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--check-config", "--config", str(first), "--config", str(second)])
+    assert exited.value.code == 2
+    assert f"error: --config given twice ({first} and {second})" in capsys.readouterr().err

@@ -47,6 +47,22 @@ def _whole_words(formatter: type[argparse.HelpFormatter]) -> type[argparse.HelpF
     return WholeWords
 
 
+class _OneConfig(argparse.Action):
+    """--config given once: a second one replaced the first, whose settings were then dropped
+    without a word (`make train ARGS="--config mine.yaml"` after the quick start's own)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        first = getattr(namespace, self.dest, None)
+        if first is not None:
+            parser.error(
+                f"--config given twice ({first} and {values}): one file per run; give the other file's "
+                "settings as KEY=VALUE, or merge the two files"
+            )
+        setattr(namespace, self.dest, values)
+
+
 def _add_settings(command: argparse.ArgumentParser, example: str = "train.lr=1e-4 train.max_steps=500") -> None:
     """The settings every command that reads the config takes: a YAML file, then overrides
     (`example`: overrides that matter to this command, for its --help)."""
@@ -54,6 +70,7 @@ def _add_settings(command: argparse.ArgumentParser, example: str = "train.lr=1e-
     command.add_argument(
         "--config",
         metavar="FILE",
+        action=_OneConfig,
         help="YAML file of settings (see configs/); its task's keys and commands join --help",
     )
     command.add_argument(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import typing
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
@@ -55,6 +56,32 @@ def check_sections(values: Any, schema: Any, source: str, prefix: str = "") -> N
                 f"such as `{example}: VALUE`), not {value!r}"
             )
         check_sections(value, sub, source, f"{key}.")
+
+
+def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
+    """Every setting typed as text (`str`, or `str | None`): full key -> whether it may be None."""
+    hints = typing.get_type_hints(type(schema))
+    keys: dict[str, bool] = {}
+    for f in dataclasses.fields(schema):
+        sub, key = getattr(schema, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(sub):
+            keys.update(text_keys(sub, f"{key}."))
+        elif hints[f.name] is str or set(typing.get_args(hints[f.name])) == {str, type(None)}:
+            keys[key] = hints[f.name] is not str
+    return keys
+
+
+def check_text(key: str, value: Any, optional: bool, source: str) -> None:
+    """A text setting that YAML read as something else: the text is lost (010 is 8, 1.10 is 1.1,
+    yes is True), and would be used as str(value) without a word. `None` where null was meant
+    would name a folder or model 'None'."""
+    if isinstance(value, (bool, int, float)):
+        raise ConfigError(
+            f"{key} in {source} is text, and YAML read its value as the {type(value).__name__} {value!r} "
+            f"(010 becomes 8, 1.10 becomes 1.1): put the value in quotes"
+        )
+    if optional and value == "None":
+        raise ConfigError(f"{key}=None in {source} would be the text 'None': for no value give null")
 
 
 def check_floats(values: Any, schema: Any, prefix: str = "") -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -19,8 +21,10 @@ from distqa.config_checks import (
     check_floats,
     check_not_a_section,
     check_sections,
+    check_text,
     raise_config_error,
     suggest,
+    text_keys,
     unknown_key,
 )
 from distqa.errors import ConfigError
@@ -31,13 +35,33 @@ def _read_yaml(path: str) -> DictConfig:
         raise ConfigError(f"config file {path} does not exist")
     try:
         layer = OmegaConf.load(path)
-    except Exception as err:  # yaml's many parser errors: report the file, not the internals
+    except yaml.MarkedYAMLError as err:  # the problem and its place, not the parser's context line
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML: {err.problem or err.context}{where}") from err
+    except Exception as err:  # yaml's other errors: report the file, not the internals
         raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from err
     if not isinstance(layer, DictConfig):
         raise ConfigError(f"config file {path} is not a mapping of settings")
+    dotted = next((key for key in layer if isinstance(key, str) and "." in key), None)
+    if dotted is not None:  # `train.lr: 0.5`: YAML keys do not nest by dots
+        section, _, rest = dotted.partition(".")
+        raise ConfigError(
+            f"config file {path} has the key '{dotted}': YAML nests keys by indenting, not by dots: "
+            f"write '{section}:' and, indented on the line below it, '{rest}: VALUE'"
+        )
     if isinstance(layer.get("task"), str):  # `task: NAME`, the shorthand of `task: {name: NAME}`
         layer["task"] = {"name": layer["task"]}
     return layer
+
+
+def _lookup(values: Any, key: str) -> Any:
+    """The value at a dotted key of plain nested dicts, or None where the layer does not set it."""
+    for part in key.split("."):
+        if not isinstance(values, dict):
+            return None
+        values = values.get(part)
+    return values
 
 
 def _task_name(layer: DictConfig | None, items: list[str]) -> str:
@@ -67,16 +91,27 @@ def load_config(path: str | None, overrides: Sequence[str] = (), *, settings_of:
     known = [k for k, _, _ in describe_keys(defaults)]
     renamed = renamed_keys(defaults)
     merged = OmegaConf.structured(defaults)
+    text = text_keys(defaults)
     if layer is not None:
-        check_sections(OmegaConf.to_container(layer), defaults, str(path))
+        values = OmegaConf.to_container(layer)
+        check_sections(values, defaults, str(path))
+        for key, optional in text.items():
+            check_text(key, _lookup(values, key), optional, f"config file {path}")
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
             raise_config_error(err, str(path), known, renamed)
     for item in items:
-        check_not_a_section(item.partition("=")[0], known)
+        key, _, value = item.partition("=")
+        check_not_a_section(key, known)
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            override = OmegaConf.from_dotlist([item])
+            if key in text:  # the text as typed, not what YAML makes of it (output_dir=010 is not 8)
+                parsed = OmegaConf.select(override, key)
+                if not (parsed is None or isinstance(parsed, str)):
+                    OmegaConf.update(override, key, value, merge=False)
+                check_text(key, OmegaConf.select(override, key), text[key], "the command line")
+            merged = OmegaConf.merge(merged, override)
         except ConfigKeyError as err:
             # OmegaConf names only the first unknown part (`trian`); the key as typed says more.
             raise unknown_key(item.partition("=")[0], "the command line", known, renamed) from err
