@@ -343,7 +343,9 @@ def test_a_text_setting_on_the_command_line_is_the_text_as_typed(value):
     assert load_config(None, ["train.lr=1e-3"]).train.lr == 1e-3  # numbers stay numbers where they belong
 
 
-@pytest.mark.parametrize("text", ["output_dir: 010", "output_dir: 1.10", "model:\n  name: yes", "model:\n  tokenizer: 7"])
+@pytest.mark.parametrize(
+    "text", ["output_dir: 010", "output_dir: 1.10", "model:\n  name: yes", "model:\n  tokenizer: 7"]
+)
 def test_a_text_setting_that_yaml_read_as_a_number_is_refused_in_a_file(tmp_path, text):
     """In a file the text is already lost when the value is read: say so, and how to keep it."""
     path = tmp_path / "run.yaml"

@@ -163,8 +163,21 @@ def test_predict_example_picks_the_best_window_and_its_candidate():
     pred = predict_example(windows, example([(0, 12, True), (20, 30, True), (21, 25, False)]))
     assert (pred.long, pred.short, pred.score) == ("20:30", "22:24", 3.0)  # top-level preferred to nested
     pred = predict_example([WindowBest("1", 1.0, 40, 41, NO)], example([(0, 12, True)]))
-    assert (pred.long, pred.short) == ("", "NO")  # no candidate holds the span
+    assert (pred.long, pred.short) == ("", "NO")  # no candidate holds the span: NO names none
     assert predict_example([], example([])).score == -math.inf
+
+
+def test_a_span_outside_every_candidate_is_passed_over_for_one_inside():
+    """NQ's short answers lie inside a long-answer candidate: a best span across two paragraphs
+    (seen on the real Kaggle test example) was written as a short answer with no long one, a sure
+    false positive. The next window's span inside a candidate is taken instead, or none at all."""
+    candidates = example([(0, 12, True), (20, 30, True)])
+    across = WindowBest("1", 5.0, 10, 22, SHORT)  # starts in one candidate, ends in the next
+    inside = WindowBest("1", 2.0, 22, 24, SHORT)
+    pred = predict_example([across, inside], candidates)
+    assert (pred.long, pred.short, pred.score) == ("20:30", "22:24", 2.0)
+    pred = predict_example([across, WindowBest("1", 1.0, 40, 41, SHORT)], candidates)
+    assert (pred.long, pred.short, pred.score) == ("", "", -math.inf)
 
 
 def test_best_spans_respects_document_and_length():

@@ -2,11 +2,13 @@
 
 Per window: the top-k start and end positions inside the document part give candidate spans of at
 most `max_answer_len` sub-words, scored `start + end - (start[CLS] + end[CLS])` (how much better
-than "no answer in this window"). Per example: the best span over its windows. The long answer is
-the top-level candidate that contains it; the short answer is the span itself, or YES/NO when the
-answer-type head of that window says so. A prediction is only written when its score clears a
-threshold, one for long and one for short answers, chosen together on the validation set to
-maximise the competition's micro F1 over both (`distqa.nq.evaluate.best_pair`).
+than "no answer in this window"). Per example: the best span over its windows that lies inside a
+long-answer candidate (NQ's short answers always do; one outside all of them could only be wrong),
+or whose window answers YES or NO.
+The long answer is the top-level candidate that contains it; the short answer is the span itself,
+or YES/NO when the answer-type head of that window says so. A prediction is only written when its
+score clears a threshold, one for long and one for short answers, chosen together on the
+validation set to maximise the competition's micro F1 over both (`distqa.nq.evaluate.best_pair`).
 """
 
 from __future__ import annotations
@@ -76,16 +78,23 @@ class ExamplePrediction:
     score: float
 
 
-def predict_example(windows: list[WindowBest], example: NQExample) -> ExamplePrediction:
-    """Before thresholds: the best window's span, its long-answer candidate, and YES/NO."""
-    if not windows:
-        return ExamplePrediction("", "", -math.inf)
-    best = max(windows, key=lambda w: w.score)
-    long = ""
-    containing = [
-        c for c in example.candidates if c["start_token"] <= best.start_token and best.end_token <= c["end_token"]
+def _containing(window: WindowBest, example: NQExample) -> list[dict[str, Any]]:
+    return [
+        c for c in example.candidates if c["start_token"] <= window.start_token and window.end_token <= c["end_token"]
     ]
-    if containing:
+
+
+def predict_example(windows: list[WindowBest], example: NQExample) -> ExamplePrediction:
+    """Before thresholds: the best window that could be right, its long-answer candidate, and
+    YES/NO. NQ's short answers always lie inside one of the candidates, so a span outside all of
+    them (across two paragraphs, say) could only be a false positive: such a window is passed over
+    unless its answer is YES or NO, which names no span."""
+    ranked = sorted(windows, key=lambda w: w.score, reverse=True)
+    best = next((w for w in ranked if w.answer_type in (YES, NO) or _containing(w, example)), None)
+    if best is None:
+        return ExamplePrediction("", "", -math.inf)
+    long = ""
+    if containing := _containing(best, example):
         # Prefer top-level candidates, as NQ's long answers are; then the narrowest.
         chosen = min(containing, key=lambda c: (not c.get("top_level", True), c["end_token"] - c["start_token"]))
         long = f"{chosen['start_token']}:{chosen['end_token']}"
