@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ROOT, subprocess_env
 from distqa.cli import main
+from distqa.errors import DistqaError
 
 RUFF = Path(sys.executable).parent / "ruff"
 
@@ -95,6 +96,19 @@ def test_the_generated_task_is_clean_trains_evaluates_and_predicts(tmp_path, mon
         assert main(command) == 0
         label, text = capsys.readouterr().out.strip().splitlines()[-1].split("\t")
         assert label in ("negative", "positive") and text == "a good book"
+        # A fork reorders its classes after training: the export's own names still say what the
+        # model predicts (printing LABELS[index] renamed every prediction).
+        task_module = sys.modules["nt_probe.task"]
+        monkeypatch.setattr(task_module, "LABELS", tuple(reversed(task_module.LABELS)))
+        assert main(command) == 0
+        assert capsys.readouterr().out.strip().splitlines()[-1].split("\t")[0] == label
+
+        # Damaged CSV rows are one line each, never an example: an unquoted comma, an unclosed quote.
+        data_module = sys.modules["nt_probe.data"]
+        for lines in (["text,label", "so bad, really,negative"], ["text,label", '"awful,negative', "ok,positive"]):
+            (tmp_path / "bad.csv").write_text("\n".join(lines) + "\n")
+            with pytest.raises(DistqaError, match=r"data.train='bad.csv'"):
+                data_module.read_examples("bad.csv", "data.train")
     finally:
         for name in [m for m in sys.modules if m == "nt_probe" or m.startswith("nt_probe.")]:
             del sys.modules[name]

@@ -110,6 +110,20 @@ def test_class_names_win_over_indices(tmp_path):
         ("a.csv", "text,label\n", {}, r"a.csv' has no rows"),
         ("a.jsonl", "\n", {}, r"a.jsonl' has no rows"),
         ("a.txt", "hi\n", {}, r"textcls reads .csv or .jsonl \(JSON lines\) files, not '.txt'"),
+        # Damaged rows that once became wrong examples with exit 0: an unquoted comma cut the text
+        # and dropped a field; an unclosed quote made the rows after it one text; a repeated column
+        # kept its last value.
+        ("a.csv", "text,label\nso bad, 0,1\n", {}, r"row ending on line 2: 3 fields, the header has 2: put a text"),
+        (
+            "a.csv",
+            'text,label\n"awful,negative\nbad one,negative\n',
+            {},
+            r"row starting on line 2: not valid CSV",
+        ),
+        ("a.csv", "text,label,text\nhi,0,ho\n", {}, r"a.csv': the header names column\(s\) 'text' twice"),
+        ("a.csv", "text,label\n ,0\n", {}, r"row ending on line 2: a text column is empty"),
+        # Class names that are numbers: 0 was read as index 0, the class "1", as was the name "1".
+        ("a.csv", "text,label\nhi,1\nho,0\n", {"labels": "1,2,3"}, r"line 3: label '0' is not one of task.labels"),
     ],
 )
 def test_each_bad_file_is_one_clear_line(tmp_path, name, content, keys, message):
@@ -299,3 +313,16 @@ def test_minilm_learns_from_the_pair_column_of_jsonl(tmp_path, minilm_dir):
     predicted = exported_predictions(out / "model", minilm_dir, [a for a, _, _ in rows], [b for _, b, _ in rows])
     accuracy = (predicted == torch.tensor([y for _, _, y in rows])).float().mean().item()
     assert abs(accuracy - final["eval_accuracy"]) <= 1 / 60 + 1e-9
+
+
+def test_a_long_text_a_byte_order_mark_in_json_lines_and_numeric_class_names_by_name(tmp_path):
+    """A text over the csv module's 128 KB field limit was a traceback; a JSONL file with a
+    byte-order mark was refused while a CSV with one was read."""
+    long = "word " * 40_000
+    path = write_csv(tmp_path / "a.csv", ["text,label", f"{long},positive", "short,negative"])
+    assert [(len(e.text), e.label) for e in read_examples(path, "data.train", settings())] == [(len(long), 1), (5, 0)]
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "hi", "label": "positive"}\n')
+    assert read_examples(path, "data.train", settings())[0].label == 1
+    path = write_csv(tmp_path / "stars.csv", ["text,label", "bad,1", "good,3"])
+    assert [e.label for e in read_examples(path, "data.train", settings(labels="1,2,3"))] == [0, 2]

@@ -57,15 +57,12 @@ def _decoded_rows(path: Path, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
         raise DistqaError(f"{key}={str(path)!r}: textcls reads .csv or .jsonl (JSON lines) files, not {path.suffix!r}")
     if not path.is_file():
         raise DistqaError(f"{key}={str(path)!r} is not a file")
-    # newline="" as the csv module asks: a quoted field may hold a line break. utf-8-sig: a CSV saved
+    # newline="" as the csv module asks: a quoted field may hold a line break. utf-8-sig: a file saved
     # by a spreadsheet starts with a byte-order mark, which would otherwise rename the first column.
     csv_file = kind == "csv"
-    with path.open(encoding="utf-8-sig" if csv_file else "utf-8", newline="" if csv_file else None) as f:
+    with path.open(encoding="utf-8-sig", newline="" if csv_file else None) as f:
         if kind == "csv":
-            reader = csv.DictReader(f)
-            for row in reader:
-                # The header is line 1; a row's number is where it ends (quoted fields may span lines).
-                yield reader.line_num, row
+            yield from _csv_rows(f, f"{key}={str(path)!r}")
             return
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -79,18 +76,52 @@ def _decoded_rows(path: Path, key: str) -> Iterator[tuple[int, dict[str, Any]]]:
             yield number, row
 
 
+def _csv_rows(f: Any, where: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) of each CSV row; a damaged row is an error naming its line, not an
+    example: an unclosed quote (which swallowed the rows after it into one text) and a row with
+    more fields than the header (an unquoted comma, whose text was cut there) passed silently."""
+    csv.field_size_limit(1 << 30)  # a long document is a text, not the module's 128 KB error
+    reader = csv.DictReader(f, strict=True)
+    ended = 1  # the line the last whole row (the header first) ended on: csv's own count stops at an error
+    try:
+        header = reader.fieldnames or []
+        if repeated := sorted({name for name in header if header.count(name) > 1}):
+            raise DistqaError(f"{where}: the header names column(s) {', '.join(map(repr, repeated))} twice")
+        for row in reader:
+            if None in row:  # DictReader's place for the fields past the header's
+                raise DistqaError(
+                    f"{where} row ending on line {reader.line_num}: {len(header) + len(row[None])} fields, the header "
+                    f"has {len(header)}: put a text that holds a comma in double quotes"
+                )
+            # The header is line 1; a row's number is where it ends (quoted fields may span lines).
+            ended = reader.line_num
+            yield ended, row
+    except csv.Error as err:  # an unclosed quote: "unexpected end of data"
+        raise DistqaError(f"{where} row starting on line {ended + 1}: not valid CSV ({err})") from None
+
+
 def _label_index(value: Any, labels: list[str]) -> int | None:
-    """The class of a file's label: a name of task.labels first, else an index into it."""
+    """The class of a file's label: a name of task.labels, else an index into it; but where the
+    class names are numbers themselves, only a name (labels named 1..5 and a file's 0..4: 0 as an
+    index and 1 as a name were both the class '1', and every class moved, silently)."""
     text = str(value).strip()
     if text in labels:  # names win, so labels named "1,0" mean what they say
         return labels.index(text)
-    if isinstance(value, bool):
-        return None  # JSON true/false is not an index
+    if isinstance(value, bool) or any(_is_integer(name) for name in labels):
+        return None  # JSON true/false is not an index; with numeric names an index is ambiguous
     try:
         index = int(text)
     except ValueError:
         return None
     return index if 0 <= index < len(labels) else None
+
+
+def _is_integer(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
 
 def read_examples(path: str | Path, key: str, settings: Any) -> list[Example]:
@@ -119,11 +150,18 @@ def read_examples(path: str | Path, key: str, settings: Any) -> list[Example]:
             texts.append(row[settings.text_pair_column])
         if not all(isinstance(t, str) for t in texts):
             raise DistqaError(f"{where}: the text columns must hold strings")
+        if not all(t.strip() for t in texts):
+            raise DistqaError(f"{where}: a text column is empty")
         label = _label_index(row[settings.label_column], labels)
         if label is None:
+            given, names = row[settings.label_column], ", ".join(labels)
+            if any(_is_integer(name) for name in labels):
+                raise DistqaError(
+                    f"{where}: label {given!r} is not one of task.labels ({names}): with class names that "
+                    "are numbers, a file gives the names, not indices"
+                )
             raise DistqaError(
-                f"{where}: label {row[settings.label_column]!r} is neither one of task.labels "
-                f"({', '.join(labels)}) nor an index 0..{len(labels) - 1}"
+                f"{where}: label {given!r} is neither one of task.labels ({names}) nor an index 0..{len(labels) - 1}"
             )
         examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label))
     if not examples:

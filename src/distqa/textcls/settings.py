@@ -17,7 +17,7 @@ class TextClsSettings:
     labels: str | None = setting(
         None,
         "the class names in order, comma-separated (e.g. 'negative,positive'); "
-        "the file's labels may be these names or their indices",
+        "the file's labels may be these names or their indices (names only, where the names are numbers)",
     )
     text_column: str = setting("text", "column (CSV) or key (JSONL) of the text")
     text_pair_column: str | None = setting(None, "column of the second text of a pair (default: single texts)")
