@@ -62,6 +62,14 @@ def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs:
     )
 
 
+# A loss that is not finite at step 1 comes from the initial weights, before any update: the learning
+# rate is not its cause (under warm-up it is 0 there), and no checkpoint holds anything yet.
+FIRST_LOSS_NOT_FINITE = (
+    "the first step's loss, before any update: it comes from the data, the task's loss or the model's "
+    "initial weights, not from train.lr; nothing was saved"
+)
+
+
 def diverged_hint(train: TrainConfig) -> str:
     """What to change when the loss or the weights stop being finite."""
     clip = (

@@ -18,9 +18,10 @@ import contextlib
 import inspect
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
@@ -54,18 +55,28 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
         for _ in range(math.ceil(math.ceil(n / info.world_size) / size) - len(loader)):
             task.eval_step(model, to_device(spare, info.device))
     gathered = [item for part in gather_to_main(outputs, info) for item in part]
-    # Rank 0 alone scores. Its one-line error (a stale validation cache, a bad gold line) stops
-    # every rank with that line, rather than rank 0 alone while the others wait in the next
-    # step's collective until its absence is noticed.
-    metrics: dict[str, float] = {}
-    problem: DistqaError | None = None
-    if info.is_main:
-        try:
-            metrics = task.compute_metrics(gathered, step)
-        except DistqaError as err:
-            problem = err
-    raise_on_every_rank(problem)
-    return metrics
+    # Rank 0 alone scores (its one-line error reaches every rank: `run_evaluation`).
+    return task.compute_metrics(gathered, step) if info.is_main else {}
+
+
+def checked_metrics(metrics: Any) -> dict[str, Any]:
+    """The task's metrics as numbers: a one-element tensor or a NumPy number becomes a Python one;
+    anything else (text, a dict, several values) is one line naming the key, before anything is
+    written. (A tensor once passed until metrics.jsonl's writer failed on it at the end of the
+    run, before its last checkpoint.)"""
+    if not isinstance(metrics, Mapping):
+        raise DistqaError(f"the task's evaluation returned a {type(metrics).__name__}, not a dict of metric numbers")
+    checked: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if (torch.is_tensor(value) and value.numel() == 1) or isinstance(value, np.generic):
+            value = value.item()
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DistqaError(
+                f"the task's metric {key!r} is {type(value).__name__} {value!r:.60}, not a number: compute_metrics "
+                "(or evaluate) must return a dict of names to numbers"
+            )
+        checked[key] = value
+    return checked
 
 
 @contextlib.contextmanager
@@ -96,11 +107,20 @@ def run_evaluation(
     # masks of every later step. train.eval_every and data.valid change nothing computed, and a
     # resume that changes them may say nothing (resume="silent").
     rng = capture_rng_state(info.device)
+    metrics: dict[str, Any] = {}
+    problem: DistqaError | None = None
     try:
         with eval_mode(model, info.device.type, autocast_dtype):
-            metrics = task.evaluate(model, info, **extra)
+            try:
+                metrics = checked_metrics(task.evaluate(model, info, **extra))
+            except DistqaError as err:
+                problem = err
     finally:
         restore_rng_state(rng, info.device)
+    # Rank 0 alone scores. Its one-line error (a stale validation cache, a metric that is no
+    # number) stops every rank with that line, rather than rank 0 alone while the others wait in
+    # the next step's collective until its absence is noticed.
+    raise_on_every_rank(problem)
     if metrics:  # rank 0's; none at all means the task has nothing to evaluate (no data.valid)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         print0(f"eval at step {step}: {shown} ({time.perf_counter() - start:.1f} s)")

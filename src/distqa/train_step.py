@@ -7,7 +7,7 @@ clipped and applied. The loop around it (`distqa.trainer`) only sequences steps 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,11 @@ class TrainStep:
             if micro:
                 timer.mark("data")
             cpu_batch = next(batches)
+            if not isinstance(cpu_batch, Mapping):
+                raise DistqaError(
+                    f"the task's collate returned a {type(cpu_batch).__name__}, not a mapping of names to tensors "
+                    "(a dict such as {'input_ids': ..., 'labels': ...})"
+                )
             tokens = self.task.count_tokens(cpu_batch)  # on the CPU copy: no device sync
             samples = len(next(iter(cpu_batch.values())))
             batch = to_device(cpu_batch, self.info.device)
@@ -75,7 +80,17 @@ class TrainStep:
                 loss = self._loss(batch)
             # Each micro-batch's loss is a mean over its examples; dividing by accum makes the
             # accumulated gradient the mean over the whole global batch.
-            self.scaler.scale(loss / self.train.grad_accum).backward()
+            try:
+                self.scaler.scale(loss / self.train.grad_accum).backward()
+            except RuntimeError as err:
+                if "static_graph" not in str(err):
+                    raise
+                # DDP's paragraph, raised in the backward pass of a step whose used parameters differ.
+                raise DistqaError(
+                    "a step used other parameters than the steps before it (a model part used only for some "
+                    "batches), which train.static_graph=true does not allow: set train.static_graph=false "
+                    "train.find_unused_parameters=true, or use every part in every step"
+                ) from err
         return loss
 
     def _loss(self, batch: Batch) -> torch.Tensor:
@@ -89,12 +104,22 @@ class TrainStep:
                 "some parameters got no gradient in a step (a model part the loss does not use): set "
                 "train.find_unused_parameters=true, or leave that part out of the model"
             ) from err
+        if not torch.is_tensor(loss):
+            raise DistqaError(
+                f"the task's loss returned a {type(loss).__name__}: return the loss tensor itself (not .item())"
+            )
         if self.train.parallel == "dp" and loss.dim() == 1:
             # A loss the model computes in its forward (a Hugging Face model given labels) comes back
             # from DataParallel as one value per GPU, gathered into a vector: their mean is the
             # batch's loss (exactly, when the batch splits evenly over the GPUs). The built-in tasks
             # compute the loss from the gathered outputs, which is exact whatever the split.
             loss = loss.mean()
+        if loss.dim() != 0 or not loss.is_floating_point() or not loss.requires_grad:
+            got = f"shape {list(loss.shape)}" if loss.dim() else f"{loss.dtype}, requires_grad={loss.requires_grad}"
+            raise DistqaError(
+                f"the task's loss must be a floating-point scalar with a gradient; it returned a tensor of {got}: "
+                "take the mean over the batch, and do not detach it or compute it under torch.no_grad()"
+            )
         return loss
 
     def _update(self) -> torch.Tensor:

@@ -23,7 +23,7 @@ from distqa.best import best_after_evaluation, require_evaluation
 from distqa.checkpoint_manager import CheckpointManager, Parts, TrainerState
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, dataset_size, quiet_libraries
-from distqa.control import AfterStep, after_step, diverged_hint
+from distqa.control import FIRST_LOSS_NOT_FINITE, AfterStep, after_step, diverged_hint
 from distqa.data_identity import agreed_identity
 from distqa.dist import (
     DistInfo,
@@ -301,7 +301,8 @@ class Trainer:
         """The metrics line of this step: the log window's figures, and the evaluation's."""
         record = {"step": step, "epoch": round(step / self.epoch_steps, 4), "lr": lr, **self.meter.reduce_and_reset()}
         if not math.isfinite(record["loss"]):
-            raise DistqaError(f"loss is {record['loss']} at step {step}: {self.hint}")
+            why = self.hint if step > 1 else FIRST_LOSS_NOT_FINITE  # step 1: the initial weights' loss
+            raise DistqaError(f"loss is {record['loss']} at step {step}: {why}")
         if plan.evaluate:
             record.update(
                 run_evaluation(self.task, self.raw_model, self.info, step=step, autocast_dtype=self.autocast_dtype)
@@ -311,8 +312,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- finish
     def _finish(self, finished: bool, final: Path) -> None:
-        """model/ from the final weights (those of checkpoint `final`), and the plot of the run
-        (unless it only exports)."""
+        """model/ from the final weights (checkpoint `final`), and the run's plot (unless it only exports)."""
         # Rank 0 holds the lock; every rank must learn if it was lost (they all stop, none waits).
         lost = self.lock.verify() if self.lock is not None else None
         raise_on_every_rank(f"{lost}: the model is not exported" if lost else None)
