@@ -52,6 +52,7 @@ mkdir -p "$results"
 host_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 gpus_per_node=${GPUS_PER_NODE:-$((host_gpus / nnodes))}
 [[ $gpus_per_node =~ ^[0-9]+$ ]] || die "GPUS_PER_NODE must be a non-negative integer, got '$gpus_per_node'"
+gpus_per_node=$((10#$gpus_per_node)) # decimal: bash reads 08 as a bad octal number, which skipped the GPU check
 if [[ -z ${GPUS_PER_NODE:-} ]] && ((host_gpus > 0 && gpus_per_node == 0)); then
   die "$host_gpus GPU(s) cannot be split over $nnodes nodes; use fewer nodes, or GPUS_PER_NODE=0 for the CPU"
 fi
@@ -61,6 +62,7 @@ fi
 
 stop_timeout=${STOP_TIMEOUT:-60}
 [[ $stop_timeout =~ ^[0-9]+$ ]] || die "STOP_TIMEOUT must be a whole number of seconds, got '$stop_timeout'"
+stop_timeout=$((10#$stop_timeout))
 
 # CPUs: the ones this script may run on (a cpuset or taskset of its own is kept), split into equal,
 # disjoint sets. Unpinned, every container's worker.sh would see all of the host's CPUs and start
@@ -83,6 +85,7 @@ read -ra host_cpus <<<"$(expand_cpus "$(awk '/^Cpus_allowed_list:/ { print $2 }'
 if ((${#host_cpus[@]} == 0)); then read -ra host_cpus <<<"$(expand_cpus "0-$(($(nproc) - 1))")"; fi
 cpus_per_node=${CPUS_PER_NODE:-$((${#host_cpus[@]} / nnodes))}
 [[ $cpus_per_node =~ ^[0-9]+$ ]] || die "CPUS_PER_NODE must be a non-negative integer, got '$cpus_per_node'"
+cpus_per_node=$((10#$cpus_per_node))
 if ((cpus_per_node * nnodes > ${#host_cpus[@]})); then
   die "CPUS_PER_NODE=$cpus_per_node x $nnodes nodes needs $((cpus_per_node * nnodes)) CPUs; this host has ${#host_cpus[@]}"
 fi

@@ -16,7 +16,10 @@ die() {
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   if (( gpus > 0 )); then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
+elif ! [[ $NPROC_PER_NODE =~ ^[0-9]{1,4}$ ]] || ((10#$NPROC_PER_NODE < 1)); then
+  die "NPROC_PER_NODE=$NPROC_PER_NODE is not a positive number of processes: set it, or unset it for one per GPU (2 without)"
 fi
+NPROC_PER_NODE=$((10#$NPROC_PER_NODE))
 
 # The Python that runs torchrun (its #! line), so the check sees the same distqa and packages.
 python=python3
@@ -39,6 +42,9 @@ fi
 # Check the settings once, in a second and without torch: a mistake is then one line instead of
 # one per rank followed by torchrun's failure report.
 "$python" -m distqa train --check-config "$@" || exit
+for arg in "$@"; do # --help was printed by the check: nothing to launch
+  if [[ $arg == -h || $arg == --help ]]; then exit 0; fi
+done
 
 rendezvous=(--standalone)
 if [[ -n "${MASTER_PORT:-}" ]]; then

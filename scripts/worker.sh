@@ -41,6 +41,7 @@ note() { echo "worker.sh: $*" >&2; }
 # at once. Without a trap, bash as a container's PID 1 would ignore it, and `docker stop` would end
 # in SIGKILL after its grace period. Replaced below, once torchrun runs, by the forwarding trap.
 trap 'note "stopped by SIGTERM before training started: nothing to checkpoint"; exit 143' TERM
+trap 'note "stopped by SIGINT before training started: nothing to checkpoint"; exit 130' INT
 
 # pick TARGET VAR...: set TARGET to the value of the first VAR that is set and not empty, and
 # TARGET_FROM to that VAR's name, so that error messages can say where a value came from.
@@ -177,6 +178,9 @@ fi
 in_range "$master_port" 1 65535 || die "MASTER_PORT=$master_port (from $master_port_FROM) is not a port number"
 in_range "$rdzv_timeout" 1 || die "RDZV_TIMEOUT=$rdzv_timeout is not a positive number of seconds"
 in_range "$max_restarts" 0 || die "MAX_RESTARTS=$max_restarts is not a non-negative integer"
+# Decimal from here on: bash reads 010 as octal 8 and 09 as an error in $((...)), which skipped the
+# checks and the wait for node 0 below (and torchrun, which reads 10, would disagree).
+master_port=$((10#$master_port)) rdzv_timeout=$((10#$rdzv_timeout)) max_restarts=$((10#$max_restarts))
 if ! in_range "$nproc" 1 && [[ $nproc != auto && $nproc != gpu && $nproc != cpu ]]; then
   die "NPROC_PER_NODE=$nproc (from $nproc_FROM) is not a positive integer or auto/gpu/cpu"
 fi
@@ -244,6 +248,7 @@ fi
 if [[ -n $max_nodes ]]; then
   pick last_call RDZV_LAST_CALL || last_call=30
   in_range "$last_call" 0 || die "RDZV_LAST_CALL=$last_call is not a non-negative number of seconds"
+  last_call=$((10#$last_call))
 fi
 
 # The torchrun command line, in `cmd`. Elastic (NNODES=MIN:MAX): torchrun's c10d rendezvous on
@@ -303,6 +308,9 @@ note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$maste
 
 # A settings mistake is then one line here, rather than one per rank and torchrun's report.
 "$python" -m distqa train --check-config "$@" || exit
+for arg in "$@"; do # --help was printed by the check: nothing to launch
+  if [[ $arg == -h || $arg == --help ]]; then exit 0; fi
+done
 
 # On node 0, torchrun hosts the rendezvous on MASTER_PORT and also connects to MASTER_ADDR. A port
 # in use, an address that does not resolve, or one that leads to another host (a second node 0) ends
@@ -355,29 +363,35 @@ while read -r var; do unset "$var"; done < <(compgen -e | grep '^PET_' || true)
 # torchrun runs in a session of its own (setsid) for that: a group-wide SIGTERM would otherwise
 # reach it twice, directly and forwarded, and a second SIGTERM aborts torchrun's wait for the
 # workers' checkpoint. (torchrun starts each worker in a session of its own already.)
-export DISTQA_ERROR_FILE="${TMPDIR:-/tmp}/distqa-error.$$"
+# Made here, not by the ranks: where it cannot be (a read-only root file system, no /tmp), a run
+# would train on and only misreport its end (a checkpointed preemption as "no checkpoint", exit 1).
+DISTQA_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/distqa-error.XXXXXX" 2>/dev/null ||
+  mktemp /dev/shm/distqa-error.XXXXXX 2>/dev/null) ||
+  die "cannot create a file in ${TMPDIR:-/tmp} (TMPDIR) or /dev/shm, where the ranks say how the run ended: set TMPDIR to a writable folder"
+export DISTQA_ERROR_FILE
 # A restart round waits this long for every node's workers (distqa.rounds), then names the missing node.
 export DISTQA_RDZV_TIMEOUT=$rdzv_timeout
-rm -f "$DISTQA_ERROR_FILE"
 # Without job control `setsid` execs torchrun in place (this script's children are not group
 # leaders), so $! is torchrun itself.
 cmd=("${launcher[@]}" "${cmd[@]:${#torchrun[@]}}")
 if command -v setsid >/dev/null 2>&1; then setsid "${cmd[@]}" & else "${cmd[@]}" & fi
 child=$!
-term_sent=0
-# shellcheck disable=SC2329  # called by the trap below
+term_sent=0 stopped_by=TERM
+# forward_term SIGNAL: the first SIGTERM or SIGINT (Ctrl-C on an attached `docker run`) goes on to
+# torchrun as a SIGTERM, so every rank checkpoints as on a preemption; later ones are ignored.
+# shellcheck disable=SC2329  # called by the traps below
 forward_term() {
   if ((term_sent)); then
-    note "SIGTERM again: ignored, torchrun is already stopping the workers"
+    note "SIG$1 again: ignored, torchrun is already stopping the workers"
     # `return 0`, not `return`: in a trap a bare return gives the status of the command the signal
     # interrupted (wait: 143), and `set -e` would then end this script.
     return 0
   fi
-  term_sent=1
+  term_sent=1 stopped_by=$1
   kill -TERM "$child" 2>/dev/null || true
 }
-trap forward_term TERM
-trap 'kill -INT "$child" 2>/dev/null || true' INT
+trap 'forward_term TERM' TERM
+trap 'forward_term INT' INT
 status=0
 while :; do
   # (2>/dev/null: bash's own "Killed" job notice; the line below says it better)
@@ -403,7 +417,7 @@ elif [[ -n $preempted ]]; then
   # stopped as asked, whatever torchrun's own status after its SIGTERM. Said here where no rank
   # of this node printed it (nodes other than 0), so that it is the last line on every node.
   if ! grep -q -F -x "# printed: $preempted" "$DISTQA_ERROR_FILE"; then echo "$preempted" >&2; fi
-  status=143
+  if [[ $stopped_by == INT ]]; then status=130; else status=143; fi
 elif [[ -n $error ]]; then
   # A rank printed it already; distqa.torchrun then leaves out torchrun's report, a stand-in may not.
   if ((!wrapped)); then echo "$error" >&2; fi
@@ -411,7 +425,7 @@ elif ((status > 128)); then
   signal=$(kill -l "$((status - 128))" 2>/dev/null || echo "signal $((status - 128))")
   note "error: torchrun (pid $child) was killed by SIG${signal#SIG}: the run stopped without a checkpoint of its last steps; run the same command again to resume from the newest checkpoint"
 elif ((status != 0 && term_sent)); then
-  note "error: stopped by SIGTERM, but distqa confirmed no checkpoint (torchrun exited $status): the next run resumes from the newest complete checkpoint"
+  note "error: stopped by SIG$stopped_by, but distqa confirmed no checkpoint (torchrun exited $status): the next run resumes from the newest complete checkpoint"
 fi
 rm -f "$DISTQA_ERROR_FILE"
 exit "$status"

@@ -314,7 +314,13 @@ def launch(args: list[str], max_restarts: int = 0) -> subprocess.Popen:
         *args,
     ]
     return subprocess.Popen(
-        cmd, env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        env=subprocess_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_default,  # a test may send it SIGINT, as Ctrl-C would
     )
 
 

@@ -76,6 +76,17 @@ def test_gpus_are_split_between_nodes(tmp_path):
     assert all(r[r.index("--shm-size") + 1] == "16g" for r in runs)
 
 
+def test_counts_with_a_leading_zero_are_decimal(tmp_path):
+    """GPUS_PER_NODE=08 was a bad octal number to bash: the GPU check and --gpus were skipped, and
+    the containers would have trained on the CPU of a GPU host."""
+    proc = run_script(tmp_path, "2", FAKE_GPUS="4", GPUS_PER_NODE="02")
+    assert proc.returncode == 0, proc.stderr
+    runs = [c for c in calls(tmp_path) if c[0] == "run"]
+    assert [r[r.index("--gpus") + 1] for r in runs] == ['"device=0,1"', '"device=2,3"']
+    proc = run_script(tmp_path, "2", FAKE_GPUS="4", GPUS_PER_NODE="08")
+    assert proc.returncode == 2 and "GPUS_PER_NODE=8 x 2 nodes needs 16 GPUs; this host has 4" in proc.stderr
+
+
 def test_too_few_gpus_is_an_error_before_anything_starts(tmp_path):
     proc = run_script(tmp_path, "3", FAKE_GPUS="2")
     assert proc.returncode == 2

@@ -89,22 +89,26 @@ def tensorboard_losses(output_dir: Path) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_checkpoints_the_current_step(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_to_torchrun_checkpoints_the_current_step(tmp_path, sig):
     """torchrun run directly (not through worker.sh): SIGTERM to it, as a platform stopping the job
-    does, reaches every rank, which finishes its step and checkpoints. The resume from such a
+    does, reaches every rank, which finishes its step and checkpoints. SIGINT (Ctrl-C on
+    scripts/run_local.sh, which execs torchrun) does the same: it was a KeyboardInterrupt traceback
+    from every rank, and the steps since the last checkpoint lost. The resume from such a
     checkpoint, to the uninterrupted run's weights, is test_worker_faults.py's (worker.sh forwards
     its SIGTERM to the same torchrun)."""
     out = tmp_path / "preempted"
     proc = launch([*FAULT_RUN, f"output_dir={out}"])
     wait_for_step(proc, out, 10)  # inside the second epoch of 8 steps
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)
     # torchrun itself ends with its SignalException's status 1, which worker.sh, the containers'
     # entrypoint, turns into 143.
     assert proc.returncode == 1, stderr[-3000:]
     line = next(x for x in stderr.splitlines() if x.startswith("distqa: preempted:"))
     step = int(line.split("at step ")[1].split()[0])
-    assert 10 <= step < 20 and "Traceback" not in line
+    assert 10 <= step < 20 and "Traceback" not in line and f"stopped by {sig.name} at step" in line
+    assert "KeyboardInterrupt" not in stderr
     assert verify_checkpoint(out / "checkpoints" / f"step-{step}") is None
     assert read_trainer_state(out / "checkpoints" / f"step-{step}")["step"] == step
 

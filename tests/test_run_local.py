@@ -115,3 +115,28 @@ def test_a_master_port_that_is_no_port_number_is_one_line(tmp_path, port):
         "set a free port, or unset it for any free one"
     ]
     assert not (tmp_path / "torchrun-args.txt").exists()
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1", "abc", ""])
+def test_a_process_count_that_is_no_positive_number_is_one_line(tmp_path, nproc):
+    """NPROC_PER_NODE=0 was torchrun's 25-line traceback ending in a bare AssertionError. (An empty
+    one means unset: one per GPU, 2 without.)"""
+    proc = run_local(tmp_path, "--config", "configs/quickstart.yaml", NPROC_PER_NODE=nproc)
+    if nproc == "":
+        assert proc.returncode == 0, proc.stderr
+        return
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"run_local.sh: error: NPROC_PER_NODE={nproc} is not a positive number of processes: "
+        "set it, or unset it for one per GPU (2 without)"
+    ]
+    assert not (tmp_path / "torchrun-args.txt").exists()
+
+
+def test_help_prints_once_and_launches_nothing(tmp_path):
+    proc = run_local(tmp_path, "--help", NPROC_PER_NODE="08")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("usage: distqa train") == 1
+    assert not (tmp_path / "torchrun-args.txt").exists()
+    proc = run_local(tmp_path, "--config", "configs/quickstart.yaml", NPROC_PER_NODE="08")
+    assert (tmp_path / "torchrun-args.txt").read_text().split()[:3] == ["--standalone", "--nproc-per-node", "8"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fakebin_env, free_port
+from conftest import fakebin_env, free_port, sigint_default
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "scripts" / "worker.sh"
@@ -265,8 +265,11 @@ def test_errors_are_one_clear_line(tmp_path, env, message):
     assert message in lines[0]
 
 
-def test_unreachable_master_fails_in_time_with_the_address(tmp_path):
-    """Nothing listens on the port: the worker gives up after RDZV_TIMEOUT, and never starts torchrun."""
+@pytest.mark.parametrize("timeout,seconds", [("2", 2), ("08", 8)])
+def test_unreachable_master_fails_in_time_with_the_address(tmp_path, timeout, seconds):
+    """Nothing listens on the port: the worker gives up after RDZV_TIMEOUT, and never starts torchrun.
+    08 is 8 s: bash read it as a bad octal number, skipped the wait, and started torchrun, whose
+    traceback the wait exists to replace."""
     port = free_port()
     start = time.monotonic()
     proc = worker(
@@ -277,14 +280,25 @@ def test_unreachable_master_fails_in_time_with_the_address(tmp_path):
         NODE_RANK="1",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        RDZV_TIMEOUT="2",
+        RDZV_TIMEOUT=timeout,
     )
     elapsed = time.monotonic() - start
     assert proc.returncode == 3, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"worker.sh: error: master 127.0.0.1:{port} (from MASTER_ADDR) did not answer")
-    assert last.endswith("within RDZV_TIMEOUT=2s: is node 0 running, and is that its address?")
-    assert 2 <= elapsed < 10
+    assert last.endswith(f"within RDZV_TIMEOUT={seconds}s: is node 0 running, and is that its address?")
+    assert seconds <= elapsed < seconds + 8
+
+
+def test_help_prints_the_keys_and_launches_nothing(tmp_path):
+    proc = worker(tmp_path, "--help", WORKER_DRY_RUN="0", TORCHRUN=str(tmp_path / "must-not-run"))
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: distqa train" in proc.stdout and not (tmp_path / "torchrun-started").exists()
+
+
+def test_numbers_with_a_leading_zero_are_decimal(tmp_path):
+    r = resolved(tmp_path, MASTER_PORT="029501", RDZV_TIMEOUT="010", MAX_RESTARTS="02")
+    assert (r["--master-port"], r["--rdzv-conf"], r["--max-restarts"]) == ("29501", "timeout=10", "2")
 
 
 def test_worker_starts_torchrun_once_the_master_answers(tmp_path):
@@ -562,6 +576,7 @@ n=0
 trap 'n=$((n + 1))' TERM
 read -r _ _ _ _ pgid _ </proc/$$/stat
 echo "$pgid" >"$DIR/pgid"
+echo "$DISTQA_ERROR_FILE" >"$DIR/outcome-file"
 touch "$DIR/ready"
 for _ in $(seq 100); do ((n > 0)) && break; sleep 0.1; done
 for _ in $(seq 15); do sleep 0.1; done  # time for a second SIGTERM to arrive, if one does
@@ -576,7 +591,9 @@ exit 1
 """
 
 
-def sigterm_twice(tmp_path: Path, preempted: str, finished: str = "0") -> tuple[subprocess.Popen, str]:
+def sigterm_twice(
+    tmp_path: Path, preempted: str, finished: str = "0", first: signal.Signals = signal.SIGTERM, **extra: str
+) -> tuple[subprocess.Popen, str]:
     fake = tmp_path / "torchrun"
     fake.write_text(TERM_COUNTING_TORCHRUN)
     fake.chmod(0o755)
@@ -588,15 +605,22 @@ def sigterm_twice(tmp_path: Path, preempted: str, finished: str = "0") -> tuple[
         DIR=str(tmp_path),
         PREEMPTED=preempted,
         FINISHED=finished,
+        **extra,
     )
     proc = subprocess.Popen(
-        [str(WORKER)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [str(WORKER)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=sigint_default,
     )
     deadline = time.monotonic() + 20
     while not (tmp_path / "ready").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as a supervisor or `kill -- -PGID` does
+    os.killpg(proc.pid, first)  # the whole group, as a supervisor, `kill -- -PGID` or a terminal's Ctrl-C does
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)  # an impatient second one, to worker.sh only
     _, stderr = proc.communicate(timeout=20)
@@ -612,6 +636,26 @@ def test_sigterm_reaches_torchrun_once_and_143_needs_distqa_preempted_line(tmp_p
     assert "SIGTERM again: ignored" in stderr
     assert proc.returncode == 143
     assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
+
+
+def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_and_130(tmp_path):
+    """SIGINT (Ctrl-C on an attached `docker run`) was passed on as SIGINT: a KeyboardInterrupt
+    traceback from every rank, and the steps since the last checkpoint lost."""
+    proc, stderr = sigterm_twice(tmp_path, preempted="1", first=signal.SIGINT)
+    assert (tmp_path / "terms").read_text().strip() == "1"  # torchrun got one SIGTERM
+    assert proc.returncode == 130
+    assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
+
+
+def test_the_outcome_file_falls_back_to_dev_shm_where_tmpdir_cannot_be_written(tmp_path):
+    """A read-only root file system: the ranks could not say how the run ended, and a checkpointed
+    preemption was reported as 'no checkpoint', exit 1."""
+    proc, stderr = sigterm_twice(tmp_path, preempted="1", TMPDIR=str(tmp_path / "missing"))
+    assert proc.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
+    used = Path((tmp_path / "outcome-file").read_text().strip())
+    assert used.parent == Path("/dev/shm") and used.name.startswith("distqa-error.")
+    assert not used.exists()  # removed at the end
 
 
 def test_sigterm_without_a_checkpoint_is_not_reported_as_143(tmp_path):

@@ -36,7 +36,10 @@ class StopSignal:
         self.info = info
         self.lock = lock
         self.received_at: float | None = None
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.signal_name = "SIGTERM"  # what asked for the stop (another rank's: said as SIGTERM)
+        # SIGINT (Ctrl-C; torchrun passes it on to the workers) stops as SIGTERM does, with a
+        # checkpoint; a second one interrupts at once, as Ctrl-C twice does anywhere.
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         # With NCCL, an all-reduce of a CPU flag needs a CPU-capable group, and this keeps the poll
         # off the GPU stream (no device sync per step). Created collectively, here, on all ranks.
         self._group = None
@@ -46,6 +49,9 @@ class StopSignal:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received_at is None:
             self.received_at = time.monotonic()
+            self.signal_name = signal.Signals(signum).name
+        elif signum == signal.SIGINT and self.signal_name == "SIGINT":
+            raise KeyboardInterrupt
 
     def should_stop(self, step: int, weights: Iterable[torch.Tensor] | None = None, hint: str = "") -> bool:
         """Called after each step, before anything of it is written. One all-reduce of three flags:
@@ -90,7 +96,7 @@ class StopSignal:
         waited = self.seconds_since()
         late = f" (later than train.term_grace_s={grace_s:g} s: raise it)" if waited > grace_s else ""
         return Preempted(
-            f"stopped by SIGTERM at step {step} of {total_steps}; checkpoint {checkpoint} written "
+            f"stopped by {self.signal_name} at step {step} of {total_steps}; checkpoint {checkpoint} written "
             f"{waited:.1f} s after the signal{late}; {how_to_resume(resume)}"
         )
 
@@ -98,7 +104,8 @@ class StopSignal:
         return 0.0 if self.received_at is None else time.monotonic() - self.received_at
 
     def close(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def how_to_resume(resume: str) -> str:
