@@ -287,7 +287,7 @@ def test_unreachable_master_fails_in_time_with_the_address(tmp_path, timeout, se
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"worker.sh: error: master 127.0.0.1:{port} (from MASTER_ADDR) did not answer")
     assert last.endswith(f"within RDZV_TIMEOUT={seconds}s: is node 0 running, and is that its address?")
-    assert seconds <= elapsed < seconds + 8
+    assert seconds - 1 <= elapsed < seconds + 8  # (bash counts whole seconds from its start)
 
 
 def test_help_prints_the_keys_and_launches_nothing(tmp_path):
