@@ -274,3 +274,22 @@ def test_the_launch_scripts_end_with_distqa_s_one_line_and_no_torchrun_report(tm
     for torchrun_report in ("Traceback", "ChildFailedError", "Failures:", "failed (exitcode", "closing signal"):
         assert torchrun_report not in proc.stderr, proc.stderr[-3000:]
     assert not list(tmp_path.glob("distqa-*")), list(tmp_path.iterdir())  # the node's file is removed
+
+
+def test_a_node_that_never_joins_the_rendezvous_is_one_line(tmp_path):
+    """Node 0 of 2 alone: torchrun's static rendezvous gave up with a 45-line traceback of its
+    store's internals (DistStoreError: ... 1/2 clients joined)."""
+    from conftest import free_port
+
+    cmd = [sys.executable, "-m", "distqa.torchrun", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(free_port()), "--rdzv-backend", "static", "--rdzv-conf", "timeout=3"]
+    cmd += ["--nproc-per-node", "1", "-m", "distqa", "train", "model.name=tiny", f"output_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("distqa: error: the nodes did not all meet in torchrun's rendezvous (") and "1/2" in line
+    assert line.endswith(
+        "): start every node, each with its own NODE_RANK from 0 to NNODES-1, within RDZV_TIMEOUT of each "
+        "other and pointed at node 0's MASTER_ADDR:MASTER_PORT"
+    )

@@ -83,9 +83,22 @@ def _failures(err: BaseException) -> dict[int, int] | None:
     return {int(rank): int(getattr(failure, "exitcode", 1)) for rank, failure in failures.items()}
 
 
+def rendezvous_failure(err: BaseException) -> str:
+    """One line for a rendezvous that never completed: a node missing (the master's store waits for
+    clients that do not come), or two nodes with one NODE_RANK (each waits for the other's keys)."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return (
+        f"the nodes did not all meet in torchrun's rendezvous ({first}): start every node, each with its "
+        "own NODE_RANK from 0 to NNODES-1, within RDZV_TIMEOUT of each other and pointed at node 0's "
+        "MASTER_ADDR:MASTER_PORT"
+    )
+
+
 def main(argv: list[str]) -> int:
+    from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
 
     sys.argv[0] = "torchrun"  # its usage and error messages name the command users know
@@ -106,6 +119,10 @@ def main(argv: list[str]) -> int:
     try:
         torchrun_main(argv)
         return 0
+    except (DistStoreError, RendezvousTimeoutError) as err:
+        # The nodes never all met: torchrun's answer is a traceback of its store's internals.
+        print(f"distqa: error: {rendezvous_failure(err)}", file=sys.stderr, flush=True)
+        return 1
     except (ChildFailedError, SignalException) as err:
         said = outcome.read(path)
         if said.all_finished:
