@@ -421,6 +421,12 @@ elif [[ -n $preempted ]]; then
 elif [[ -n $error ]]; then
   # A rank printed it already; distqa.torchrun then leaves out torchrun's report, a stand-in may not.
   if ((!wrapped)); then echo "$error" >&2; fi
+elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' "$DISTQA_ERROR_FILE" 2>/dev/null; then
+  # No rank had begun to train (each says so once SIGTERM means a checkpoint to it): the stop
+  # came while the model and data were loading, and nothing was lost. A preemption's status, not
+  # a failure's, so that a platform restarts the job rather than giving it up.
+  note "stopped by SIG$stopped_by before training started: nothing to checkpoint"
+  if [[ $stopped_by == INT ]]; then status=130; else status=143; fi
 elif ((status > 128)); then
   signal=$(kill -l "$((status - 128))" 2>/dev/null || echo "signal $((status - 128))")
   note "error: torchrun (pid $child) was killed by SIG${signal#SIG}: the run stopped without a checkpoint of its last steps; run the same command again to resume from the newest checkpoint"

@@ -138,16 +138,35 @@ def test_finished_lines_tell_a_complete_node(tmp_path, monkeypatch):
     file = tmp_path / "node.txt"
     monkeypatch.setenv("DISTQA_ERROR_FILE", str(file))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(outcome, "_said_finished", False)
+    monkeypatch.setattr(outcome, "_said", set())
     monkeypatch.setenv("LOCAL_RANK", "1")
     outcome.finished()
     outcome.finished()  # once per process: the trainer and the CLI may both say it
     assert file.read_text() == "distqa: finished: local rank 1 of 2\n"
     assert not outcome.read(file).all_finished
-    monkeypatch.setattr(outcome, "_said_finished", False)  # another process: local rank 0
+    monkeypatch.setattr(outcome, "_said", set())  # another process: local rank 0
     monkeypatch.setenv("LOCAL_RANK", "0")
     outcome.finished()
     assert outcome.read(file).all_finished
+
+
+def test_a_rank_says_once_when_sigterm_starts_to_mean_a_checkpoint(tmp_path, monkeypatch):
+    """worker.sh tells a stop while the ranks load (nothing lost: 143) from one after training began
+    (no checkpoint confirmed: a failure) by this line."""
+    import torch
+
+    from distqa.dist import DistInfo
+    from distqa.stop_signal import StopSignal
+
+    file = tmp_path / "node.txt"
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(file))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(outcome, "_said", set())
+    stops = [StopSignal(DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))) for _ in range(2)]
+    for stop in reversed(stops):
+        stop.close()
+    assert file.read_text() == "distqa: training: local rank 0 of 1\n"
 
 
 # ---- torchrun's report: left out after distqa's line, kept after a crash ------------------------

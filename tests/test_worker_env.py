@@ -581,6 +581,9 @@ touch "$DIR/ready"
 for _ in $(seq 100); do ((n > 0)) && break; sleep 0.1; done
 for _ in $(seq 15); do sleep 0.1; done  # time for a second SIGTERM to arrive, if one does
 echo "$n" >"$DIR/terms"
+if [[ ${TRAINING:-1} == 1 ]]; then
+  echo "distqa: training: local rank 0 of 2" >>"$DISTQA_ERROR_FILE"
+fi
 if [[ $PREEMPTED == 1 ]]; then
   echo "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..." >>"$DISTQA_ERROR_FILE"
 fi
@@ -665,6 +668,17 @@ def test_sigterm_without_a_checkpoint_is_not_reported_as_143(tmp_path):
         stderr.strip()
         .splitlines()[-1]
         .startswith("worker.sh: error: stopped by SIGTERM, but distqa confirmed no checkpoint (torchrun exited 1)")
+    )
+
+
+def test_sigterm_while_the_ranks_load_is_a_preemption_that_lost_nothing(tmp_path):
+    """No rank had begun to train (none wrote `distqa: training:`): exit 143, not a failure's 1,
+    which a platform's restart policy (Kubeflow's ExitCode) takes as permanent."""
+    proc, stderr = sigterm_twice(tmp_path, preempted="0", TRAINING="0")
+    assert proc.returncode == 143
+    assert (
+        stderr.strip().splitlines()[-1]
+        == "worker.sh: stopped by SIGTERM before training started: nothing to checkpoint"
     )
 
 

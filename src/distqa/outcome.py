@@ -17,6 +17,7 @@ Lines, one per rank and event (and `# printed: ...` for what this node printed):
     distqa [rank R]: error: MESSAGE      (`distqa: error: ...` for a single process)
     distqa: preempted: MESSAGE
     distqa: finished: local rank L of N
+    distqa: training: local rank L of N  (SIGTERM from here on means a checkpoint)
 """
 
 from __future__ import annotations
@@ -115,21 +116,30 @@ def report(line: str, *, show: bool = True) -> None:
         _print(line)
 
 
-_said_finished = False
+_said: set[str] = set()
 
 
 def finished() -> None:
     """This rank's training is complete (its last barrier passed on every rank), whatever torchrun's
     status after a late SIGTERM (`train(..., whole_process=True)` says it). Only for a launcher
     that reads it; once per process."""
-    global _said_finished
+    _say_once("finished")
+
+
+def training() -> None:
+    """From here a SIGTERM makes this rank checkpoint (`StopSignal`); before it, one finds nothing to
+    checkpoint, and a launcher that sees no such line reports a stop as one before training."""
+    _say_once("training")
+
+
+def _say_once(event: str) -> None:
     path = launcher_file()
-    if path is None or _said_finished:
+    if path is None or event in _said:
         return
-    _said_finished = True
+    _said.add(event)
     local_rank, local_size = os.environ.get("LOCAL_RANK", "0"), os.environ.get("LOCAL_WORLD_SIZE", "1")
     with contextlib.suppress(OSError), _locked(path) as f:
-        f.write(f"distqa: finished: local rank {local_rank} of {local_size}\n")
+        f.write(f"distqa: {event}: local rank {local_rank} of {local_size}\n")
 
 
 def _print(line: str) -> None:

@@ -22,6 +22,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from distqa import outcome
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError, Preempted
 from distqa.parallel import all_finite
@@ -40,6 +41,7 @@ class StopSignal:
         # SIGINT (Ctrl-C; torchrun passes it on to the workers) stops as SIGTERM does, with a
         # checkpoint; a second one interrupts at once, as Ctrl-C twice does anywhere.
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        outcome.training()  # a launcher's stop from here on finds a checkpoint, or says why not
         # With NCCL, an all-reduce of a CPU flag needs a CPU-capable group, and this keeps the poll
         # off the GPU stream (no device sync per step). Created collectively, here, on all ranks.
         self._group = None
