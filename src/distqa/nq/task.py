@@ -50,7 +50,7 @@ class NQTask(Task):
                 "--mode eval --input FILE` without --output prepares them ahead)"
             )
         self._valid_folder: Path | None = None
-        self._gold: GoldIndex | None = None  # rank 0 only, loaded at the first evaluation
+        self._gold: GoldIndex | None = None  # rank 0 only, read at start (build_train_dataset)
         self.thresholds: dict[str, float] | None = None
         # The step whose weights the thresholds were chosen on (None: a checkpoint of an older distqa).
         self.thresholds_step: int | None = None
