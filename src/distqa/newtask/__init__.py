@@ -150,7 +150,10 @@ def render(template: str, values: dict[str, str]) -> str:
 
 def sample_csv(rows: int, seed: int) -> str:
     """`rows` short reviews, half of each class, the same for every run (a seeded generator): a class
-    shows in its words, so a few steps of training lift the accuracy above chance."""
+    shows in its words. Data for checking the pipeline, not the model: the random `tiny` model mostly
+    memorises 48 rows, and its validation accuracy stays near chance at the config's 24 steps
+    (0.69 after 120 steps at train.lr=3e-4 without dropout); a real data set and a pretrained
+    model.name are what make the accuracy mean something."""
     words = {
         "positive": ["good", "great", "lovely", "superb", "pleasant", "fine"],
         "negative": ["bad", "awful", "dull", "poor", "boring", "terrible"],
