@@ -429,7 +429,9 @@ elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' "$DISTQA_ER
   if [[ $stopped_by == INT ]]; then status=130; else status=143; fi
 elif ((status > 128)); then
   signal=$(kill -l "$((status - 128))" 2>/dev/null || echo "signal $((status - 128))")
-  note "error: torchrun (pid $child) was killed by SIG${signal#SIG}: the run stopped without a checkpoint of its last steps; run the same command again to resume from the newest checkpoint"
+  # Its workers outlive it (each in a session of its own) and stop themselves once they see it gone,
+  # checkpointing the step they are in where they still can: their own lines may follow this one.
+  note "error: torchrun (pid $child) was killed by SIG${signal#SIG}: its workers stop on their own, each checkpointing its current step if it still can; run the same command again to resume from the newest checkpoint"
 elif ((status != 0 && term_sent)); then
   note "error: stopped by SIG$stopped_by, but distqa confirmed no checkpoint (torchrun exited $status): the next run resumes from the newest complete checkpoint"
 fi
