@@ -394,3 +394,24 @@ def test_a_second_config_file_is_refused_not_dropped(tmp_path, capsys):
         main(["train", "--check-config", "--config", str(first), "--config", str(second)])
     assert exited.value.code == 2
     assert f"error: --config given twice ({first} and {second})" in capsys.readouterr().err
+
+
+def test_text_keys_read_a_task_s_annotations_even_where_one_cannot_be_resolved():
+    """A fork's settings may annotate with a name only type checkers import: typing.get_type_hints
+    then raises, and the text keys come from the annotations as written."""
+    from distqa.config_checks import text_keys
+
+    namespace: dict = {}
+    exec(  # a module with `from __future__ import annotations`, as the project's own
+        "from __future__ import annotations\n"
+        "import dataclasses\n"
+        "@dataclasses.dataclass\n"
+        "class Fork:\n"
+        "    name: str = 'x'\n"
+        "    path: str | None = None\n"
+        "    other: Optional[str] = None\n"
+        "    handle: OnlyForTypeCheckers = None\n"
+        "    count: int = 1\n",
+        namespace,
+    )
+    assert text_keys(namespace["Fork"](), "task.") == {"task.name": False, "task.path": True, "task.other": True}

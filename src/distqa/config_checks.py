@@ -58,16 +58,28 @@ def check_sections(values: Any, schema: Any, source: str, prefix: str = "") -> N
         check_sections(value, sub, source, f"{key}.")
 
 
+TEXT_HINTS = {"str": False, "str | None": True, "None | str": True, "Optional[str]": True}
+
+
 def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
     """Every setting typed as text (`str`, or `str | None`): full key -> whether it may be None."""
-    hints = typing.get_type_hints(type(schema))
+    try:
+        hints: dict[str, Any] = typing.get_type_hints(type(schema))
+    except Exception:  # noqa: BLE001 (a fork's annotation naming what only type checkers import)
+        hints = {}
     keys: dict[str, bool] = {}
     for f in dataclasses.fields(schema):
         sub, key = getattr(schema, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(sub):
             keys.update(text_keys(sub, f"{key}."))
-        elif hints[f.name] is str or set(typing.get_args(hints[f.name])) == {str, type(None)}:
-            keys[key] = hints[f.name] is not str
+            continue
+        hint = hints.get(f.name, f.type)
+        if isinstance(hint, str):  # unresolved: the annotation as written
+            optional = TEXT_HINTS.get(hint.replace(" ", "").replace("|", " | "))
+        else:
+            optional = False if hint is str else True if set(typing.get_args(hint)) == {str, type(None)} else None
+        if optional is not None:
+            keys[key] = optional
     return keys
 
 
