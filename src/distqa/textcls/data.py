@@ -100,14 +100,14 @@ def _csv_rows(f: Any, where: str) -> Iterator[tuple[int, dict[str, Any]]]:
         raise DistqaError(f"{where} row starting on line {ended + 1}: not valid CSV ({err})") from None
 
 
-def _label_index(value: Any, labels: list[str]) -> int | None:
+def _label_index(value: Any, labels: list[str], names_only: bool) -> int | None:
     """The class of a file's label: a name of task.labels, else an index into it; but where the
-    class names are numbers themselves, only a name (labels named 1..5 and a file's 0..4: 0 as an
-    index and 1 as a name were both the class '1', and every class moved, silently)."""
+    class names are numbers themselves (`names_only`), only a name (labels named 1..5 and a file's
+    0..4: 0 as an index and 1 as a name were both the class '1', and every class moved, silently)."""
     text = str(value).strip()
     if text in labels:  # names win, so labels named "1,0" mean what they say
         return labels.index(text)
-    if isinstance(value, bool) or any(_is_integer(name) for name in labels):
+    if isinstance(value, bool) or names_only:
         return None  # JSON true/false is not an index; with numeric names an index is ambiguous
     try:
         index = int(text)
@@ -129,6 +129,7 @@ def read_examples(path: str | Path, key: str, settings: Any) -> list[Example]:
     input. `settings` is the task's TextClsSettings."""
     path = Path(path)
     labels = settings.label_names()
+    names_only = any(_is_integer(name) for name in labels)
     columns = [settings.text_column, settings.label_column]
     if settings.text_pair_column is not None:
         columns.insert(1, settings.text_pair_column)
@@ -152,10 +153,10 @@ def read_examples(path: str | Path, key: str, settings: Any) -> list[Example]:
             raise DistqaError(f"{where}: the text columns must hold strings")
         if not all(t.strip() for t in texts):
             raise DistqaError(f"{where}: a text column is empty")
-        label = _label_index(row[settings.label_column], labels)
+        label = _label_index(row[settings.label_column], labels, names_only)
         if label is None:
             given, names = row[settings.label_column], ", ".join(labels)
-            if any(_is_integer(name) for name in labels):
+            if names_only:
                 raise DistqaError(
                     f"{where}: label {given!r} is not one of task.labels ({names}): with class names that "
                     "are numbers, a file gives the names, not indices"
