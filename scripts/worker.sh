@@ -376,7 +376,7 @@ export DISTQA_RDZV_TIMEOUT=$rdzv_timeout
 cmd=("${launcher[@]}" "${cmd[@]:${#torchrun[@]}}")
 if command -v setsid >/dev/null 2>&1; then setsid "${cmd[@]}" & else "${cmd[@]}" & fi
 child=$!
-term_sent=0 stopped_by=TERM
+term_sent=0 stopped_by=TERM stop_status=143
 # forward_term SIGNAL: the first SIGTERM or SIGINT (Ctrl-C on an attached `docker run`) goes on to
 # torchrun as a SIGTERM, so every rank checkpoints as on a preemption; later ones are ignored.
 # shellcheck disable=SC2329  # called by the traps below
@@ -388,6 +388,7 @@ forward_term() {
     return 0
   fi
   term_sent=1 stopped_by=$1
+  if [[ $1 == INT ]]; then stop_status=130; fi # the shell's status for Ctrl-C
   kill -TERM "$child" 2>/dev/null || true
 }
 trap 'forward_term TERM' TERM
@@ -417,7 +418,7 @@ elif [[ -n $preempted ]]; then
   # stopped as asked, whatever torchrun's own status after its SIGTERM. Said here where no rank
   # of this node printed it (nodes other than 0), so that it is the last line on every node.
   if ! grep -q -F -x "# printed: $preempted" "$DISTQA_ERROR_FILE"; then echo "$preempted" >&2; fi
-  if [[ $stopped_by == INT ]]; then status=130; else status=143; fi
+  status=$stop_status
 elif [[ -n $error ]]; then
   # A rank printed it already; distqa.torchrun then leaves out torchrun's report, a stand-in may not.
   if ((!wrapped)); then echo "$error" >&2; fi
@@ -426,7 +427,7 @@ elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' "$DISTQA_ER
   # came while the model and data were loading, and nothing was lost. A preemption's status, not
   # a failure's, so that a platform restarts the job rather than giving it up.
   note "stopped by SIG$stopped_by before training started: nothing to checkpoint"
-  if [[ $stopped_by == INT ]]; then status=130; else status=143; fi
+  status=$stop_status
 elif ((status > 128)); then
   signal=$(kill -l "$((status - 128))" 2>/dev/null || echo "signal $((status - 128))")
   # Its workers outlive it (each in a session of its own) and stop themselves once they see it gone,
