@@ -52,3 +52,38 @@ def test_a_meter_goes_on_with_a_saved_window_on_rank_0_only():
     assert other.window() == [0.0, 0.0]
     other.resume_window(None, is_main=True)  # a checkpoint from before windows were saved
     assert other.window() == [0.0, 0.0]
+
+
+def test_steps_before_and_after_a_resume_weigh_the_same_when_grad_accum_changes(tmp_path):
+    """The window counts micro-batches: resumed with 4 per step instead of 1, the 3 steps before the
+    checkpoint weighed 1/4 of a step each (the mean came out 3.414 against 3.413 in a review)."""
+    steps = tmp_path / "steps"
+    train(load_config(None, [*TOY, f"output_dir={steps}", "train.log_every=1"]))
+    per_step = losses(steps)
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}"]))
+    resumed = [*TOY, f"output_dir={out}", "train.batch_size=2", "train.grad_accum=4"]  # the same global batch
+    train(load_config(None, [*resumed, f"train.resume={out / 'checkpoints' / 'step-3'}"]))
+    expected = sum(per_step[s] for s in (1, 2, 3, 4)) / 4
+    assert losses(out)[4] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_saved_window_is_rescaled_to_the_processes_and_micro_batches_of_the_resumed_run():
+    from distqa.checkpoint_manager import TrainerState
+    from distqa.dist import DistInfo
+
+    cfg = load_config(None, [*TOY, "train.grad_accum=2"])
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    meter = ThroughputMeter(info.device)
+    state = TrainerState(cfg, info, meter, global_batch=16, total_steps=6, epoch_steps=16, data_identity={})
+    saved_cfg = {"train": {"grad_accum": 1}}
+    # Written by 2 processes with 1 micro-batch each: 3 steps of loss 2.0, norms of 5.0 counted twice each.
+    state.load_state_dict(
+        {"step": 3, "world_size": 2, "config": saved_cfg, "log_window": [12.0, 6.0], "grad_norm_window": [30.0, 6.0]}
+    )
+    meter.add(torch.tensor(6.0), samples=8, tokens=0)  # step 4: two micro-batches of 6.0 on one process
+    meter.add(torch.tensor(6.0), samples=8, tokens=0)
+    meter.add_grad_norm(torch.tensor(9.0))
+    figures = meter.reduce_and_reset()
+    assert figures["loss"] == pytest.approx((2.0 * 3 + 6.0) / 4)
+    assert figures["grad_norm"] == pytest.approx((5.0 * 3 + 9.0) / 4)

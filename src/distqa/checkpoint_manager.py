@@ -78,9 +78,14 @@ class TrainerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         # (A checkpoint written before the window was saved has none: the first loss then averages
-        # only the steps since the resume.)
-        self.meter.resume_window(state.get("log_window"), is_main=self.info.is_main)
-        self.meter.resume_norm_window(state.get("grad_norm_window"), is_main=self.info.is_main)
+        # only the steps since the resume.) The window counts micro-batches of every rank, and
+        # norms once per rank: rescaled when the processes or train.grad_accum changed.
+        ranks, accum = self.info.world_size, self.cfg.train.grad_accum
+        saved_ranks = int(state.get("world_size") or ranks)
+        saved_accum = int(((state.get("config") or {}).get("train") or {}).get("grad_accum") or accum)
+        main, micro = self.info.is_main, ranks * accum / (saved_ranks * saved_accum)
+        self.meter.resume_window(state.get("log_window"), is_main=main, scale=micro)
+        self.meter.resume_norm_window(state.get("grad_norm_window"), is_main=main, scale=ranks / saved_ranks)
         # A record of another metric or direction (changed on resume) is no record of this one.
         best, train = state.get("best"), self.cfg.train
         same = isinstance(best, dict) and (best.get("metric"), best.get("mode")) == (train.best_metric, train.best_mode)

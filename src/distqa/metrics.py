@@ -64,20 +64,23 @@ class ThroughputMeter:
         the time they took, which a resumed process does not know."""
         return all_reduce_sum(self._sums[:2].clone()).tolist()
 
-    def resume_window(self, window: list[float] | None, *, is_main: bool) -> None:
+    def resume_window(self, window: list[float] | None, *, is_main: bool, scale: float = 1.0) -> None:
         """Go on with a checkpoint's open window: rank 0 holds its sums (the all-reduce at log time
-        then adds them once), the other ranks start from zero."""
+        then adds them once), the other ranks start from zero. `scale`: this run's micro-batches per
+        step over the checkpoint's (processes x train.grad_accum), so that a step before the resume
+        weighs as much in the mean as one after it, as in an uninterrupted run."""
         if window and is_main:
-            self._sums[0], self._sums[1] = float(window[0]), float(window[1])
+            self._sums[0], self._sums[1] = float(window[0]) * scale, float(window[1]) * scale
 
     def norm_window(self) -> list[float]:
         """[grad-norm sum, steps] of the open log window over every rank (all-reduces), for a checkpoint."""
         return all_reduce_sum(self._norms.clone()).tolist()
 
-    def resume_norm_window(self, window: list[float] | None, *, is_main: bool) -> None:
-        """As `resume_window`, for the gradient norms."""
+    def resume_norm_window(self, window: list[float] | None, *, is_main: bool, scale: float = 1.0) -> None:
+        """As `resume_window`, for the gradient norms (`scale`: this run's processes over the
+        checkpoint's; every rank adds each step's norm once)."""
         if window and is_main:
-            self._norms[0], self._norms[1] = float(window[0]), float(window[1])
+            self._norms[0], self._norms[1] = float(window[0]) * scale, float(window[1]) * scale
 
     def reduce_and_reset(self) -> dict[str, float]:
         """Global figures since the last call; `grad_norm`: the mean over the window's optimizer
