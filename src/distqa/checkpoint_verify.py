@@ -18,6 +18,8 @@ from typing import Any
 from safetensors import safe_open
 
 from distqa import sharded as sharded_ckpt
+from distqa.dist import DistInfo, all_gather_objects
+from distqa.errors import ConfigError
 from distqa.parallel import all_finite
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -199,3 +201,36 @@ def exported_from(export: Path, checkpoint: Path) -> bool:
         return recorded is not None and recorded == source_of(checkpoint)
     except (OSError, ValueError, KeyError, TypeError):  # the checkpoint's own files cannot say
         return False
+
+
+def same_on_every_rank(directory: Path, info: DistInfo) -> None:
+    """Raise the same one line on every rank unless every rank will load the checkpoint rank 0
+    chose and verified in `directory`. Every rank must call it.
+
+    Each rank reads the checkpoint from its own storage: on nodes that do not share output_dir, a
+    node's copy may be another run's, an older one, damaged, or missing, and DDP would then train on
+    two sets of weights with exit 0. So every rank compares its manifest's hash with rank 0's, and
+    the first process of every other node verifies its files as rank 0 did (once per node: the
+    processes of a node share its files)."""
+    if not info.is_distributed:
+        return
+    try:
+        digest: str | None = hashlib.sha256((directory / MANIFEST_FILE).read_bytes()).hexdigest()
+        damage = verify_checkpoint(directory) if info.local_rank == 0 and not info.is_main else None
+    except OSError as err:
+        digest, damage = None, f"cannot read its {MANIFEST_FILE} ({err.strerror or err})"
+    views: list[tuple[str | None, str | None, str]] = all_gather_objects((digest, damage, str(directory)), info)  # type: ignore[assignment]
+    problems = []
+    for rank, (digest, damage, _) in enumerate(views):
+        if digest is None:
+            problems.append(f"rank {rank}: {damage}")
+        elif views[0][0] is not None and digest != views[0][0]:
+            problems.append(f"rank {rank}: another checkpoint (its {MANIFEST_FILE} differs from rank 0's)")
+        elif damage is not None:
+            problems.append(f"rank {rank}: damaged ({damage})")
+    if problems:
+        raise ConfigError(
+            f"the processes of this run do not all see the checkpoint rank 0 resumes from, {views[0][2]} "
+            f"({'; '.join(problems)}): every process must load the same one, so put output_dir on storage "
+            "every node shares, or give every node a copy of rank 0's checkpoint at the same place"
+        )

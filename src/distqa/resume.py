@@ -15,6 +15,7 @@ changed one is refused unless `train.allow_data_change=true`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
 import time
@@ -24,7 +25,7 @@ from typing import Any
 from distqa.agreement import flatten
 from distqa.best import BEST_NAME, pointed
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
-from distqa.checkpoint_verify import folder_step
+from distqa.checkpoint_verify import folder_step, same_on_every_rank
 from distqa.config import Config, setting_field
 from distqa.data_identity import same_identity
 from distqa.dist import DistInfo, print0
@@ -152,14 +153,36 @@ def _set_aside_records(output_dir: Path, step: int, target: Path) -> None:
 
 def choose_checkpoint(output_dir: Path, mode: str, info: DistInfo) -> Path | None:
     """The checkpoint to continue from, decided by rank 0 (which verifies the manifests) and
-    broadcast, so every rank loads the same one (or raises the same error)."""
+    broadcast, so every rank loads the same one (or raises the same error).
+
+    A checkpoint in output_dir is named to each rank under its own output_dir, which another node
+    may mount at another path; each rank then proves it sees the same files (`same_on_every_rank`)."""
     root = output_dir / "checkpoints"
-    return on_rank0(
+
+    def choose() -> tuple[Path, Path | None] | None:
+        chosen = _choose(output_dir, root, mode)
+        return None if chosen is None else (chosen, _inside(chosen, output_dir))
+
+    choice = on_rank0(
         info,
-        lambda: _choose(output_dir, root, mode),
+        choose,
         failure=lambda err: f"cannot read the checkpoints in {root}: {reason(err)}",
         error=ConfigError,
     )
+    if choice is None:
+        return None
+    chosen, inside = choice
+    mine = chosen if inside is None or info.is_main else output_dir / inside
+    same_on_every_rank(mine, info)
+    return mine
+
+
+def _inside(path: Path, folder: Path) -> Path | None:
+    """`path` relative to `folder` when it lies inside it (as written: links are not followed)."""
+    try:
+        return Path(os.path.abspath(path)).relative_to(os.path.abspath(folder))
+    except ValueError:
+        return None
 
 
 def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from distqa.build_identity import tokenizer_hash
 from distqa.data_identity import fingerprint
 from distqa.errors import ConfigError, DistqaError
 from distqa.evaluation import evaluate_dataset
@@ -119,6 +120,14 @@ class Task(ABC):
         ranks. The default hashes every item in order (an Arrow dataset column by column; see
         `distqa.data_identity`); override it with a cheaper exact identity if you have one."""
         return fingerprint(dataset)
+
+    def identity(self) -> dict[str, str]:
+        """Hashes of what besides its settings, data and model decides what this task computes, and
+        is read from each node's own disk: compared across ranks at start (`distqa.build_identity`,
+        which compares the code and the built model itself). Default: the tokenizer, when the task
+        keeps one as `self.tokenizer` (a node with another vocabulary would feed other ids)."""
+        tokenizer = getattr(self, "tokenizer", None)
+        return {} if tokenizer is None else {"tokenizer": tokenizer_hash(tokenizer)}
 
     def model_shape(self, model: nn.Module) -> ModelShape:
         """Parameters, layers and width for the FLOPs estimate of `distqa bench` (MFU). The

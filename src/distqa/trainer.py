@@ -20,20 +20,13 @@ from torch.utils.data import Dataset
 from distqa import outcome, parallel
 from distqa.agreement import check_same_settings
 from distqa.best import best_after_evaluation, require_evaluation
+from distqa.build_identity import check_same_build
 from distqa.checkpoint_manager import CheckpointManager, Parts, TrainerState
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, dataset_size, quiet_libraries
 from distqa.control import FIRST_LOSS_NOT_FINITE, AfterStep, after_step, diverged_hint
 from distqa.data_identity import agreed_identity
-from distqa.dist import (
-    DistInfo,
-    autocast_dtype,
-    barrier,
-    cleanup,
-    init_distributed,
-    local_main_first,
-    print0,
-)
+from distqa.dist import DistInfo, autocast_dtype, barrier, cleanup, init_distributed, local_main_first, print0
 from distqa.errors import DistqaError, Preempted
 from distqa.evaluation import run_evaluation
 from distqa.finish import export_final, is_exported, plot_run, summary
@@ -44,13 +37,7 @@ from distqa.parent_watch import watch_parent
 from distqa.rank0 import raise_on_every_rank
 from distqa.registry import load_task
 from distqa.replicas import check_replicas
-from distqa.resume import (
-    changed_settings,
-    check_continuation,
-    check_resumable,
-    choose_checkpoint,
-    set_aside_other_line,
-)
+from distqa.resume import changed_settings, check_continuation, check_resumable, choose_checkpoint, set_aside_other_line
 from distqa.rounds import as_peer_loss
 from distqa.sampler import seed_everything, steps_per_epoch, training_batches
 from distqa.sharded import require_shared
@@ -162,6 +149,7 @@ class Trainer:
         seed_everything(cfg.seed)
         with local_main_first(info):
             self.raw_model = self.task.build_model()
+        check_same_build(self.raw_model, self.task, info)  # as built, on the CPU: the same code, weights, tokenizer
         if not self.sharded:  # FSDP moves it to the device itself, one unit at a time, as it shards it
             self.raw_model.to(info.device)
         with local_main_first(info):  # one process per node builds a data cache, the others then read it

@@ -1,0 +1,144 @@
+"""Every rank runs the same code and builds the same model and tokenizer, or none starts.
+
+A review ran two nodes whose settings agreed but whose files did not: node 1's copy of the model
+folder had another `layer_norm_eps`, its tokenizer two vocabulary entries swapped, its distqa a
+changed loss. Each trained to exit 0 on a mix of two computations. Two processes stand for the
+two nodes here, each building what its own files say."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+from distqa.build_identity import tokenizer_hash, weights_hash
+from distqa.models import build_hf_model
+
+CASES = ("same", "config", "weights", "tokenizer")
+REFUSAL = "the processes of this run did not build the same thing"
+
+TWO_NODES = """
+import os, sys, torch, torch.distributed as dist
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+from distqa.build_identity import check_same_build
+from distqa.dist import DistInfo
+from distqa.errors import DistqaError
+from distqa.task import Task
+from distqa.config import ModelConfig
+from distqa.models import build_hf_model
+
+class Stand_in:  # what check_same_build asks of a task
+    identity = Task.identity
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+info = DistInfo(rank=rank, local_rank=0, world_size=2, device=torch.device("cpu"))
+for case in sys.argv[2:]:
+    odd = rank == 1 and case != "same"
+    torch.manual_seed(2 if odd and case == "weights" else 1)
+    model = build_hf_model(AutoModelForSequenceClassification, ModelConfig(name="tiny"), num_labels=2)
+    if odd and case == "config":
+        model.config.layer_norm_eps = 0.5
+    task = Stand_in()
+    name = "tok-swapped" if odd and case == "tokenizer" else "tok"
+    task.tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(sys.argv[1], name))
+    if rank == 0:  # tokenizing sets the backend's truncation and padding: no difference in the ids
+        task.tokenizer(["a b c"], truncation=True, max_length=4, padding="max_length")
+    try:
+        check_same_build(model, task, info)
+        print(case, "agreed", flush=True)
+    except DistqaError as err:
+        print(case, "refused:", err, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def save_tokenizers(folder: Path) -> None:
+    """A WordLevel tokenizer, and the same with two vocabulary entries swapped."""
+    vocab = {"[PAD]": 0, "[UNK]": 1, "a": 2, "b": 3, "c": 4, "good": 5, "bad": 6}
+    for name, table in (("tok", vocab), ("tok-swapped", {**vocab, "good": 6, "bad": 5})):
+        backend = Tokenizer(models.WordLevel(table, unk_token="[UNK]"))
+        backend.normalizer = normalizers.Lowercase()
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(
+            folder / name
+        )
+
+
+def two_nodes(folder: Path, *, node1_src: Path | None = None) -> list[dict[str, str]]:
+    from conftest import free_port, subprocess_env
+
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = []
+    for rank in (0, 1):
+        extra = {"PYTHONPATH": str(node1_src)} if node1_src is not None and rank == 1 else {}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-W", "ignore", "-c", TWO_NODES, str(folder), *CASES],
+                env={**subprocess_env(RANK=str(rank), **env), **extra},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        outputs.append(dict(line.split(" ", 1) for line in out.splitlines()))
+    assert outputs[0] == outputs[1]  # the same line on every rank
+    return outputs
+
+
+@pytest.mark.safety
+def test_nodes_that_build_another_model_or_tokenizer_stop_naming_it(tmp_path):
+    save_tokenizers(tmp_path)
+    lines = two_nodes(tmp_path)[0]
+    assert lines["same"] == "agreed"
+    for case, what in (("config", "model config"), ("weights", "model weights"), ("tokenizer", "tokenizer")):
+        assert lines[case].startswith(
+            f"refused: the processes of this run did not build the same thing: {what} (rank 0: "
+        )
+        assert lines[case].count("(rank 0:") == 1, lines[case]  # only what differs is named
+        assert "find the same files for model.name and model.tokenizer" in lines[case]
+
+
+@pytest.mark.safety
+def test_a_node_with_other_distqa_code_stops_naming_it(tmp_path):
+    import distqa
+
+    save_tokenizers(tmp_path)
+    src = tmp_path / "src"
+    shutil.copytree(Path(distqa.__file__).parent, src / "distqa", ignore=shutil.ignore_patterns("__pycache__"))
+    loss = src / "distqa" / "train_step.py"
+    loss.write_text(loss.read_text() + "\n# a node whose code was edited\n")
+    lines = two_nodes(tmp_path, node1_src=src)[0]
+    assert lines["same"].startswith(
+        "refused: the processes of this run did not build the same thing: distqa code (rank 0: "
+    )
+    assert lines["same"].count("(rank 0:") == 1
+
+
+def test_the_hashes_see_what_changes_the_computation_and_nothing_else(tmp_path):
+    from distqa.config import ModelConfig
+
+    save_tokenizers(tmp_path)
+    tok = PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok")
+    before = tokenizer_hash(tok)
+    tok(["a b"], truncation=True, max_length=2, padding="max_length")
+    assert tokenizer_hash(tok) == before
+    assert tokenizer_hash(PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok-swapped")) != before
+    import torch
+
+    torch.manual_seed(0)
+    model = build_hf_model(AutoModelForSequenceClassification, ModelConfig(name="tiny"), num_labels=2)
+    digest = weights_hash(model)
+    assert weights_hash(model) == digest
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-6
+    assert weights_hash(model) != digest
