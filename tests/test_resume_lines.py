@@ -21,7 +21,8 @@ from distqa.checkpoint import load_checkpoint, read_trainer_state
 from distqa.dist import DistInfo
 from distqa.errors import ConfigError, Preempted
 from distqa.registry import load_config
-from distqa.resume import check_continuation, set_aside_other_line
+from distqa.resume import check_continuation
+from distqa.set_aside import set_aside_other_line
 from distqa.trainer import train
 from test_output_safety import rehash, save, tiny_parts
 from toy_task import BlobsDataset, ToyClassificationTask

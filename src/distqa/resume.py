@@ -16,28 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 from distqa.agreement import flatten
-from distqa.best import BEST_NAME, pointed
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
-from distqa.checkpoint_verify import folder_step, same_on_every_rank
+from distqa.checkpoint_verify import same_on_every_rank
 from distqa.config import Config, setting_field
 from distqa.data_identity import same_identity
 from distqa.dist import DistInfo, print0
-from distqa.durable import read_no_link, write_atomically
 from distqa.errors import ConfigError
-from distqa.outdir import CONFIG_FILE, HISTORY_DIR, RUN_PATHS
 from distqa.rank0 import on_rank0, reason
-from distqa.runlock import LOCK_NAME
-
-# Files of a run in output_dir that `train.resume=never` moves aside before starting afresh: all
-# it writes there but the lock of the run that moves them.
-RUN_FILES = tuple(name for name in RUN_PATHS if name != LOCK_NAME)
+from distqa.set_aside import set_aside_earlier_run
 
 
 def resume_kind(cfg: Config, key: str) -> str:
@@ -45,110 +35,6 @@ def resume_kind(cfg: Config, key: str) -> str:
     declares it (`setting(..., resume=...)`; without it, and for a key the schema lacks: refused)."""
     found = setting_field(cfg, key)
     return "refused" if found is None else found.metadata.get("resume", "refused")
-
-
-def set_aside_earlier_run(output_dir: Path) -> Path | None:
-    """Move an earlier run's files into output_dir/earlier-runs/<time>/ so that a fresh start
-    overwrites nothing. Returns where they went (None: there was no earlier run)."""
-    present = [name for name in RUN_FILES if (output_dir / name).exists()]
-    if not step_folders(output_dir / "checkpoints") and "metrics.jsonl" not in present and "model" not in present:
-        return None
-    target = _new_folder(output_dir, "")
-    for name in present:
-        shutil.move(str(output_dir / name), str(target / name))
-    return target
-
-
-def _new_folder(output_dir: Path, suffix: str) -> Path:
-    target = output_dir / "earlier-runs" / (time.strftime("%Y%m%d-%H%M%S") + suffix)
-    while target.exists():
-        target = target.with_name(target.name + "+")
-    target.mkdir(parents=True)
-    return target
-
-
-def set_aside_other_line(output_dir: Path, resume_from: Path | None, mode: str, info: DistInfo) -> Path | None:
-    """With train.resume=PATH, output_dir holds PATH's continuation alone, so that a later
-    `auto` resume, the pruning of old checkpoints and `checkpoints/best` never mix two: rank 0 moves
-    the checkpoints after PATH's step (another continuation of it; with their `best` and `model/`),
-    or for a PATH outside output_dir the whole earlier run there, into earlier-runs/ (one line).
-    Called once every check has passed and before anything is written: a refused resume moves
-    nothing. Returns where they went (None: nothing to move, or `auto`/`never`)."""
-    if resume_from is None or mode in ("auto", "never"):
-        return None
-    return on_rank0(
-        info,
-        lambda: _set_aside(output_dir, resume_from, mode),
-        failure=lambda err: (
-            f"cannot move the checkpoints after train.resume={mode} in {output_dir} aside ({reason(err)}): "
-            "free space in output_dir (or fix its permissions) and run again"
-        ),
-    )
-
-
-def _set_aside(output_dir: Path, resume_from: Path, mode: str) -> Path | None:
-    root, source = output_dir / "checkpoints", resume_from.resolve()
-    if source.parent != root.resolve():
-        inside = [name for name in RUN_FILES if (output_dir / name).resolve() in source.parents]
-        if inside:  # it would be moved away with the run it lies in
-            raise ConfigError(
-                f"train.resume={mode} lies in {output_dir / inside[0]}, which holds another run: copy the "
-                "checkpoint out of output_dir first, or name one of output_dir/checkpoints/step-N"
-            )
-        moved = set_aside_earlier_run(output_dir)
-        if moved is not None:
-            print(
-                f"train.resume={mode} is not a checkpoint of {output_dir}: its earlier run was moved to {moved}",
-                flush=True,
-            )
-        return moved
-    step = int(read_trainer_state(resume_from)["step"])
-    later = [p for p in step_folders(root) if (folder_step(p) or 0) > step]  # (each is a step-N)
-    if not later:
-        return None
-    target = _new_folder(output_dir, f"-after-step-{step}")
-    (target / "checkpoints").mkdir()
-    best = pointed(root)
-    moved_best = best is not None and (folder_step(best) or 0) > step
-    for folder in [*later, *([root / BEST_NAME] if moved_best else [])]:
-        folder.rename(target / "checkpoints" / folder.name)  # `best` is relative: it still names its step there
-    for name in ("model", "metrics.png"):  # the end of that continuation, not of this one
-        if (output_dir / name).exists():
-            (output_dir / name).rename(target / name)
-    _set_aside_records(output_dir, step, target)
-    print(
-        f"train.resume={mode} is earlier than the newest checkpoint in {root}: "
-        f"{', '.join(p.name for p in later)} (another continuation of step {step}) moved to {target} with what "
-        "belongs to them (best, model/, records), so that train.resume=auto goes on with this run",
-        flush=True,
-    )
-    return target
-
-
-# config-history/<step>.yaml, or <step>-<n>.yaml for the n-th resume at that step (`outdir.archive_config`).
-_HISTORY_NAME = re.compile(r"^(\d+)(?:-(\d+))?\.yaml$")
-
-
-def _set_aside_records(output_dir: Path, step: int, target: Path) -> None:
-    """metrics.jsonl and config.yaml copied to `target` (the trainer cuts metrics.jsonl back to
-    `step`); the config history after `step` moved there; config.yaml made the settings that
-    trained up to `step`: what the first resume with changed settings at `step` or later kept."""
-    if (output_dir / "metrics.jsonl").is_file():
-        write_atomically(target / "metrics.jsonl", read_no_link(output_dir / "metrics.jsonl"))
-    config, history = output_dir / CONFIG_FILE, output_dir / HISTORY_DIR
-    if config.is_file():
-        write_atomically(target / CONFIG_FILE, read_no_link(config))
-    kept = []
-    for path in history.iterdir() if history.is_dir() else []:
-        match = _HISTORY_NAME.match(path.name)
-        if match and int(match.group(1)) >= step:
-            kept.append((int(match.group(1)), int(match.group(2) or 1), path))
-    if kept:
-        write_atomically(config, read_no_link(min(kept)[2]))
-    for at, _, path in kept:
-        if at > step:
-            (target / HISTORY_DIR).mkdir(exist_ok=True)
-            path.rename(target / HISTORY_DIR / path.name)
 
 
 def choose_checkpoint(output_dir: Path, mode: str, info: DistInfo) -> Path | None:

@@ -37,9 +37,10 @@ from distqa.parent_watch import watch_parent
 from distqa.rank0 import raise_on_every_rank
 from distqa.registry import load_task
 from distqa.replicas import check_replicas
-from distqa.resume import changed_settings, check_continuation, check_resumable, choose_checkpoint, set_aside_other_line
+from distqa.resume import changed_settings, check_continuation, check_resumable, choose_checkpoint
 from distqa.rounds import as_peer_loss
 from distqa.sampler import seed_everything, steps_per_epoch, training_batches
+from distqa.set_aside import set_aside_other_line
 from distqa.sharded import require_shared
 from distqa.slow_start import FirstStep
 from distqa.steptimer import StepTimer

@@ -1,0 +1,176 @@
+"""Setting aside the later line of checkpoints (train.resume=an earlier step-N) loses nothing,
+whatever stops it: a full disk, an error during the moves, or a SIGKILL at any point, followed by
+a second try and the trainer cutting metrics.jsonl back to step N. On a made-up run folder: fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import needs_root, unavailable
+from distqa.dist import DistInfo
+from distqa.errors import DistqaError
+from distqa.set_aside import set_aside_other_line
+
+ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+OTHER_CONFIG, UP_TO_STEP_4 = "train:\n  lr: 0.02\n", "train:\n  lr: 0.01\n"
+
+
+def made_up_run(out: Path) -> None:
+    """6 steps, a checkpoint every 2, `best` at step 4, and a resume at step 4 with other settings."""
+    for step in (2, 4, 6):
+        (out / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (out / "checkpoints" / f"step-{step}" / "trainer_state.json").write_text(json.dumps({"step": step}))
+    os.symlink("step-4", out / "checkpoints" / "best")
+    (out / "model").mkdir()
+    (out / "model" / "model.safetensors").write_bytes(b"the other line's model")
+    (out / "metrics.png").write_bytes(b"png")
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
+    (out / "config.yaml").write_text(OTHER_CONFIG)
+    (out / "config-history").mkdir()
+    (out / "config-history" / "4.yaml").write_text(UP_TO_STEP_4)
+
+
+def set_aside(out: Path) -> Path | None:
+    step2 = out / "checkpoints" / "step-2"
+    return set_aside_other_line(out, step2, str(step2), ONE)
+
+
+def resume_writes(out: Path) -> None:
+    """What the trainer then does to the records: metrics.jsonl cut back to step 2."""
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 3)))
+
+
+def check_nothing_lost(out: Path) -> None:
+    """Everything of the other line is in earlier-runs/ (maybe split over two tries' folders), and
+    output_dir holds step-2's line with the settings that trained up to step 2."""
+    folders = [p for p in (out / "earlier-runs").iterdir()]
+    assert all(not p.name.startswith(".") for p in folders)  # no staging folder left
+    everything = {str(p.relative_to(f)): p for f in folders for p in f.rglob("*")}
+    assert {"checkpoints/step-4", "checkpoints/step-6", "model", "metrics.png", "config-history/4.yaml"} <= set(
+        everything
+    )
+    assert os.readlink(everything["checkpoints/best"]) == "step-4"
+    metrics = [p.read_text() for f in folders for p in [f / "metrics.jsonl"] if p.exists()]
+    assert any(len(text.splitlines()) == 6 for text in metrics)  # steps 3-6 of the records kept
+    assert OTHER_CONFIG in [p.read_text() for f in folders for p in [f / "config.yaml"] if p.exists()]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-2"]
+    assert not (out / "model").exists() and not (out / "metrics.png").exists()
+    assert (out / "config.yaml").read_text() == UP_TO_STEP_4
+    assert not (out / "config-history").exists() or os.listdir(out / "config-history") == []
+
+
+class Killed(BaseException):
+    """A SIGKILL: nothing after it runs, no cleanup either (the test goes on with a copy of the
+    folder as the kill left it)."""
+
+
+def renames_of_a_set_aside(tmp_path: Path) -> int:
+    out = tmp_path / "count"
+    made_up_run(out)
+    calls = 0
+    real_rename, real_replace = os.rename, os.replace
+
+    def counted(real):
+        def call(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "rename", counted(real_rename))
+        patch.setattr(os, "replace", counted(real_replace))
+        set_aside(out)
+    return calls
+
+
+def stopped_set_aside(out: Path, snapshot: Path, at: int, stop: str) -> BaseException:
+    """A set-aside of `out` stopped at its `at`-th rename (0-based): killed (`out` as the kill left
+    it copied to `snapshot`) or failed; what it raised."""
+    calls = 0
+    real_rename, real_replace = os.rename, os.replace
+
+    def stopping(real):
+        def call(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == at + 1:
+                if stop == "error":
+                    raise OSError(5, "Input/output error")
+                shutil.copytree(out, snapshot, symlinks=True)
+                raise Killed
+            return real(*args, **kwargs)
+
+        return call
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "rename", stopping(real_rename))
+        patch.setattr(os, "replace", stopping(real_replace))
+        with pytest.raises(Killed if stop == "kill" else DistqaError) as raised:
+            set_aside(out)
+    return raised.value
+
+
+@pytest.mark.parametrize("stop", ["kill", "error"])
+def test_a_set_aside_stopped_at_any_rename_loses_nothing_and_a_second_try_completes_it(tmp_path, stop):
+    """Every os.rename/os.replace of a set-aside (the copies' and the moves'), in turn: a SIGKILL just
+    before it, or an error instead of it (moved back: output_dir as it was)."""
+    total = renames_of_a_set_aside(tmp_path)
+    assert total >= 9  # the copies, then the moves
+    for at in range(total):
+        out, snapshot = tmp_path / f"run-{at}", tmp_path / f"killed-{at}"
+        made_up_run(out)
+        before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+        raised = stopped_set_aside(out, snapshot, at, stop)
+        if stop == "error":
+            assert str(raised).startswith(f"cannot move the checkpoints after train.resume={out}")
+            assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if "earlier-runs" not in p.parts) == before
+            assert not list((out / "earlier-runs").iterdir())
+            snapshot = out
+        set_aside(snapshot)  # the second try (when nothing later was left, it has nothing to do)
+        resume_writes(snapshot)
+        check_nothing_lost(snapshot)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 64 KiB tmpfs (root only)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    needs_root("a full disk (a tmpfs mount)", "mount", "umount")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_full_disk_while_setting_a_line_aside_moves_nothing_and_a_second_try_completes(tiny_disk):
+    out = tiny_disk / "run"
+    made_up_run(out)
+    before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    filler = tiny_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"x" * 1024)
+    finally:
+        os.close(fd)
+    with pytest.raises(DistqaError, match=r"aside \(No space left on device\): nothing was lost; free space in"):
+        set_aside(out)
+    assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    filler.unlink()
+    assert set_aside(out) is not None
+    resume_writes(out)
+    check_nothing_lost(out)
