@@ -16,6 +16,7 @@ import torch
 from conftest import needs_root, unavailable
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
+from distqa.resume import choose_checkpoint
 from distqa.set_aside import set_aside_other_line
 
 ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -174,3 +175,28 @@ def test_a_full_disk_while_setting_a_line_aside_moves_nothing_and_a_second_try_c
     assert set_aside(out) is not None
     resume_writes(out)
     check_nothing_lost(out)
+
+
+def test_auto_moves_records_without_a_step_folder_aside_instead_of_overwriting_them(tmp_path, capsys):
+    """A run folder whose checkpoints/ a user deleted: `auto` starts from step 0, as before, but
+    only once the earlier records are in earlier-runs/<time>/ (as with `never`), said in one line."""
+    out = tmp_path / "run"
+    made_up_run(out)
+    shutil.rmtree(out / "checkpoints")
+    (out / "tb").mkdir()
+    names = sorted(os.listdir(out))
+    assert choose_checkpoint(out, "auto", ONE) is None
+    moved = next((out / "earlier-runs").iterdir())
+    assert sorted(os.listdir(moved)) == names and os.listdir(out) == ["earlier-runs"]
+    said = capsys.readouterr().out
+    assert said == (
+        f"train.resume=auto: {out} holds an earlier run's records but no checkpoint to continue from: they "
+        f"were moved to {moved}, and this run starts from step 0\n"
+    )
+    # Nothing of a run there (a folder made for it, a config.yaml of a run stopped before its first
+    # step): nothing to move, nothing said.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text(OTHER_CONFIG)
+    assert choose_checkpoint(fresh, "auto", ONE) is None
+    assert os.listdir(fresh) == ["config.yaml"] and capsys.readouterr().out == ""

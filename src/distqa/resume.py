@@ -97,6 +97,15 @@ def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:
             f"no usable checkpoint in {root} ({found}): name one with train.resume=PATH, or start "
             "afresh with train.resume=never (the earlier run's files are moved aside, not deleted)"
         )
+    # Records without a step folder (its checkpoints deleted): nothing to continue, but a start
+    # from step 0 must not overwrite them.
+    moved = set_aside_earlier_run(output_dir)
+    if moved is not None:
+        print(
+            f"train.resume=auto: {output_dir} holds an earlier run's records but no checkpoint to continue "
+            f"from: they were moved to {moved}, and this run starts from step 0",
+            flush=True,
+        )
     return None
 
 
