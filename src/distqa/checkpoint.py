@@ -46,7 +46,7 @@ from distqa.checkpoint_verify import verify_checkpoint as verify_checkpoint
 from distqa.dist import DistInfo, all_gather_objects, broadcast_object, gather_to_main
 from distqa.durable import fsync_path
 from distqa.errors import DistqaError
-from distqa.rank0 import raise_on_every_rank, reason, with_free_space
+from distqa.rank0 import fix_for, raise_on_every_rank, reason, with_free_space
 from distqa.rng_state import capture_rng_state, restore_rng_state
 
 
@@ -228,10 +228,13 @@ def _not_held(lost: str | None, final: Path) -> str | None:
 def _cannot_write(final: Path, root: Path, err: BaseException) -> str:
     previous = [p.name for p in list_checkpoints(root)]
     why = with_free_space(reason(err), root)
+    fix = fix_for(err)
+    if fix.startswith("free space"):
+        fix += " (or lower train.keep_checkpoints)"
     return (
         f"cannot write checkpoint {final} ({why[:300]}); "
         + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")
-        + ": free space in output_dir (or lower train.keep_checkpoints) and run again to resume"
+        + f": {fix} and run again to resume"
     )
 
 

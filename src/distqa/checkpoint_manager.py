@@ -26,7 +26,7 @@ from distqa.data_identity import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.metrics import ThroughputMeter
 from distqa.optim import apply_settings
-from distqa.rank0 import on_rank0, reason
+from distqa.rank0 import fix_for, on_rank0, reason
 from distqa.runlock import RunLock
 from distqa.sampler import derive_seed, seed_everything
 
@@ -210,8 +210,7 @@ class CheckpointManager:
             self.info,
             lambda: self._point_and_prune(step),
             failure=lambda err: (
-                f"cannot write {self.root / BEST_NAME} ({reason(err)}): free space in output_dir and run "
-                "again to resume"
+                f"cannot write {self.root / BEST_NAME} ({reason(err)}): {fix_for(err)} and run again to resume"
             ),
         )
 

@@ -96,7 +96,7 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
         task.save_settings(folder)
 
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    note = f"the checkpoint {directory} is unchanged: free space and run again"
+    note = f"the checkpoint {directory} is unchanged: {{fix}} and run again"
     export_atomically(save, target, info, note=note, source=directory)
     best = state.get("best")
     what = (

@@ -53,7 +53,7 @@ def export_final(
         save,
         out / "model",
         info,
-        note="the final checkpoint holds the same weights: free space and run the same command "
+        note="the final checkpoint holds the same weights: {fix} and run the same command "
         "again (it only writes model/)",
         source=final,
     )

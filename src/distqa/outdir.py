@@ -24,7 +24,7 @@ from distqa.checkpoint_verify import SOURCE_FILE, source_of
 from distqa.dist import DistInfo
 from distqa.durable import fsync_path, read_no_link, write_atomically
 from distqa.errors import DistqaError
-from distqa.rank0 import on_rank0, reason
+from distqa.rank0 import fix_for, on_rank0, reason
 from distqa.runlock import LOCK_NAME, RunLock
 
 CONFIG_FILE = "config.yaml"
@@ -127,7 +127,8 @@ def export_atomically(
     """Rank 0 calls `save(folder)` into a hidden folder beside `directory`, fsyncs it and renames
     it into place, so `directory` is always a whole export: the previous one, or the new one. A
     failure (a full disk) leaves the previous export as it was and is one line on every rank;
-    `note` says what the user can do then. `source`, the checkpoint the weights come from, is
+    `note` says what the user can do then, its `{fix}` what the error calls for (`rank0.fix_for`:
+    free space, permissions, or what the error names). `source`, the checkpoint the weights come from, is
     recorded in the export (`checkpoint_verify.SOURCE_FILE`)."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     old = directory.with_name(f".old-{directory.name}")
@@ -150,6 +151,7 @@ def export_atomically(
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not directory.exists():
                 old.rename(directory)
-            raise DistqaError(f"cannot write {directory} ({reason(err)}): {note}") from err
+            what = note.replace("{fix}", fix_for(err, str(directory.parent)))  # (not format: a path may hold braces)
+            raise DistqaError(f"cannot write {directory} ({reason(err)}): {what}") from err
 
     on_rank0(info, export)

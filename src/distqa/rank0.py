@@ -10,6 +10,7 @@ call these functions, in the same order (each is one broadcast).
 from __future__ import annotations
 
 import contextlib
+import errno
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -74,3 +75,29 @@ def with_free_space(text: str, folder: Path) -> str:
     with contextlib.suppress(OSError):
         text += f"; {shutil.disk_usage(folder).free / 2**20:.1f} MiB free there"
     return text
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NOT_ALLOWED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _errno(err: BaseException | None) -> int | None:
+    """The errno of `err` or of the OSError it was raised from (torch and safetensors wrap theirs)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno is not None:
+            return err.errno
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def fix_for(err: BaseException, where: str = "output_dir") -> str:
+    """What to do about a write into `where` that failed with `err`, chosen by its errno: free
+    space (a full disk or quota), make it writable (no permission, a read-only mount), or fix what
+    the error names (a file where a folder must be, an I/O error). A write error without an errno
+    (torch's and safetensors' own, on a short write) is most often a full disk."""
+    code = _errno(err)
+    if code is None or code in _NO_SPACE:
+        return f"free space in {where}"
+    if code in _NOT_ALLOWED:
+        return f"make {where} writable (its permissions, or a read-only mount)"
+    return f"fix what the error names in {where}"

@@ -28,7 +28,7 @@ from distqa.dist import DistInfo
 from distqa.durable import fsync_path, read_no_link, write_atomically
 from distqa.errors import ConfigError
 from distqa.outdir import CONFIG_FILE, HISTORY_DIR, RUN_PATHS
-from distqa.rank0 import on_rank0, reason
+from distqa.rank0 import fix_for, on_rank0, reason
 from distqa.runlock import LOCK_NAME
 
 EARLIER_RUNS = "earlier-runs"
@@ -83,7 +83,7 @@ def set_aside_other_line(output_dir: Path, resume_from: Path | None, mode: str, 
         lambda: _set_aside(output_dir, resume_from, mode),
         failure=lambda err: (
             f"cannot move the checkpoints after train.resume={mode} in {output_dir} aside ({reason(err)}): "
-            "nothing was lost; free space in output_dir (or fix its permissions) and run the same command again"
+            f"nothing was lost; {fix_for(err)} and run the same command again"
         ),
     )
 

@@ -1,0 +1,101 @@
+"""A write into output_dir that fails is one line on every rank, with the advice its error calls for:
+free space for a full disk, permissions for a refused write, the error itself otherwise. Fast: each
+write is made to fail where it happens (a tmpfs for a full disk needs root)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import needs_root, unavailable
+from distqa.dist import DistInfo
+from distqa.errors import DistqaError
+from distqa.outdir import export_atomically
+from distqa.rank0 import fix_for
+from test_output_safety import save
+
+ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+ADVICE = {
+    "space": "free space in {where}",
+    "permissions": "make {where} writable (its permissions, or a read-only mount)",
+    "other": "fix what the error names in {where}",
+}
+ERRORS = {
+    "full disk": (OSError(errno.ENOSPC, "No space left on device"), "space"),
+    "over quota": (OSError(errno.EDQUOT, "Disk quota exceeded"), "space"),
+    "no permission": (PermissionError(errno.EACCES, "Permission denied"), "permissions"),
+    "not permitted": (PermissionError(errno.EPERM, "Operation not permitted"), "permissions"),
+    "read-only": (OSError(errno.EROFS, "Read-only file system"), "permissions"),
+    "a file in the way": (NotADirectoryError(errno.ENOTDIR, "Not a directory"), "other"),
+    "an I/O error": (OSError(errno.EIO, "Input/output error"), "other"),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_the_final_export_s_advice_follows_the_error(tmp_path, case):
+    err, kind = ERRORS[case]
+
+    def save_failing(folder: Path) -> None:
+        folder.mkdir()
+        raise err
+
+    note = "the final checkpoint holds the same weights: {fix} and run the same command again"
+    with pytest.raises(DistqaError) as raised:
+        export_atomically(save_failing, tmp_path / "model", ONE, note)
+    advice = ADVICE[kind].format(where=tmp_path)
+    assert str(raised.value) == (
+        f"cannot write {tmp_path / 'model'} ({err.strerror}): the final checkpoint holds the same weights: "
+        f"{advice} and run the same command again"
+    )
+    assert os.listdir(tmp_path) == []  # no half export left
+
+
+def test_a_checkpoint_that_cannot_be_written_for_a_file_in_the_way_is_no_space_problem(tmp_path):
+    root = tmp_path / "checkpoints"
+    root.write_text("a file where the checkpoints' folder must be")
+    with pytest.raises(DistqaError) as raised:
+        save(root, 1)
+    message = str(raised.value)
+    assert message.startswith(f"cannot write checkpoint {root / 'step-1'} (Not a directory")
+    assert message.endswith(": fix what the error names in output_dir and run again to resume")
+    assert "free space in output_dir" not in message
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_the_advice_is_chosen_by_errno_also_through_a_wrapping_error(case):
+    err, kind = ERRORS[case]
+    assert fix_for(err) == ADVICE[kind].format(where="output_dir")
+    try:  # torch and safetensors raise their own error from the OSError
+        raise RuntimeError("file write failed") from err
+    except RuntimeError as wrapped:
+        assert fix_for(wrapped) == fix_for(err)
+    assert fix_for(RuntimeError("PytorchStreamWriter failed writing file")) == "free space in output_dir"
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    """A read-only tmpfs (root only)."""
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    needs_root("a read-only mount", "mount", "umount")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_checkpoint_on_a_read_only_disk_says_to_make_it_writable(read_only_disk):
+    with pytest.raises(DistqaError) as raised:
+        save(read_only_disk / "checkpoints", 1)
+    message = str(raised.value)
+    assert "(Read-only file system" in message and "free space" not in message
+    assert message.endswith("make output_dir writable (its permissions, or a read-only mount) and run again to resume")
