@@ -5,8 +5,11 @@ write is made to fail where it happens (a tmpfs for a full disk needs root)."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 from conftest import needs_root, unavailable
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
+from distqa.metrics import MetricsWriter
 from distqa.outdir import export_atomically
 from distqa.rank0 import fix_for
 from test_output_safety import save
@@ -99,3 +103,68 @@ def test_a_checkpoint_on_a_read_only_disk_says_to_make_it_writable(read_only_dis
     message = str(raised.value)
     assert "(Read-only file system" in message and "free space" not in message
     assert message.endswith("make output_dir writable (its permissions, or a read-only mount) and run again to resume")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 KiB tmpfs (root only), and a function that fills it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    needs_root("a full disk (a tmpfs mount)", "mount", "umount")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def fill(disk: Path) -> None:
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"x" * 512)
+    finally:
+        os.close(fd)
+
+
+AGAIN = ": free space in output_dir and run the same command again to resume"
+
+
+def test_tensorboard_on_a_full_disk_is_one_line_when_opened_and_when_written(small_disk, monkeypatch):
+    printed = []  # what Python would print for an error in a thread: TensorBoard's writer's is left out
+    monkeypatch.setattr(threading, "excepthook", printed.append)
+    with pytest.raises(DistqaError) as raised:  # tb/ on a disk full from the start
+        fill(small_disk)
+        MetricsWriter(small_disk, ONE)
+    assert str(raised.value) == f"cannot write {small_disk / 'tb'} (No space left on device){AGAIN}"
+    (small_disk / "filler").unlink()
+    shutil.rmtree(small_disk / "tb", ignore_errors=True)
+    writer = MetricsWriter(small_disk, ONE)
+    writer.log({"step": 1, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0})  # each file has its first page
+    fill(small_disk)
+    with pytest.raises(DistqaError) as raised:  # metrics.jsonl's page still has room, tb/'s fills first
+        for step in range(2, 200):
+            writer.log({"step": step, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0})
+    assert str(raised.value) == f"cannot write {small_disk / 'tb'} (No space left on device){AGAIN}"
+    writer.abandon()
+    assert printed == []
+
+
+def test_tensorboard_s_folder_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "tb").write_text("a file where tb/ must be")
+    with pytest.raises(DistqaError, match=rf"^cannot write {tmp_path / 'tb'} \(.+\): fix what the error names in"):
+        MetricsWriter(tmp_path, ONE)
+
+
+def test_cutting_metrics_back_on_a_full_disk_is_one_line_and_keeps_the_file(small_disk):
+    records = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 7)).encode()
+    (small_disk / "metrics.jsonl").write_bytes(records)
+    fill(small_disk)
+    with pytest.raises(DistqaError) as raised:
+        MetricsWriter(small_disk, ONE, resume_step=2)
+    assert str(raised.value) == f"cannot rewrite {small_disk / 'metrics.jsonl'} (No space left on device){AGAIN}"
+    assert (small_disk / "metrics.jsonl").read_bytes() == records
+    assert not (small_disk / "tb").exists()  # stopped before TensorBoard

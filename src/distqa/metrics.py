@@ -7,20 +7,23 @@ branches on the rank.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 from torch.utils.tensorboard import SummaryWriter
 
 from distqa.dist import DistInfo, all_reduce_sum
 from distqa.durable import open_append, write_atomically
-from distqa.rank0 import raise_on_every_rank
+from distqa.rank0 import fix_for, raise_on_every_rank, reason
 
 
 class ThroughputMeter:
@@ -142,14 +145,30 @@ class MetricsWriter:
     """metrics.jsonl + TensorBoard on rank 0; a silent stand-in elsewhere."""
 
     def __init__(self, output_dir: Path, info: DistInfo, *, resume_step: int = 0) -> None:
+        """Every rank must construct it (rank 0's failure to open the records, a full disk, is one
+        line on every rank)."""
         self.enabled = info.is_main
-        self.path = output_dir / "metrics.jsonl"
+        self.path, self.tb_dir = output_dir / "metrics.jsonl", output_dir / "tb"
         self._tb: SummaryWriter | None = None
+        problem = None
         if self.enabled:
-            self._truncate_after(resume_step)
+            try:
+                self._truncate_after(resume_step)
+            except OSError as err:
+                problem = _cannot_write(f"rewrite {self.path}", err)
+            if problem is None:
+                problem = self._open_tb(resume_step)
+        raise_on_every_rank(problem)
+
+    def _open_tb(self, resume_step: int) -> str | None:
+        _quiet_writer_thread()
+        try:
             # purge_step drops TensorBoard events past the resume point, as _truncate_after does
             # for the JSON lines: a resumed run's curves continue instead of doubling back.
-            self._tb = SummaryWriter(str(output_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+            self._tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1 if resume_step else None)
+        except OSError as err:
+            return _cannot_write(f"write {self.tb_dir}", err)
+        return None
 
     def _truncate_after(self, step: int) -> None:
         """Keep the lines of steps <= `step` (the checkpoint we resume from), byte for byte; drop the
@@ -183,24 +202,63 @@ class MetricsWriter:
             finally:
                 os.close(fd)
         except OSError as err:
-            why = "it is a symbolic link" if self.path.is_symlink() else (err.strerror or str(err))
-            return (
-                f"cannot append to {self.path} ({why}): free space in output_dir (or remove the link) "
-                "and run the same command again to resume"
-            )
+            if self.path.is_symlink():
+                return f"cannot append to {self.path} (it is a symbolic link): remove the link and {_AGAIN}"
+            return _cannot_write(f"append to {self.path}", err)
         assert self._tb is not None
         step = int(record["step"])
-        for key, value in record.items():
-            if key not in ("step", "epoch") and isinstance(value, (int, float)):
-                tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-                self._tb.add_scalar(tag, value, step)
-        self._tb.flush()
+        try:
+            # (TensorBoard's writer thread keeps a write's error until the next call: flush raises it.)
+            for key, value in record.items():
+                if key not in ("step", "epoch") and isinstance(value, (int, float)):
+                    tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                    self._tb.add_scalar(tag, value, step)
+            self._tb.flush()
+        except OSError as err:
+            return _cannot_write(f"write {self.tb_dir}", err)
         return None
 
     def close(self) -> None:
+        """At the end of the steps: every rank must call it (rank 0's last write to tb/ may fail)."""
+        problem = None
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as err:
+                problem = _cannot_write(f"write {self.tb_dir}", err)
             self._tb = None
+        raise_on_every_rank(problem)
+
+    def abandon(self) -> None:
+        """After an error (or a stop) on the way out, on each rank alone: no collective, no error of its own."""
+        if self._tb is not None:
+            with contextlib.suppress(OSError):
+                self._tb.close()
+            self._tb = None
+
+
+_AGAIN = "run the same command again to resume"
+
+
+def _quiet_writer_thread() -> None:
+    """TensorBoard's writer thread keeps a write's error for the next call (reported in one line
+    then) and also raises it in the thread, whose traceback Python would print first: that one
+    is left out. Any other thread's error is printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "distqa_quiet", False):
+        return
+
+    def hook(args: Any) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError)):
+            previous(args)
+
+    hook.distqa_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
+def _cannot_write(what: str, err: OSError) -> str:
+    """One line for a write of the records that failed (`what`: "append to PATH")."""
+    return f"cannot {what} ({reason(err)}): {fix_for(err)} and {_AGAIN}"
 
 
 def _number(value: Any) -> float:

@@ -251,9 +251,10 @@ class Trainer:
                     first_step.after(state.step, self.progress, self.meter)
                     self._after_step(lr)
             self.timer.finish()
+            self.metrics.close()  # every rank: rank 0's last write to tb/ may fail
         finally:
             self.progress.close()
-            self.metrics.close()
+            self.metrics.abandon()  # (closed already, unless an error or a stop left the loop)
 
     def _after_step(self, lr: float) -> None:
         """Act on `control.after_step`'s plan: check, log, check replicas, save, stop; nothing of a
