@@ -19,8 +19,9 @@ from conftest import needs_root, unavailable
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.metrics import MetricsWriter
-from distqa.outdir import export_atomically
+from distqa.outdir import claim, export_atomically
 from distqa.rank0 import fix_for
+from distqa.runlock import LOCK_NAME
 from test_output_safety import save
 
 ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -168,3 +169,25 @@ def test_cutting_metrics_back_on_a_full_disk_is_one_line_and_keeps_the_file(smal
     assert str(raised.value) == f"cannot rewrite {small_disk / 'metrics.jsonl'} (No space left on device){AGAIN}"
     assert (small_disk / "metrics.jsonl").read_bytes() == records
     assert not (small_disk / "tb").exists()  # stopped before TensorBoard
+
+
+def test_a_claim_that_fails_on_a_full_disk_leaves_no_empty_lock(small_disk):
+    fill(small_disk)
+    with pytest.raises(DistqaError) as raised:
+        claim(small_disk, ONE)
+    assert str(raised.value) == f"output_dir={str(small_disk)!r} cannot be written: No space left on device"
+    assert not (small_disk / LOCK_NAME).exists()  # the next run would wait 60 s for "an unknown run"
+    (small_disk / "filler").unlink()
+    lock = claim(small_disk, ONE)  # at once
+    assert lock is not None
+    lock.release()
+
+
+def test_a_claim_whose_write_fails_removes_its_own_file(tmp_path, monkeypatch):
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(DistqaError, match="cannot be written: No space left on device$"):
+        claim(tmp_path, ONE)
+    assert os.listdir(tmp_path) == []

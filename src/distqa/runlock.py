@@ -127,10 +127,16 @@ class RunLock:
             except FileExistsError:
                 self._break_if_stale()
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(record) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                # Ours (O_EXCL): an empty claim left behind (a full disk) would make the next run
+                # wait a lease for "an unknown run".
+                self.path.unlink(missing_ok=True)
+                raise
             break
         self._thread = threading.Thread(target=self._heartbeat, name="distqa-run-lock", daemon=True)
         self._thread.start()
