@@ -144,6 +144,24 @@ def rehash(checkpoint: Path, name: str) -> None:
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.parametrize("key", ["log_window", "grad_norm_window"])
+@pytest.mark.parametrize("value", ["abc", [1.0], [1.0, "2"], [1.0, float("nan")], [True, 1.0], {"a": 1}, 5])
+def test_a_trainer_state_with_a_bad_log_window_is_damaged_not_a_traceback(tmp_path, capsys, key, value):
+    """A crafted trainer_state.json whose manifest matches: skipped like any damaged checkpoint."""
+    root = tmp_path / "checkpoints"
+    first, second = save(root, 1), save(root, 2)
+    state = json.loads((second / "trainer_state.json").read_text())
+    assert key not in state  # absent (a checkpoint of before they were kept): fine
+    (second / "trainer_state.json").write_text(json.dumps({**state, key: [3.5, 2]}))
+    rehash(second, "trainer_state.json")
+    assert verify_checkpoint(second) is None
+    (second / "trainer_state.json").write_text(json.dumps({**state, key: value}))
+    rehash(second, "trainer_state.json")
+    assert verify_checkpoint(second) == f"trainer_state.json has no valid {key!r} (two finite numbers)"
+    assert choose_checkpoint(tmp_path, "auto", MAIN) == first
+    assert f"skipping checkpoint {second}: trainer_state.json has no valid {key!r}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
 def test_a_checkpoint_is_not_renamed_into_a_folder_another_run_took_over(tmp_path, sharded, monkeypatch):
     out = tmp_path / "run"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -133,10 +134,21 @@ def _check_trainer_state(directory: Path) -> str | None:
             return f"{STATE_FILE} has no valid {key!r}"
     if not isinstance(state.get("config"), dict):
         return f"{STATE_FILE} has no config"
+    for key in ("log_window", "grad_norm_window"):  # (absent in checkpoints of before they were kept)
+        if state.get(key) is not None and not _two_finite_numbers(state[key]):
+            return f"{STATE_FILE} has no valid {key!r} (two finite numbers)"
     named = folder_step(directory)
     if named is not None and named != state["step"]:
         return f"{STATE_FILE} is for step {state['step']}, not {named}"
     return None
+
+
+def _two_finite_numbers(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+    )
 
 
 def folder_step(folder: Path) -> int | None:
