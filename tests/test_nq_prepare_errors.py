@@ -52,6 +52,28 @@ def test_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path, capsys
     assert existing.read_bytes() == b"notes\n"
 
 
+def test_an_input_no_line_of_which_can_be_read_is_one_line_and_leaves_no_output_folder(tmp_path, capsys, minilm_dir):
+    """A .gz or BOM input was 'holds no examples: it is blank' (the worker's own refusal, wrapped by
+    `datasets`, was lost), and --output was left holding only its lock file."""
+    import gzip
+
+    packed = tmp_path / "in.jsonl.gz"
+    packed.write_bytes(gzip.compress(SAMPLE.read_bytes()))
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + SAMPLE.read_bytes())
+    blank = tmp_path / "blank.jsonl"
+    blank.write_bytes(b"\n  \n")
+    cases = [(packed, "is gzip-compressed"), (marked, "starts with a UTF-8 byte-order mark")]
+    for source, expected in [*cases, (blank, "holds no examples: it is blank")]:
+        output = tmp_path / f"out-{source.name}"
+        capsys.readouterr()
+        rc = cli.main(["prepare", "--input", str(source), "--output", str(output), f"model.tokenizer={minilm_dir}"])
+        err = capsys.readouterr().err
+        assert_one_line_error(rc, err, source)
+        assert f"{source} {expected}" in err.strip().splitlines()[-1], err
+        assert not output.exists(), sorted(p.name for p in output.iterdir())
+
+
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A folder another user can enter (pytest's tmp_path is private to its owner)."""
