@@ -90,8 +90,8 @@ from CSV or JSONL (task.name=textcls). Settings: defaults < --config FILE < KEY=
 EXAMPLES = """\
 example (Natural Questions, 2 processes on this machine):
   distqa download --output data
-  torchrun --nproc-per-node 2 -m distqa train --config configs/bert-base.yaml \\
-      data.train=data/simplified-nq-train.jsonl output_dir=results/nq
+  distqa split --input data/simplified-nq-train.jsonl --valid 2000 --output data/split
+  torchrun --nproc-per-node 2 -m distqa train --config configs/bert-base.yaml output_dir=results/nq
   distqa predict --input data/simplified-nq-test.jsonl --checkpoint results/nq --output submission.csv
 
 `distqa COMMAND --help` describes a command; `distqa train --help` lists every setting."""
