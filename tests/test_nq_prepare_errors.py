@@ -74,6 +74,24 @@ def test_an_input_no_line_of_which_can_be_read_is_one_line_and_leaves_no_output_
         assert not output.exists(), sorted(p.name for p in output.iterdir())
 
 
+def test_prepare_and_predict_with_a_config_need_only_their_input(tmp_path, capsys, monkeypatch, minilm_dir):
+    """docs/nq.md's `distqa prepare --config configs/bert-base.yaml --input ...` was refused until
+    data/split/train.jsonl and valid.jsonl existed, though --input is the only file it reads."""
+    monkeypatch.chdir(tmp_path)  # no data/split here
+    config = str(ROOT / "configs" / "bert-base.yaml")
+    keys = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", "task.doc_stride=64"]
+    out = tmp_path / "features"
+    rc = cli.main(["prepare", "--config", config, "--input", str(SAMPLE), "--output", str(out), *keys])
+    assert rc == 0, capsys.readouterr().err
+    assert len(load_features(out)) > 0
+    missing = tmp_path / "no-model"
+    rc = cli.main(
+        ["predict", "--config", config, "--input", str(SAMPLE), "--checkpoint", str(missing), "--output", "s.csv"]
+    )
+    err = capsys.readouterr().err
+    assert rc != 0 and f"--checkpoint {missing}: no model there" in err and "data." not in err, err
+
+
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A folder another user can enter (pytest's tmp_path is private to its owner)."""

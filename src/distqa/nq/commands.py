@@ -107,7 +107,8 @@ def _prepare(args: argparse.Namespace) -> None:
 
     if args.num_proc < 1:
         raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
-    cfg = load_config(args.config, args.overrides)
+    # --input is the one file read: the config's data.train/data.valid need not exist (yet).
+    cfg = load_config(args.config, args.overrides, data_paths=False)
     quiet_libraries(is_main=True)  # datasets' bars on a terminal only; the summary below in any case
     output = args.output
     if output is None:  # the entry resolve_features (distqa train) finds for this file and these settings
@@ -141,8 +142,9 @@ def _prepare(args: argparse.Namespace) -> None:
 def _predict(args: argparse.Namespace) -> None:
     from distqa.registry import load_config
 
-    # A settings mistake is said before torch and transformers are imported (seconds).
-    cfg = load_config(args.config, args.overrides)
+    # A settings mistake is said before torch and transformers are imported (seconds); as for
+    # prepare, --input is the data: the config's data.train/data.valid need not exist.
+    cfg = load_config(args.config, args.overrides, data_paths=False)
     from distqa.nq.predict import predict
     from distqa.nq.reader import shown_lines
     from distqa.task import given_task_keys
