@@ -74,8 +74,10 @@ def _add_file_commands(commands: Any) -> None:
     download = commands.add_parser(
         "download",
         help="fetch the Kaggle competition files (needs Kaggle credentials)",
-        description="Download and unzip the tensorflow2-question-answering competition files. Credentials: "
-        "KAGGLE_USERNAME/KAGGLE_KEY or ~/.kaggle/kaggle.json. Existing files are kept.",
+        description="Download and unzip the tensorflow2-question-answering competition files. Credentials "
+        "(the kaggle package's): an API token in KAGGLE_API_TOKEN or ~/.kaggle/access_token; or a key, as "
+        "KAGGLE_USERNAME/KAGGLE_KEY or as kaggle.json in KAGGLE_CONFIG_DIR (default ~/.kaggle; on Linux "
+        "~/.config/kaggle while ~/.kaggle does not exist). Existing files are kept.",
     )
     download.add_argument("--output", default="data", metavar="DIR", help="folder to write to (default: data)")
     download.set_defaults(run=_download)
