@@ -29,6 +29,7 @@ def _keys_reference(task: str | None = None, config_note: str = "") -> str:
         note = ""
     except DistqaError as err:
         defaults, note = default_config(), f"\n(task {name!r}'s own keys are not listed: {err})"
+    defaults.task.name = name  # the selected task, not the default one, as the header says
     lines = [f"configuration keys (KEY=VALUE; default, then meaning), task.name={name!r}:"]
     for key, default, help_text in describe_keys(defaults):
         shown = "null" if default is None else repr(default) if isinstance(default, str) else default
