@@ -48,8 +48,18 @@ def test_a_sigterm_means_a_checkpoint_then_the_stop_except_at_the_last_step():
 
 
 def test_diverged_hint_names_what_to_lower():
-    hint = diverged_hint(load_config(None, ["train.lr=0.5", "train.max_grad_norm=0", "train.precision=fp16"]).train)
+    hint = diverged_hint(
+        load_config(None, ["train.lr=0.5", "train.max_grad_norm=0", "train.precision=fp16"]).train, None
+    )
     assert "train.lr (now 0.5)" in hint and "set train.max_grad_norm" in hint and "bf16" in hint
+
+
+def test_diverged_hint_points_at_a_checkpoint_only_when_there_is_one(tmp_path):
+    """It said 'the newest checkpoint holds the last finite weights' before any was written."""
+    train = load_config(None).train
+    assert diverged_hint(train, None).endswith("; no checkpoint was written, so none holds the last finite weights")
+    newest = tmp_path / "checkpoints" / "step-4"
+    assert diverged_hint(train, newest).endswith(f"; the newest checkpoint, {newest}, holds the last finite weights")
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

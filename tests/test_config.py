@@ -200,7 +200,60 @@ def test_the_example_in_the_top_level_help_parses():
 
     lines = [shlex.split(line) for line in EXAMPLES.replace("\\\n", " ").splitlines() if line.startswith("  ")]
     parsed = [build_parser().parse_args(words[words.index("distqa") + 1 :]).command for words in lines]
-    assert parsed == ["download", "train", "predict"]
+    assert parsed == ["download", "split", "train", "predict"]
+
+
+def test_the_example_in_the_top_level_help_trains_on_the_files_its_earlier_commands_write(tmp_path, monkeypatch):
+    """It trained on the downloaded file with --config configs/bert-base.yaml, whose data.valid names
+    a split it never made: 'data.valid=... does not exist (use data.train=dummy ...)'. Here the files
+    download and split write stand in for them, and the train command's settings must load."""
+    from distqa.cli import EXAMPLES, build_parser
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "bert-base.yaml").write_bytes((ROOT / "configs" / "bert-base.yaml").read_bytes())
+    monkeypatch.chdir(tmp_path)
+    lines = [shlex.split(line) for line in EXAMPLES.replace("\\\n", " ").splitlines() if line.startswith("  ")]
+    for words in lines:
+        args = build_parser().parse_args(words[words.index("distqa") + 1 :])
+        if args.command == "download":
+            written = [Path(args.output) / "simplified-nq-train.jsonl", Path(args.output) / "simplified-nq-test.jsonl"]
+        elif args.command == "split":
+            written = [Path(args.output) / "train.jsonl", Path(args.output) / "valid.jsonl"]
+        elif args.command == "train":
+            cfg = load_config(args.config, args.overrides)
+            assert cfg.data.valid is not None and Path(cfg.data.valid).is_file()
+            return
+        for path in written:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}\n")
+    raise AssertionError("no train command in the example")
+
+
+NQ_VALID_HINT = "set data.valid= (empty) to train without validation, or set examples aside with `distqa split "
+TOY = "task.name=toy_task:ToyClassificationTask"
+
+
+@pytest.mark.parametrize(
+    "task,key,hint",
+    [
+        ([], "data.valid", NQ_VALID_HINT),
+        (["task.name=textcls"], "data.train", "check the path: this task has no synthetic data)"),
+        ([TOY], "data.valid", "set data.valid= (empty) to train without validation)"),
+    ],
+)
+def test_a_missing_data_path_says_what_fits_its_key_and_task(tmp_path, task, key, hint):
+    """It said 'use data.train=dummy' for data.valid too, and for tasks without synthetic data."""
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [*task, f"{key}={missing}"])
+    assert str(caught.value).startswith(f"{key}={str(missing)!r} does not exist ({hint}"), caught.value
+    assert "data.train=dummy" not in str(caught.value)
+
+
+def test_a_config_that_is_a_folder_is_called_one(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(tmp_path))
+    assert str(caught.value).startswith(f"config file {tmp_path} is a folder: give --config a YAML file")
 
 
 def test_the_global_batch_derives_grad_accum_for_each_process_count():

@@ -59,3 +59,17 @@ def test_every_relative_link_and_anchor_exists():
             elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, "broken links: " + "; ".join(broken)
+
+
+def test_the_checkpoint_table_names_every_file_a_checkpoint_holds(tmp_path):
+    """docs/outputs.md's table lacked comm-rank{R}.pt, which every checkpoint holds."""
+    from distqa.registry import load_config
+    from distqa.trainer import train
+
+    out = tmp_path / "run"
+    toy = ["task.name=toy_task:ToyClassificationTask", "task.size=16", "data.num_workers=0", "train.max_steps=1"]
+    train(load_config(None, [*toy, f"output_dir={out}"]))
+    files = [re.sub(r"rank0", "rank{R}", p.name) for p in (out / "checkpoints" / "step-1").iterdir()]
+    table = (ROOT / "docs" / "outputs.md").read_text(encoding="utf-8").partition("## Checkpoints")[2]
+    rows = set(re.findall(r"^\| `([^`]+)`", table, flags=re.M))
+    assert files and set(files) <= rows, f"not in docs/outputs.md's checkpoint table: {set(files) - rows}"

@@ -139,3 +139,23 @@ def test_in_a_fork_the_generated_test_passes_and_the_config_trains(tmp_path):
     assert (results / "model" / "model.safetensors").is_file()
     rows = [json.loads(line) for line in (results / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_accuracy" in row for row in rows)
+
+
+def test_the_wheel_of_a_forked_task_carries_its_sample_data(tmp_path):
+    """docs/fork.md: the wheel carries the task. A wheel built with a task from `distqa new-task` held
+    its code but not the sample_*.csv its config trains on. Built here from the project's pyproject
+    (setuptools, offline, no build isolation) with only the new task under src/."""
+    import zipfile
+
+    from distqa.newtask import write_task
+
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    (tmp_path / "src").mkdir()
+    write_task("my_task", tmp_path / "src", tmp_path)
+    code = "from setuptools import build_meta; print(build_meta.build_wheel('dist'))"
+    built = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-2000:]
+    wheel = tmp_path / "dist" / built.stdout.split()[-1]
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"my_task/task.py", "my_task/sample_train.csv", "my_task/sample_valid.csv"} <= names, sorted(names)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from conftest import ROOT, help_texts
 from distqa.errors import DistqaError
 from distqa.nq.download import COMPETITION, RULES_URL, STAGING, download
 
@@ -273,3 +274,13 @@ def test_kaggle_not_installed(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     message = one_line_error(tmp_path / "data", None)
     assert message.startswith("cannot import the kaggle package") and message.endswith("pip install kaggle")
+
+
+def test_download_help_names_every_credential_source_the_error_and_readme_name():
+    """`distqa download --help` named only KAGGLE_USERNAME/KAGGLE_KEY and ~/.kaggle/kaggle.json."""
+    text = " ".join(help_texts(["download"])[0].split())
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    sources = ["KAGGLE_API_TOKEN", "~/.kaggle/access_token", "KAGGLE_USERNAME", "KAGGLE_KEY", "kaggle.json"]
+    sources += ["KAGGLE_CONFIG_DIR", "~/.config/kaggle"]
+    assert [s for s in sources if s not in text] == [], text
+    assert [s for s in sources if s not in readme] == []

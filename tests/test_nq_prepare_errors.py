@@ -52,6 +52,46 @@ def test_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path, capsys
     assert existing.read_bytes() == b"notes\n"
 
 
+def test_an_input_no_line_of_which_can_be_read_is_one_line_and_leaves_no_output_folder(tmp_path, capsys, minilm_dir):
+    """A .gz or BOM input was 'holds no examples: it is blank' (the worker's own refusal, wrapped by
+    `datasets`, was lost), and --output was left holding only its lock file."""
+    import gzip
+
+    packed = tmp_path / "in.jsonl.gz"
+    packed.write_bytes(gzip.compress(SAMPLE.read_bytes()))
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + SAMPLE.read_bytes())
+    blank = tmp_path / "blank.jsonl"
+    blank.write_bytes(b"\n  \n")
+    cases = [(packed, "is gzip-compressed"), (marked, "starts with a UTF-8 byte-order mark")]
+    for source, expected in [*cases, (blank, "holds no examples: it is blank")]:
+        output = tmp_path / f"out-{source.name}"
+        capsys.readouterr()
+        rc = cli.main(["prepare", "--input", str(source), "--output", str(output), f"model.tokenizer={minilm_dir}"])
+        err = capsys.readouterr().err
+        assert_one_line_error(rc, err, source)
+        assert f"{source} {expected}" in err.strip().splitlines()[-1], err
+        assert not output.exists(), sorted(p.name for p in output.iterdir())
+
+
+def test_prepare_and_predict_with_a_config_need_only_their_input(tmp_path, capsys, monkeypatch, minilm_dir):
+    """docs/nq.md's `distqa prepare --config configs/bert-base.yaml --input ...` was refused until
+    data/split/train.jsonl and valid.jsonl existed, though --input is the only file it reads."""
+    monkeypatch.chdir(tmp_path)  # no data/split here
+    config = str(ROOT / "configs" / "bert-base.yaml")
+    keys = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", "task.doc_stride=64"]
+    out = tmp_path / "features"
+    rc = cli.main(["prepare", "--config", config, "--input", str(SAMPLE), "--output", str(out), *keys])
+    assert rc == 0, capsys.readouterr().err
+    assert len(load_features(out)) > 0
+    missing = tmp_path / "no-model"
+    rc = cli.main(
+        ["predict", "--config", config, "--input", str(SAMPLE), "--checkpoint", str(missing), "--output", "s.csv"]
+    )
+    err = capsys.readouterr().err
+    assert rc != 0 and f"--checkpoint {missing}: no model there" in err and "data." not in err, err
+
+
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A folder another user can enter (pytest's tmp_path is private to its owner)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -175,15 +176,18 @@ def test_a_rank_says_once_when_sigterm_starts_to_mean_a_checkpoint(tmp_path, mon
 @pytest.mark.parametrize(
     "lines, failures, quiet",
     [
-        (["distqa [rank 0]: error: x", "distqa [rank 1]: error: x"], {0: 2, 1: 2}, True),
-        (["distqa [rank 0]: error: lost a peer"], {0: 1, 1: -9}, False),  # rank 1 crashed: report kept
-        ([], {0: 1}, False),  # a crash that wrote nothing
-        (["distqa: preempted: stopped"], {0: 143, 1: 143}, True),
+        (["distqa [rank 0]: error: x", "distqa [rank 1]: error: x"], {0: 2, 1: 2}, 1),
+        (["distqa [rank 0]: error: lost a peer"], {0: 1, 1: -9}, None),  # rank 1 crashed: report kept
+        ([], {0: 1}, None),  # a crash that wrote nothing
+        # Every rank checkpointed on a SIGTERM that reached them, not torchrun: the stop's 143, as worker.sh's.
+        (["distqa: preempted: stopped"], {0: 143, 1: 143}, 143),
+        (["distqa: preempted: stopped", "distqa [rank 1]: error: x"], {0: 143, 1: 1}, 1),
     ],
 )
 def test_distqa_torchrun_keeps_torchrun_s_report_only_for_what_distqa_did_not_explain(
     tmp_path, monkeypatch, lines, failures, quiet
 ):
+    """`quiet`: the exit status once distqa explained the failure (None: torchrun's report, raised)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from distqa import torchrun
@@ -199,15 +203,24 @@ def test_distqa_torchrun_keeps_torchrun_s_report_only_for_what_distqa_did_not_ex
 
     monkeypatch.setattr("torch.distributed.run.main", failing)
     monkeypatch.setattr(sys, "argv", ["x"])
-    if quiet:
-        assert torchrun.main(["--standalone"]) == 1
+    if quiet is not None:
+        assert torchrun.main(["--standalone"]) == quiet
     else:
         with pytest.raises(ChildFailedError):
             torchrun.main(["--standalone"])
 
 
-@pytest.mark.parametrize("lines, result", [(["distqa: finished: local rank 0 of 1"], 0), (["distqa: preempted: x"], 1)])
-def test_distqa_torchrun_after_a_sigterm(tmp_path, monkeypatch, lines, result):
+@pytest.mark.parametrize(
+    "lines, sigval, result",
+    [
+        (["distqa: finished: local rank 0 of 1"], 15, 0),
+        # scripts/run_local.sh execs distqa.torchrun: a checkpointed stop was its exit 1, a failure's.
+        (["distqa: preempted: x"], 15, 143),
+        (["distqa: preempted: x"], 2, 130),  # Ctrl-C, as worker.sh says it
+        (["distqa: preempted: x", "distqa [rank 0]: error: y"], 15, 1),
+    ],
+)
+def test_distqa_torchrun_after_a_sigterm(tmp_path, monkeypatch, lines, sigval, result):
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from distqa import torchrun
@@ -216,7 +229,7 @@ def test_distqa_torchrun_after_a_sigterm(tmp_path, monkeypatch, lines, result):
     monkeypatch.setenv("DISTQA_ERROR_FILE", str(tmp_path / "node.txt"))
 
     def stopped(argv):
-        raise SignalException("Process 1 got signal: 15", sigval=15)
+        raise SignalException(f"Process 1 got signal: {sigval}", sigval=signal.Signals(sigval))
 
     monkeypatch.setattr("torch.distributed.run.main", stopped)
     (tmp_path / "node.txt").write_text("")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, subprocess_env, wait_for_step
 
 RUN_LOCAL = ROOT / "scripts" / "run_local.sh"
 
@@ -140,3 +141,22 @@ def test_help_prints_once_and_launches_nothing(tmp_path):
     assert not (tmp_path / "torchrun-args.txt").exists()
     proc = run_local(tmp_path, "--config", "configs/quickstart.yaml", NPROC_PER_NODE="08")
     assert (tmp_path / "torchrun-args.txt").read_text().split()[:3] == ["--standalone", "--nproc-per-node", "8"]
+
+
+@pytest.mark.slow
+def test_a_sigterm_that_ends_in_a_checkpoint_exits_143_as_worker_sh_does(tmp_path):
+    """README: SIGTERM makes every rank checkpoint and exit 143. run_local.sh (which execs
+    distqa.torchrun) exited 1 after it, the status of a failure, while worker.sh exited 143."""
+    out = tmp_path / "run"
+    env = subprocess_env(NPROC_PER_NODE="2")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # the real torchrun
+    args = ["model.name=tiny", "task.dummy_size=64", "data.num_workers=0", "train.batch_size=2", "train.log_every=1"]
+    cmd = ["bash", str(RUN_LOCAL), *args, "train.max_steps=100000", f"output_dir={out}"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(proc, out, 2)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # to run_local.sh, which is torchrun by now (exec)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("distqa: preempted: stopped by SIGTERM at step "), err[-3000:]

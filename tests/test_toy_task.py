@@ -187,3 +187,16 @@ def test_a_task_brings_its_own_command(capsys):
     cmd = [sys.executable, "-m", "distqa", "toy-count"]
     proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "invalid choice: 'toy-count'" in proc.stderr
+
+
+def test_help_after_a_config_naming_a_task_shows_that_task_as_task_name(tmp_path, capsys):
+    """`distqa train --config configs/my_task.yaml --help` listed `task.name = 'nq'` (the default)
+    under a header naming the config's task."""
+    config = tmp_path / "fork.yaml"
+    config.write_text("task:\n  name: toy_task:ToyClassificationTask\n")
+    for argv in (["--config", str(config)], ["task=textcls"]):
+        with pytest.raises(SystemExit):
+            main(["train", *argv, "--help"])
+        listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  task.name = ")]
+        expected = "toy_task:ToyClassificationTask" if argv[0] == "--config" else "textcls"
+        assert listed == [f"  task.name = {expected!r}"]

@@ -79,10 +79,19 @@ def test_fp16_overflowed_step_is_skipped_and_the_schedule_waits(tmp_path, clip):
 # ---------------------------------------------------------------------------- non-finite loss
 def test_a_non_finite_loss_stops_the_run_with_an_error_naming_it(tmp_path):
     out = tmp_path / "diverged"
-    with pytest.raises(DistqaError, match=r"^loss is inf at step 3: the run diverged: lower train.lr \(now 3e-05\)"):
+    first = r"^loss is inf at step 3: the run diverged: lower train.lr \(now 3e-05\)"
+    with pytest.raises(DistqaError, match=first) as caught:
         run(out, "task=toy_task:NonFiniteLossTask", *TOY, "train.max_steps=6")
     assert [r["step"] for r in metrics(out)] == [1, 2]
     assert not (out / "model").exists()  # nothing exported from a diverged run
+    # Where the last finite weights are: nowhere before the first save, then the newest checkpoint.
+    assert str(caught.value).endswith("; no checkpoint was written, so none holds the last finite weights")
+    with pytest.raises(DistqaError) as caught:
+        run(
+            tmp_path / "saved", "task=toy_task:NonFiniteLossTask", *TOY, "train.max_steps=6", "train.checkpoint_every=2"
+        )
+    newest = tmp_path / "saved" / "checkpoints" / "step-2"
+    assert str(caught.value).endswith(f"; the newest checkpoint, {newest}, holds the last finite weights")
 
 
 # ---------------------------------------------------------------------------- schedule on resume

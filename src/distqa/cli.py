@@ -29,6 +29,7 @@ def _keys_reference(task: str | None = None, config_note: str = "") -> str:
         note = ""
     except DistqaError as err:
         defaults, note = default_config(), f"\n(task {name!r}'s own keys are not listed: {err})"
+    defaults.task.name = name  # the selected task, not the default one, as the header says
     lines = [f"configuration keys (KEY=VALUE; default, then meaning), task.name={name!r}:"]
     for key, default, help_text in describe_keys(defaults):
         shown = "null" if default is None else repr(default) if isinstance(default, str) else default
@@ -90,8 +91,8 @@ from CSV or JSONL (task.name=textcls). Settings: defaults < --config FILE < KEY=
 EXAMPLES = """\
 example (Natural Questions, 2 processes on this machine):
   distqa download --output data
-  torchrun --nproc-per-node 2 -m distqa train --config configs/bert-base.yaml \\
-      data.train=data/simplified-nq-train.jsonl output_dir=results/nq
+  distqa split --input data/simplified-nq-train.jsonl --valid 2000 --output data/split
+  torchrun --nproc-per-node 2 -m distqa train --config configs/bert-base.yaml output_dir=results/nq
   distqa predict --input data/simplified-nq-test.jsonl --checkpoint results/nq --output submission.csv
 
 `distqa COMMAND --help` describes a command; `distqa train --help` lists every setting."""

@@ -89,12 +89,9 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
+        # Whether the paths exist is checked where the task is known (`config_layers.check_data_paths`).
         if self.num_workers is not None:
             check_min("data.num_workers", self.num_workers, 0)
-        for key, value in (("data.train", self.train), ("data.valid", self.valid)):
-            if value not in (None, "dummy") and not Path(value).exists():
-                # Never fall back to dummy data silently: a typo would train on noise for hours.
-                raise ConfigError(f"{key}={value!r} does not exist (use data.train=dummy for synthetic data)")
 
 
 @dataclass

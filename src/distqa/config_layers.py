@@ -31,6 +31,8 @@ from distqa.errors import ConfigError
 
 
 def _read_yaml(path: str) -> DictConfig:
+    if Path(path).is_dir():
+        raise ConfigError(f"config file {path} is a folder: give --config a YAML file (e.g. configs/quickstart.yaml)")
     if not Path(path).is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
@@ -73,8 +75,15 @@ def _task_name(layer: DictConfig | None, items: list[str]) -> str:
     return TaskSettings().name
 
 
-def load_config(path: str | None, overrides: Sequence[str] = (), *, settings_of: Callable[[str], type]) -> Config:
-    """Defaults < YAML file < `key=value` overrides, checked against the schema.
+def load_config(
+    path: str | None,
+    overrides: Sequence[str] = (),
+    *,
+    settings_of: Callable[[str], type],
+    data_paths: bool = True,
+) -> Config:
+    """Defaults < YAML file < `key=value` overrides, checked against the schema; with `data_paths`,
+    data.train and data.valid must exist (a command that reads neither, `distqa prepare`, says False).
 
     The task is found first (`task.name`, or the shorthand `task=NAME`), so that its own settings
     (`settings_of(name)`: its `Config` dataclass) are typed and checked like every other key. This
@@ -125,7 +134,23 @@ def load_config(path: str | None, overrides: Sequence[str] = (), *, settings_of:
             raise err.__cause__ from None
         raise_config_error(err, "the configuration", known, renamed)
     assert isinstance(cfg, Config)
+    if data_paths:
+        check_data_paths(cfg)
     return cfg
+
+
+def check_data_paths(cfg: Config) -> None:
+    """data.train and data.valid exist, or the one missing is named with what to do instead, as
+    fits the key and the task: synthetic data only where the task has some."""
+    # Never fall back to dummy data silently: a typo would train on noise for hours.
+    hints = dict(getattr(type(cfg.task), "missing_data_hints", {}))
+    if hasattr(cfg.task, "ensure_dummy_examples"):  # the mark of a task with synthetic data
+        hints.setdefault("data.train", "use data.train=dummy for synthetic data")
+    hints.setdefault("data.train", "check the path: this task has no synthetic data")
+    hints.setdefault("data.valid", "set data.valid= (empty) to train without validation")
+    for key, value in (("data.train", cfg.data.train), ("data.valid", cfg.data.valid)):
+        if value not in (None, "dummy") and not Path(value).exists():  # the task says what dummy means
+            raise ConfigError(f"{key}={value!r} does not exist ({hints[key]})")
 
 
 def renamed_keys(cfg: Config) -> dict[str, str]:

@@ -9,6 +9,7 @@ SIGTERM means a checkpoint, then the stop) be tested without training anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -70,15 +71,17 @@ FIRST_LOSS_NOT_FINITE = (
 )
 
 
-def diverged_hint(train: TrainConfig) -> str:
-    """What to change when the loss or the weights stop being finite."""
+def diverged_hint(train: TrainConfig, newest: Path | None) -> str:
+    """What to change when the loss or the weights stop being finite, and where the last finite
+    weights are: `newest`, the checkpoint this run saved or resumed from last (None: none yet)."""
     clip = (
         "set train.max_grad_norm"
         if train.max_grad_norm == 0
         else f"lower train.max_grad_norm (now {train.max_grad_norm:g})"
     )
     fp16 = ", or use bf16 instead of fp16" if train.precision == "fp16" else ""
-    return (
-        f"the run diverged: lower train.lr (now {train.lr:g}) or {clip}{fp16}; the newest checkpoint holds "
-        "the last finite weights"
-    )
+    # A checkpoint that predates this run (one train.resume=never set aside) holds none of its weights.
+    kept = "no checkpoint was written, so none holds"
+    if newest is not None:
+        kept = f"the newest checkpoint, {newest}, holds"
+    return f"the run diverged: lower train.lr (now {train.lr:g}) or {clip}{fp16}; {kept} the last finite weights"

@@ -64,10 +64,11 @@ def settings_class(name: str) -> type:
     return task_class(name).Config
 
 
-def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: Sequence[str] = (), *, data_paths: bool = True) -> Config:
     """`distqa.config_layers.load_config` with the task's settings looked up here: defaults < YAML
-    file < `key=value` overrides, the selected task's own `task.*` keys typed and checked like the rest."""
-    return config_layers.load_config(path, overrides, settings_of=settings_class)
+    file < `key=value` overrides, the selected task's own `task.*` keys typed and checked like the rest
+    (`data_paths=False`: whether data.train and data.valid exist is left unchecked)."""
+    return config_layers.load_config(path, overrides, settings_of=settings_class, data_paths=data_paths)
 
 
 def load_task(cfg: Config) -> Task:

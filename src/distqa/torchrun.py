@@ -12,7 +12,10 @@ to the node's file (distqa.outcome, `DISTQA_ERROR_FILE`, made here when no launc
   is no failure: exit 0, silently;
 - every failed rank wrote its own error line, or the preempted line: distqa has said it; torchrun's
   report is left out (with its "failed (exitcode ...)" and "Sending process ... closing signal"
-  log lines) and the exit status is torchrun's (1);
+  log lines). The exit status is torchrun's (1) after an error; after a stop every rank
+  checkpointed (the preempted line, no error), the stop's own as in scripts/worker.sh: 143, or
+  128+N when signal N reached torchrun itself (130 for Ctrl-C), so that scripts/run_local.sh,
+  which execs this, tells a preemption from a failure as worker.sh does;
 - otherwise (a crash: a worker that wrote nothing): torchrun's report, as ever.
 
 One more traceback of torchrun's is a race of its own (pytorch/pytorch#69520): after the workers of
@@ -28,6 +31,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -94,6 +98,15 @@ def rendezvous_failure(err: BaseException) -> str:
     )
 
 
+def _explained_status(err: BaseException, said: outcome.Outcome) -> int:
+    """The exit status of a stop distqa explained: torchrun's 1 when a rank wrote an error; else
+    every rank checkpointed on the signal, and the status is the signal's, as a shell gives it."""
+    if said.error_ranks or not said.preempted:
+        return 1
+    sigval = getattr(err, "sigval", None)  # SignalException: the signal torchrun itself received
+    return 128 + int(sigval) if sigval is not None else 128 + signal.SIGTERM  # the ranks' own exit: 143
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -129,7 +142,7 @@ def main(argv: list[str]) -> int:
             return 0
         failures = _failures(err)
         if failures is None and said.preempted or failures is not None and said.explains(failures):
-            return 1  # torchrun's status for either exception
+            return _explained_status(err, said)
         raise
     finally:
         for logger, log_filter in (quiet, note):

@@ -133,7 +133,7 @@ class Trainer:
         # From here on, SIGTERM means "checkpoint, then exit"; after the last step, nothing.
         self.stop = StopSignal(self.info, self.lock)
         if step < self.total_steps:
-            self._run_steps(dataset)
+            self._run_steps(dataset, resume_from)
         self._finish(finished, resume_from if finished else self.ckpt_root / f"step-{self.total_steps}")  # type: ignore[arg-type]
         barrier()
         return self.out / "model"
@@ -227,12 +227,13 @@ class Trainer:
         return step
 
     # ----------------------------------------------------------------------------- the loop
-    def _run_steps(self, dataset: Dataset) -> None:
+    def _run_steps(self, dataset: Dataset, resumed_from: Path | None) -> None:
         """Steps from the restored one to the last, epoch by epoch; each followed by its plan."""
         cfg, info, state = self.cfg, self.info, self.state
         assert state is not None
         self.metrics = MetricsWriter(self.out, info, resume_step=state.step)
-        self.hint = diverged_hint(cfg.train)  # what to lower if the run diverges: the settings' own
+        # What to lower if the run diverges, and where its last finite weights are (each save moves it).
+        self.hint = diverged_hint(cfg.train, resumed_from)
         # A bar on a terminal, else a line per record.
         self.progress = TrainProgress(self.total_steps, state.step, enabled=info.is_main)
         # On a slow set-up a line now, and one when the first step ends: its time, what the rest takes.
@@ -282,7 +283,7 @@ class Trainer:
         if plan.check_optimizer:
             stop.check_finite(step, self.parts.checked_tensors(with_optimizer=True), self.hint)
         if plan.save:
-            self.checkpoints.save()
+            self.hint = diverged_hint(self.cfg.train, self.checkpoints.save())
         if plan.stop:
             checkpoint, grace = self.ckpt_root / f"step-{step}", self.cfg.train.term_grace_s
             raise stop.preempted(step, self.total_steps, checkpoint, grace, resume=self.cfg.train.resume)

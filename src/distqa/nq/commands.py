@@ -74,8 +74,10 @@ def _add_file_commands(commands: Any) -> None:
     download = commands.add_parser(
         "download",
         help="fetch the Kaggle competition files (needs Kaggle credentials)",
-        description="Download and unzip the tensorflow2-question-answering competition files. Credentials: "
-        "KAGGLE_USERNAME/KAGGLE_KEY or ~/.kaggle/kaggle.json. Existing files are kept.",
+        description="Download and unzip the tensorflow2-question-answering competition files. Credentials "
+        "(the kaggle package's): an API token in KAGGLE_API_TOKEN or ~/.kaggle/access_token; or a key, as "
+        "KAGGLE_USERNAME/KAGGLE_KEY or as kaggle.json in KAGGLE_CONFIG_DIR (default ~/.kaggle; on Linux "
+        "~/.config/kaggle while ~/.kaggle does not exist). Existing files are kept.",
     )
     download.add_argument("--output", default="data", metavar="DIR", help="folder to write to (default: data)")
     download.set_defaults(run=_download)
@@ -107,7 +109,8 @@ def _prepare(args: argparse.Namespace) -> None:
 
     if args.num_proc < 1:
         raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
-    cfg = load_config(args.config, args.overrides)
+    # --input is the one file read: the config's data.train/data.valid need not exist (yet).
+    cfg = load_config(args.config, args.overrides, data_paths=False)
     quiet_libraries(is_main=True)  # datasets' bars on a terminal only; the summary below in any case
     output = args.output
     if output is None:  # the entry resolve_features (distqa train) finds for this file and these settings
@@ -141,8 +144,9 @@ def _prepare(args: argparse.Namespace) -> None:
 def _predict(args: argparse.Namespace) -> None:
     from distqa.registry import load_config
 
-    # A settings mistake is said before torch and transformers are imported (seconds).
-    cfg = load_config(args.config, args.overrides)
+    # A settings mistake is said before torch and transformers are imported (seconds); as for
+    # prepare, --input is the data: the config's data.train/data.valid need not exist.
+    cfg = load_config(args.config, args.overrides, data_paths=False)
     from distqa.nq.predict import predict
     from distqa.nq.reader import shown_lines
     from distqa.task import given_task_keys

@@ -25,7 +25,7 @@ from distqa.errors import DistqaError
 from distqa.models import load_error
 from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer, open_staging, read_stamp
 from distqa.nq.features import FeatureBuilder, FeatureSettings
-from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, shown_lines
+from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, refuse_unreadable_start, shown_lines
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
 FEATURES_VERSION = 2
@@ -235,8 +235,8 @@ def prepare_features(
 ) -> PrepareResult:
     """Build (or reuse) the features of `input_path` in `output_dir`."""
     source, target = Path(input_path), Path(output_dir)
-    if not source.is_file():
-        raise DistqaError(f"{source} does not exist or is not a file")
+    # Before the output folder is claimed (created): a file that yields nothing leaves no folder.
+    _refuse_unusable_input(source)
     fp = fingerprint(source, _fast_tokenizer(tokenizer_name), settings)
     stamp = target / FINGERPRINT_FILE
     recorded = read_stamp(stamp)
@@ -251,6 +251,20 @@ def prepare_features(
         if recorded is not None and recorded.get("fingerprint") == fp:
             return recorded_result(target, recorded)
         return _prepare_into(source, target, fp, settings, tokenizer_name, num_proc, skip_bad_lines)
+
+
+def _refuse_unusable_input(source: Path) -> None:
+    """One line for an input no shard could read an example from, said by this process: raised in
+    a worker, `datasets` would wrap it, and the file would be called blank."""
+    if not source.is_file():
+        raise DistqaError(f"{source} does not exist or is not a file")
+    refuse_unreadable_start(source)  # gzip, a byte-order mark: as NQReader says it
+    with source.open("rb") as f:
+        # Stops at the first byte of a real file; reads to the end only a file of whitespace.
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return
+    raise DistqaError(f"{source} holds no examples: it is blank")
 
 
 def _prepare_into(

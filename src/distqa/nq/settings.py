@@ -29,6 +29,12 @@ class NQSettings:
             "dummy_size",
         )
     }
+    # What to do when data.valid names no file (`config_layers.check_data_paths`): the usual cause
+    # is a config naming a split not yet made.
+    missing_data_hints: ClassVar[dict[str, str]] = {
+        "data.valid": "set data.valid= (empty) to train without validation, or set examples aside "
+        "with `distqa split --input data/simplified-nq-train.jsonl --valid 2000 --output data/split`"
+    }
 
     max_seq_len: int = setting(512, "tokens per input sequence, special tokens included")
     doc_stride: int = setting(128, "document tokens between the starts of two windows (at most a window's length)")
