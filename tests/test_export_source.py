@@ -86,3 +86,30 @@ def test_an_export_replaces_only_an_earlier_export_never_a_run_or_a_file(tmp_pat
     (tmp_path / "empty").mkdir()
     export_checkpoint(str(step), str(tmp_path / "empty"))
     assert (tmp_path / "empty" / SOURCE_FILE).is_file()
+
+
+def test_a_damaged_model_folder_is_written_again_not_taken_for_the_finished_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    settings = [*TOY, f"output_dir={out}", "train.max_steps=2"]
+    train(load_config(None, settings))
+    weights = out / "model" / "model.safetensors"
+    whole = weights.read_bytes()
+    recorded = json.loads((out / "model" / SOURCE_FILE).read_text())["files"]
+    assert recorded["model.safetensors"]["bytes"] == len(whole) and SOURCE_FILE not in recorded
+    for damage in (whole[: len(whole) // 2], whole[:-1] + bytes([whole[-1] ^ 1])):  # truncated; a byte flipped
+        weights.write_bytes(damage)
+        capsys.readouterr()
+        train(load_config(None, settings))
+        out_text, err_text = capsys.readouterr()
+        assert "already finished" not in out_text
+        said = [line for line in err_text.splitlines() if "warning" in line]
+        assert len(said) == 1 and said[0].startswith(f"distqa: warning: {out / 'model'} is damaged (model.safetensors ")
+        assert said[0].endswith("): writing it again"), said
+        assert weights.read_bytes() == whole
+    # An export of an older distqa records no files: taken as it is, as before.
+    source = json.loads((out / "model" / SOURCE_FILE).read_text())
+    del source["files"]
+    (out / "model" / SOURCE_FILE).write_text(json.dumps(source))
+    weights.write_bytes(whole[:100])
+    train(load_config(None, settings))
+    assert "already finished at step 2" in capsys.readouterr().out
