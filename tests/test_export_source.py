@@ -5,6 +5,7 @@ or the process was killed before it) is written again, never reported as the fin
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -113,3 +114,40 @@ def test_a_damaged_model_folder_is_written_again_not_taken_for_the_finished_run(
     weights.write_bytes(whole[:100])
     train(load_config(None, settings))
     assert "already finished at step 2" in capsys.readouterr().out
+
+
+def test_an_export_never_replaces_a_model_folder_of_the_users_nor_writes_in_checkpoints(tmp_path, monkeypatch):
+    from distqa.errors import DistqaError
+    from distqa.export import export_checkpoint
+
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    step = out / "checkpoints" / "step-2"
+    hf = tmp_path / "bert"  # a Hugging Face model folder: the weights and config an export also writes, and more
+    hf.mkdir()
+    for name in ("config.json", "model.safetensors", "vocab.txt"):
+        (hf / name).write_text(name)
+    (out / "checkpoints" / "best").symlink_to("step-2")
+    for target, said in (
+        (hf, "is a folder that is not a model export (it holds config.json, model.safetensors, vocab.txt)"),
+        (out / "checkpoints" / "best", f"is inside the run's checkpoints folder {out / 'checkpoints'}"),
+        (step / "model", f"is inside the run's checkpoints folder {out / 'checkpoints'}"),
+    ):
+        with pytest.raises(DistqaError) as refused:
+            export_checkpoint(str(step), str(target))
+        assert str(refused.value).startswith(f"--output {target} {said}"), refused.value
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "vocab.txt"]
+    assert os.readlink(out / "checkpoints" / "best") == "step-2" and not (step / "model").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best", "step-2"]
+    # A link is replaced by the export, what it named left alone, and no `.old-` link is left behind.
+    export_checkpoint(str(step), str(tmp_path / "earlier"))
+    (tmp_path / "link").symlink_to(tmp_path / "earlier")
+    export_checkpoint(str(step), str(tmp_path / "link"))
+    assert (tmp_path / "link").is_dir() and not (tmp_path / "link").is_symlink()
+    assert (tmp_path / "earlier" / SOURCE_FILE).is_file() and not (tmp_path / ".old-link").exists()
+    assert not (tmp_path / ".old-link").is_symlink()
+    # `--output .`: the folder it names, here an empty one.
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    export_checkpoint(str(step), ".")
+    assert (tmp_path / "here" / SOURCE_FILE).is_file()

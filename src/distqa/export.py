@@ -9,6 +9,7 @@ saved by the task's own `save_model` and `save_settings`, written aside and rena
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,12 @@ from torch import nn
 
 from distqa import sharded
 from distqa.best import resolve_checkpoint
-from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state
+from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, step_folders
 from distqa.config import Config
 from distqa.console import quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
-from distqa.outdir import export_atomically
+from distqa.outdir import CONFIG_FILE, export_atomically
 from distqa.registry import load_config, load_task
 from distqa.task import SETTINGS_FILE
 
@@ -56,14 +57,23 @@ def load_sharded_weights(directory: Path, model: nn.Module) -> None:
 
 def check_replaceable(target: Path) -> None:
     """An export replaces its folder whole: an existing `target` must be an earlier export (it holds
-    the files every export has) or empty, never a run's output_dir, a checkpoint or a home folder."""
+    the source or settings file every export writes) or empty, never a run's output_dir, a
+    checkpoint, a Hugging Face model folder of the user's or a home folder; nor may it lie in a
+    run's checkpoints/ folder (a `best` link turned into a model folder would no longer name a step)."""
+    parent = target.parent.resolve()  # a link on the way to checkpoints/ leads there all the same
+    for folder in (parent, *parent.parents):
+        if folder.name == "checkpoints" and (step_folders(folder) or (folder.parent / CONFIG_FILE).is_file()):
+            raise DistqaError(
+                f"--output {target} is inside the run's checkpoints folder {folder}, which only training "
+                "writes: name a folder outside it (default: OUTPUT/model-step-N)"
+            )
     if target.is_symlink() or not target.exists():  # a link is replaced, what it names left alone
         return
     if not target.is_dir():
         raise DistqaError(f"--output {target} is a file, not a folder: name a new folder for the export")
     names = sorted(path.name for path in target.iterdir())
-    # An export holds its source or settings file; one from before distqa wrote them, the weights.
-    if names and not ({SOURCE_FILE, SETTINGS_FILE} & set(names) or {"config.json", "model.safetensors"} <= set(names)):
+    # Not config.json + model.safetensors alone: any Hugging Face model folder holds those.
+    if names and not {SOURCE_FILE, SETTINGS_FILE} & set(names):
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise DistqaError(
             f"--output {target} is a folder that is not a model export (it holds {shown}), and an export "
@@ -78,7 +88,8 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     directory = resolve_checkpoint(Path(checkpoint))
     state = read_trainer_state(directory)
     cfg = checkpoint_config(state["config"], directory)
-    target = Path(output) if output else directory.parent.parent / f"model-{directory.name}"
+    # Absolute, links kept (one is replaced, not followed): `--output .` has a name to write beside.
+    target = Path(os.path.abspath(output)) if output else directory.parent.parent / f"model-{directory.name}"
     check_replaceable(target)
     task = load_task(cfg)
     task.load_state_dict(state.get("task") or {})
