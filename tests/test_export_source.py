@@ -151,3 +151,28 @@ def test_an_export_never_replaces_a_model_folder_of_the_users_nor_writes_in_chec
     monkeypatch.chdir(tmp_path / "here")
     export_checkpoint(str(step), ".")
     assert (tmp_path / "here" / SOURCE_FILE).is_file()
+
+
+@pytest.mark.parametrize("when", ["load_model", "source_of"])
+def test_a_checkpoint_pruned_during_the_export_is_one_line_naming_it(tmp_path, monkeypatch, when):
+    """A live run with train.keep_checkpoints=1 removes the step being exported: one line, no traceback."""
+    from distqa import export
+    from distqa.errors import DistqaError
+
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    step = out / "checkpoints" / "step-2"
+    real = getattr(export, when)
+
+    def pruned_first(*args, **kwargs):
+        shutil.rmtree(step)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, when, pruned_first)
+    with pytest.raises(DistqaError) as refused:
+        export.export_checkpoint(str(step), str(tmp_path / "model"))
+    assert str(refused.value) == (
+        f"checkpoint {step} disappeared during the export (a live run pruned it, train.keep_checkpoints): "
+        "export checkpoints/best, or export after the run"
+    )
+    assert not (tmp_path / "model").exists()

@@ -16,17 +16,19 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import SafetensorError
 from safetensors.torch import load_model
 from torch import nn
 
 from distqa import sharded
 from distqa.best import resolve_checkpoint
-from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, step_folders
+from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
 from distqa.config import Config
 from distqa.console import quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.outdir import CONFIG_FILE, export_atomically
+from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
 from distqa.task import SETTINGS_FILE
 
@@ -81,12 +83,28 @@ def check_replaceable(target: Path) -> None:
         )
 
 
+def checkpoint_unreadable(directory: Path, err: Exception) -> DistqaError:
+    """One line for a checkpoint that could not be read whole: most often one that a run still
+    training pruned meanwhile (train.keep_checkpoints), which "free space" would not explain."""
+    if not directory.is_dir():
+        return DistqaError(
+            f"checkpoint {directory} disappeared during the export (a live run pruned it, "
+            "train.keep_checkpoints): export checkpoints/best, or export after the run"
+        )
+    if isinstance(err, DistqaError):
+        return err
+    return DistqaError(f"cannot read checkpoint {directory} ({reason(err)}): name another step-N folder")
+
+
 def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     """Write the model of `checkpoint` (a step-N folder or a `best` pointer) to `output` (default:
     `model-step-N` beside the run's checkpoints/ folder); returns where it went."""
     quiet_libraries(is_main=True)  # as in training: no library progress bars in a log
     directory = resolve_checkpoint(Path(checkpoint))
-    state = read_trainer_state(directory)
+    try:
+        state = read_trainer_state(directory)
+    except OSError as err:  # verified a moment ago: pruned since
+        raise checkpoint_unreadable(directory, err) from err
     cfg = checkpoint_config(state["config"], directory)
     # Absolute, links kept (one is replaced, not followed): `--output .` has a name to write beside.
     target = Path(os.path.abspath(output)) if output else directory.parent.parent / f"model-{directory.name}"
@@ -97,10 +115,15 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     # task compares. (An attribute a task without such state ignores.)
     task.weights_step = state["step"]
     model = task.build_model()
-    if (directory / sharded.METADATA_FILE).is_file():
-        load_sharded_weights(directory, model)
-    else:
-        load_model(model, str(directory / "model.safetensors"), device="cpu")
+    try:
+        if (directory / sharded.METADATA_FILE).is_file():
+            load_sharded_weights(directory, model)
+        else:
+            load_model(model, str(directory / "model.safetensors"), device="cpu")
+        # Read now, with the weights: the export records it, and the folder may be gone by then.
+        source = source_of(directory)
+    except (OSError, SafetensorError, DistqaError) as err:
+        raise checkpoint_unreadable(directory, err) from err
 
     def save(folder: Path) -> None:
         task.save_model(model, folder)
@@ -108,7 +131,7 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
 
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     note = f"the checkpoint {directory} is unchanged: free space and run again"
-    export_atomically(save, target, info, note=note, source=directory)
+    export_atomically(save, target, info, note=note, source=source)
     best = state.get("best")
     what = (
         f" ({best['metric']}={best['value']:.4g}, the best)"
