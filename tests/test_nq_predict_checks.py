@@ -3,9 +3,11 @@ applies: a model exported without a tokenizer (the quick start's), or a tokenize
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -106,3 +108,27 @@ def test_a_test_file_without_annotations_predicts(tmp_path, tiny_run, minilm_dir
     example_id = json.loads(test_line)["example_id"]
     rows = (tmp_path / "sub.csv").read_text().splitlines()
     assert [row.split(",")[0] for row in rows] == ["example_id", f"{example_id}_long", f"{example_id}_short"]
+
+
+def test_an_output_that_cannot_be_written_is_one_line_before_or_after_the_work(
+    tmp_path, tiny_run, minilm_dir, capsys, monkeypatch
+):
+    from distqa.nq import submission
+
+    # Where no file can be made (root passes os.access everywhere): refused before the model loads.
+    argv = ["predict", "--input", str(SAMPLE), "--checkpoint", str(tiny_run), "--output", "/proc/distqa/sub.csv"]
+    assert main([*argv, "task.max_seq_len=128", f"task.cache_dir={tmp_path / 'cache'}"]) != 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("distqa: error: --output /proc/distqa/sub.csv cannot be written"), last
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # The disk fills up while the submission is written, after all the work.
+    monkeypatch.setattr(submission, "csv", types.SimpleNamespace(writer=full_disk))
+    status, _, err = predict_here(tmp_path, capsys, tiny_run, f"model.tokenizer={minilm_dir}")
+    assert status != 0 and err.strip().splitlines()[-1] == (
+        f"distqa: error: cannot write the submission {tmp_path / 'sub.csv'} (No space left on device): free space, "
+        "or choose another --output"
+    ), err[-2000:]
+    assert list(tmp_path.glob("sub.csv*")) == []
