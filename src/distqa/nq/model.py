@@ -55,9 +55,10 @@ class BertJointQA(nn.Module):
         config = hf_config(cfg)
         head = _answer_type_head_weights(Path(cfg.name) / "model.safetensors")
         # A folder distqa exported holds `answer_type_head.*` beside the QA weights; Hugging Face
-        # would report them as unexpected, but we load them ourselves just below.
-        quiet = hf_logging.get_verbosity() if head else None
-        if head:
+        # would report them as unexpected, but we load them ourselves just below. (A caller asking
+        # for the `missing` weights says what they mean itself.)
+        quiet = hf_logging.get_verbosity() if head or missing is not None else None
+        if quiet is not None:
             hf_logging.set_verbosity_error()
         try:
             # A plain encoder checkpoint (bert-base-uncased) gets a freshly initialised span head.
