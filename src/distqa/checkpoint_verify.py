@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -201,14 +202,17 @@ def export_files(folder: Path) -> dict[str, Any]:
     return {p.relative_to(folder).as_posix(): manifest_entry(p) for p in found}
 
 
-def export_damage(export: Path) -> str | None:
-    """What of the export folder `export` no longer matches the files its SOURCE_FILE records, in a
-    few words; None when all match, or when it records none (an export of an older distqa)."""
+def export_damage(export: Path, names: Collection[str] | None = None) -> str | None:
+    """What of the export folder `export` no longer matches the files its SOURCE_FILE records (those
+    of them in `names`, when given), in a few words; None when all match, or when it records none
+    (an export of an older distqa)."""
     files = (recorded_source(export) or {}).get("files")
     if not isinstance(files, dict):
         return None
     try:
         for name, expected in files.items():
+            if names is not None and name not in names:
+                continue
             size = expected.get("bytes") if isinstance(expected, dict) else None
             path = export / name
             if not path.is_file():
