@@ -5,6 +5,7 @@ or the process was killed before it) is written again, never reported as the fin
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -86,3 +87,92 @@ def test_an_export_replaces_only_an_earlier_export_never_a_run_or_a_file(tmp_pat
     (tmp_path / "empty").mkdir()
     export_checkpoint(str(step), str(tmp_path / "empty"))
     assert (tmp_path / "empty" / SOURCE_FILE).is_file()
+
+
+def test_a_damaged_model_folder_is_written_again_not_taken_for_the_finished_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    settings = [*TOY, f"output_dir={out}", "train.max_steps=2"]
+    train(load_config(None, settings))
+    weights = out / "model" / "model.safetensors"
+    whole = weights.read_bytes()
+    recorded = json.loads((out / "model" / SOURCE_FILE).read_text())["files"]
+    assert recorded["model.safetensors"]["bytes"] == len(whole) and SOURCE_FILE not in recorded
+    for damage in (whole[: len(whole) // 2], whole[:-1] + bytes([whole[-1] ^ 1])):  # truncated; a byte flipped
+        weights.write_bytes(damage)
+        capsys.readouterr()
+        train(load_config(None, settings))
+        out_text, err_text = capsys.readouterr()
+        assert "already finished" not in out_text
+        said = [line for line in err_text.splitlines() if "warning" in line]
+        assert len(said) == 1 and said[0].startswith(f"distqa: warning: {out / 'model'} is damaged (model.safetensors ")
+        assert said[0].endswith("): writing it again"), said
+        assert weights.read_bytes() == whole
+    # An export of an older distqa records no files: taken as it is, as before.
+    source = json.loads((out / "model" / SOURCE_FILE).read_text())
+    del source["files"]
+    (out / "model" / SOURCE_FILE).write_text(json.dumps(source))
+    weights.write_bytes(whole[:100])
+    train(load_config(None, settings))
+    assert "already finished at step 2" in capsys.readouterr().out
+
+
+def test_an_export_never_replaces_a_model_folder_of_the_users_nor_writes_in_checkpoints(tmp_path, monkeypatch):
+    from distqa.errors import DistqaError
+    from distqa.export import export_checkpoint
+
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    step = out / "checkpoints" / "step-2"
+    hf = tmp_path / "bert"  # a Hugging Face model folder: the weights and config an export also writes, and more
+    hf.mkdir()
+    for name in ("config.json", "model.safetensors", "vocab.txt"):
+        (hf / name).write_text(name)
+    (out / "checkpoints" / "best").symlink_to("step-2")
+    for target, said in (
+        (hf, "is a folder that is not a model export (it holds config.json, model.safetensors, vocab.txt)"),
+        (out / "checkpoints" / "best", f"is inside the run's checkpoints folder {out / 'checkpoints'}"),
+        (step / "model", f"is inside the run's checkpoints folder {out / 'checkpoints'}"),
+    ):
+        with pytest.raises(DistqaError) as refused:
+            export_checkpoint(str(step), str(target))
+        assert str(refused.value).startswith(f"--output {target} {said}"), refused.value
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "vocab.txt"]
+    assert os.readlink(out / "checkpoints" / "best") == "step-2" and not (step / "model").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best", "step-2"]
+    # A link is replaced by the export, what it named left alone, and no `.old-` link is left behind.
+    export_checkpoint(str(step), str(tmp_path / "earlier"))
+    (tmp_path / "link").symlink_to(tmp_path / "earlier")
+    export_checkpoint(str(step), str(tmp_path / "link"))
+    assert (tmp_path / "link").is_dir() and not (tmp_path / "link").is_symlink()
+    assert (tmp_path / "earlier" / SOURCE_FILE).is_file() and not (tmp_path / ".old-link").exists()
+    assert not (tmp_path / ".old-link").is_symlink()
+    # `--output .`: the folder it names, here an empty one.
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    export_checkpoint(str(step), ".")
+    assert (tmp_path / "here" / SOURCE_FILE).is_file()
+
+
+@pytest.mark.parametrize("when", ["load_model", "source_of"])
+def test_a_checkpoint_pruned_during_the_export_is_one_line_naming_it(tmp_path, monkeypatch, when):
+    """A live run with train.keep_checkpoints=1 removes the step being exported: one line, no traceback."""
+    from distqa import export
+    from distqa.errors import DistqaError
+
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    step = out / "checkpoints" / "step-2"
+    real = getattr(export, when)
+
+    def pruned_first(*args, **kwargs):
+        shutil.rmtree(step)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(export, when, pruned_first)
+    with pytest.raises(DistqaError) as refused:
+        export.export_checkpoint(str(step), str(tmp_path / "model"))
+    assert str(refused.value) == (
+        f"checkpoint {step} disappeared during the export (a live run pruned it, train.keep_checkpoints): "
+        "export checkpoints/best, or export after the run"
+    )
+    assert not (tmp_path / "model").exists()

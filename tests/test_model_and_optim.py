@@ -106,7 +106,7 @@ def test_optimizers_and_schedules():
     assert math.isclose(lrs("cosine")[-1], 0.5 * (1 + math.cos(math.pi * 7 / 8)))
 
 
-def test_any_task_gets_hugging_face_models_the_same_way(minilm_dir):
+def test_any_task_gets_hugging_face_models_the_same_way(minilm_dir, tmp_path):
     """model.name / model.dropout / model.attn_implementation and the load error are generic
     (distqa.models), not Natural Questions' own: here for a sequence classifier."""
     from transformers import AutoModelForSequenceClassification
@@ -127,6 +127,13 @@ def test_any_task_gets_hugging_face_models_the_same_way(minilm_dir):
     assert real.config.hidden_size == 384 and real.config.num_labels == 2
     with pytest.raises(DistqaError, match=r"cannot load model 'no-such-org/no-such-model' .*set model.name to a local"):
         build_hf_model(AutoModelForSequenceClassification, ModelConfig(name="no-such-org/no-such-model"))
+    # A local folder downloads nothing: its error is about the folder, not the network or the hub.
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(DistqaError) as refused:
+        build_hf_model(AutoModelForSequenceClassification, ModelConfig(name=str(tmp_path)))
+    assert str(refused.value).startswith(f"cannot load model from the folder {tmp_path} (ValueError: ")
+    assert str(refused.value).endswith("it does not hold a whole model; set model.name to a folder that does")
+    assert "network" not in str(refused.value) and "HF_HOME" not in str(refused.value)
 
 
 def test_the_generic_padding_collate():

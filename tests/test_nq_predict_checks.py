@@ -3,9 +3,12 @@ applies: a model exported without a tokenizer (the quick start's), or a tokenize
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -106,3 +109,97 @@ def test_a_test_file_without_annotations_predicts(tmp_path, tiny_run, minilm_dir
     example_id = json.loads(test_line)["example_id"]
     rows = (tmp_path / "sub.csv").read_text().splitlines()
     assert [row.split(",")[0] for row in rows] == ["example_id", f"{example_id}_long", f"{example_id}_short"]
+
+
+def copied_model(tmp_path, tiny_run):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_run / "model", folder)
+    return folder
+
+
+def test_a_model_without_the_trained_heads_is_refused(tmp_path, minilm_dir, capsys):
+    """A pretrained encoder (no span head, no answer-type head) would answer with random heads."""
+    status, _, err = predict_here(tmp_path, capsys, minilm_dir, "task.doc_stride=64")
+    last = err.strip().splitlines()[-1]
+    assert status != 0 and last.startswith(f"distqa: error: {minilm_dir} is not a model trained for Natural"), last
+    assert "its checkpoint lacks qa_outputs.bias, qa_outputs.weight, answer_type_head.weight" in last
+    assert not (tmp_path / "sub.csv").exists()
+
+
+@pytest.mark.parametrize(
+    "trained, given, said",
+    [
+        (
+            "textcls",
+            (),
+            "the model in {model} was trained with task.name=textcls, but distqa predict serves "
+            "Natural Questions (task.name=nq) alone: task textcls brings no predict command",
+        ),
+        (
+            "toy_task:PredictTask",
+            (),
+            "the model in {model} was trained with task.name=toy_task:PredictTask, but "
+            "distqa predict serves Natural Questions (task.name=nq) alone: use its own command: distqa toy-predict "
+            "task.name=toy_task:PredictTask",
+        ),
+        ("nq", ("task.name=textcls",), "task.name=textcls, but distqa predict serves Natural Questions"),
+    ],
+)
+def test_a_model_of_another_task_is_refused_up_front(tmp_path, tiny_run, capsys, trained, given, said):
+    model = copied_model(tmp_path, tiny_run)
+    record = json.loads((model / "distqa_task.json").read_text())
+    record["task"]["name"] = trained
+    (model / "distqa_task.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    status = main(
+        ["predict", "--input", str(SAMPLE), "--checkpoint", str(model), "--output", str(tmp_path / "sub.csv"), *given]
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status != 0 and len(lines) == 1 and lines[0].startswith(f"distqa: error: {said.format(model=model)}"), lines
+    assert "give task.name" not in lines[0] and not (tmp_path / "sub.csv").exists()
+
+
+def test_a_damaged_model_file_is_one_line_naming_it(tmp_path, tiny_run, minilm_dir, capsys):
+    model = copied_model(tmp_path, tiny_run)
+    weights = model / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:1000])  # its size and hash in distqa_source.json no longer match
+    status, _, err = predict_here(tmp_path, capsys, model, f"model.tokenizer={minilm_dir}")
+    assert status != 0 and err.strip().splitlines() == [
+        f"distqa: error: the model in {model} is damaged (model.safetensors has 1000 bytes, distqa_source.json "
+        f"says {len(whole)}): export it again (distqa export)"
+    ], err
+    # An export of an older distqa records no hashes: the load itself says it, naming the file.
+    source = json.loads((model / "distqa_source.json").read_text())
+    del source["files"]
+    (model / "distqa_source.json").write_text(json.dumps(source))
+    weights.write_bytes(whole[:20] + bytes([whole[20] ^ 0x55]) + whole[21:])  # a byte of the header
+    status, _, err = predict_here(tmp_path, capsys, model, f"model.tokenizer={minilm_dir}")
+    last = err.strip().splitlines()[-1]
+    assert status != 0 and last.startswith(f"distqa: error: {weights} is damaged (Error while deserializing"), err
+    assert last.endswith("export the model again (distqa export)") and "Traceback" not in err
+    assert not (tmp_path / "sub.csv").exists()
+
+
+def test_an_output_that_cannot_be_written_is_one_line_before_or_after_the_work(
+    tmp_path, tiny_run, minilm_dir, capsys, monkeypatch
+):
+    from distqa.nq import submission
+
+    # Where no file can be made (root passes os.access everywhere): refused before the model loads.
+    argv = ["predict", "--input", str(SAMPLE), "--checkpoint", str(tiny_run), "--output", "/proc/distqa/sub.csv"]
+    assert main([*argv, "task.max_seq_len=128", f"task.cache_dir={tmp_path / 'cache'}"]) != 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("distqa: error: --output /proc/distqa/sub.csv cannot be written"), last
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # The disk fills up while the submission is written, after all the work.
+    monkeypatch.setattr(submission, "csv", types.SimpleNamespace(writer=full_disk))
+    status, _, err = predict_here(tmp_path, capsys, tiny_run, f"model.tokenizer={minilm_dir}")
+    assert status != 0 and err.strip().splitlines()[-1] == (
+        f"distqa: error: cannot write the submission {tmp_path / 'sub.csv'} (No space left on device): free space, "
+        "or choose another --output"
+    ), err[-2000:]
+    assert list(tmp_path.glob("sub.csv*")) == []

@@ -264,6 +264,16 @@ class CommandTask(ToyClassificationTask):
         parser.set_defaults(run=_count)
 
 
+class PredictTask(ToyClassificationTask):
+    """Brings a predict command of its own, which `distqa predict` names for its models."""
+
+    @classmethod
+    def add_commands(cls, commands, add_settings) -> None:
+        parser = commands.add_parser("toy-predict", help="predict with a toy model")
+        add_settings(parser)
+        parser.set_defaults(run=_count)
+
+
 class SleepyTask(ToyClassificationTask):
     """Known phase times for `distqa bench`: collating a batch takes COLLATE_MS more and the loss
     LOSS_MS more, so the step breakdown must show at least those in "data" and "forward_backward"."""

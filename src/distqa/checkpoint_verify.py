@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -206,13 +207,48 @@ def recorded_source(export: Path) -> dict[str, Any] | None:
     return recorded if isinstance(recorded, dict) else None
 
 
+def export_files(folder: Path) -> dict[str, Any]:
+    """Size and SHA-256 of every file an export wrote (SOURCE_FILE aside), by path inside it: recorded
+    in SOURCE_FILE, so a file damaged since (a truncated copy, a flipped byte) is told from the export."""
+    found = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != SOURCE_FILE)
+    return {p.relative_to(folder).as_posix(): manifest_entry(p) for p in found}
+
+
+def export_damage(export: Path, names: Collection[str] | None = None) -> str | None:
+    """What of the export folder `export` no longer matches the files its SOURCE_FILE records (those
+    of them in `names`, when given), in a few words; None when all match, or when it records none
+    (an export of an older distqa)."""
+    files = (recorded_source(export) or {}).get("files")
+    if not isinstance(files, dict):
+        return None
+    try:
+        for name, expected in files.items():
+            if names is not None and name not in names:
+                continue
+            size = expected.get("bytes") if isinstance(expected, dict) else None
+            path = export / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, {SOURCE_FILE} says {size}"
+            if sha256(path) != expected.get("sha256"):
+                return f"{name} does not match its hash in {SOURCE_FILE}"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    return None
+
+
 def exported_from(export: Path, checkpoint: Path) -> bool:
-    """Whether the export folder `export` holds `checkpoint`'s weights, by its SOURCE_FILE."""
+    """Whether the export folder `export` holds `checkpoint`'s weights, by its SOURCE_FILE, and its
+    files are still those the export wrote (`export_damage`)."""
     recorded = recorded_source(export)
     try:
-        return recorded is not None and recorded == source_of(checkpoint)
+        source = source_of(checkpoint)
     except (OSError, ValueError, KeyError, TypeError):  # the checkpoint's own files cannot say
         return False
+    if recorded is None or {key: recorded.get(key) for key in source} != source:
+        return False
+    return export_damage(export) is None
 
 
 def same_on_every_rank(directory: Path, info: DistInfo) -> None:

@@ -9,23 +9,26 @@ saved by the task's own `save_model` and `save_settings`, written aside and rena
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import SafetensorError
 from safetensors.torch import load_model
 from torch import nn
 
 from distqa import sharded
 from distqa.best import resolve_checkpoint
-from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state
+from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
 from distqa.config import Config
 from distqa.console import quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
-from distqa.outdir import export_atomically
+from distqa.outdir import CONFIG_FILE, export_atomically
+from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
 from distqa.task import SETTINGS_FILE
 
@@ -56,14 +59,23 @@ def load_sharded_weights(directory: Path, model: nn.Module) -> None:
 
 def check_replaceable(target: Path) -> None:
     """An export replaces its folder whole: an existing `target` must be an earlier export (it holds
-    the files every export has) or empty, never a run's output_dir, a checkpoint or a home folder."""
+    the source or settings file every export writes) or empty, never a run's output_dir, a
+    checkpoint, a Hugging Face model folder of the user's or a home folder; nor may it lie in a
+    run's checkpoints/ folder (a `best` link turned into a model folder would no longer name a step)."""
+    parent = target.parent.resolve()  # a link on the way to checkpoints/ leads there all the same
+    for folder in (parent, *parent.parents):
+        if folder.name == "checkpoints" and (step_folders(folder) or (folder.parent / CONFIG_FILE).is_file()):
+            raise DistqaError(
+                f"--output {target} is inside the run's checkpoints folder {folder}, which only training "
+                "writes: name a folder outside it (default: OUTPUT/model-step-N)"
+            )
     if target.is_symlink() or not target.exists():  # a link is replaced, what it names left alone
         return
     if not target.is_dir():
         raise DistqaError(f"--output {target} is a file, not a folder: name a new folder for the export")
     names = sorted(path.name for path in target.iterdir())
-    # An export holds its source or settings file; one from before distqa wrote them, the weights.
-    if names and not ({SOURCE_FILE, SETTINGS_FILE} & set(names) or {"config.json", "model.safetensors"} <= set(names)):
+    # Not config.json + model.safetensors alone: any Hugging Face model folder holds those.
+    if names and not {SOURCE_FILE, SETTINGS_FILE} & set(names):
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise DistqaError(
             f"--output {target} is a folder that is not a model export (it holds {shown}), and an export "
@@ -71,14 +83,31 @@ def check_replaceable(target: Path) -> None:
         )
 
 
+def checkpoint_unreadable(directory: Path, err: Exception) -> DistqaError:
+    """One line for a checkpoint that could not be read whole: most often one that a run still
+    training pruned meanwhile (train.keep_checkpoints), which "free space" would not explain."""
+    if not directory.is_dir():
+        return DistqaError(
+            f"checkpoint {directory} disappeared during the export (a live run pruned it, "
+            "train.keep_checkpoints): export checkpoints/best, or export after the run"
+        )
+    if isinstance(err, DistqaError):
+        return err
+    return DistqaError(f"cannot read checkpoint {directory} ({reason(err)}): name another step-N folder")
+
+
 def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     """Write the model of `checkpoint` (a step-N folder or a `best` pointer) to `output` (default:
     `model-step-N` beside the run's checkpoints/ folder); returns where it went."""
     quiet_libraries(is_main=True)  # as in training: no library progress bars in a log
     directory = resolve_checkpoint(Path(checkpoint))
-    state = read_trainer_state(directory)
+    try:
+        state = read_trainer_state(directory)
+    except OSError as err:  # verified a moment ago: pruned since
+        raise checkpoint_unreadable(directory, err) from err
     cfg = checkpoint_config(state["config"], directory)
-    target = Path(output) if output else directory.parent.parent / f"model-{directory.name}"
+    # Absolute, links kept (one is replaced, not followed): `--output .` has a name to write beside.
+    target = Path(os.path.abspath(output)) if output else directory.parent.parent / f"model-{directory.name}"
     check_replaceable(target)
     task = load_task(cfg)
     task.load_state_dict(state.get("task") or {})
@@ -86,10 +115,15 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     # task compares. (An attribute a task without such state ignores.)
     task.weights_step = state["step"]
     model = task.build_model()
-    if (directory / sharded.METADATA_FILE).is_file():
-        load_sharded_weights(directory, model)
-    else:
-        load_model(model, str(directory / "model.safetensors"), device="cpu")
+    try:
+        if (directory / sharded.METADATA_FILE).is_file():
+            load_sharded_weights(directory, model)
+        else:
+            load_model(model, str(directory / "model.safetensors"), device="cpu")
+        # Read now, with the weights: the export records it, and the folder may be gone by then.
+        source = source_of(directory)
+    except (OSError, SafetensorError, DistqaError) as err:
+        raise checkpoint_unreadable(directory, err) from err
 
     def save(folder: Path) -> None:
         task.save_model(model, folder)
@@ -97,7 +131,7 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
 
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     note = f"the checkpoint {directory} is unchanged: {{fix}} and run again"
-    export_atomically(save, target, info, note=note, source=directory)
+    export_atomically(save, target, info, note=note, source=source)
     best = state.get("best")
     what = (
         f" ({best['metric']}={best['value']:.4g}, the best)"

@@ -9,13 +9,14 @@ export) would otherwise be reported as this run's model, with exit 0; it is writ
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from distqa import parallel
-from distqa.checkpoint_verify import exported_from
+from distqa.checkpoint_verify import export_damage, exported_from
 from distqa.config import Config
 from distqa.console import outputs_summary, run_title
 from distqa.dist import DistInfo, print0
@@ -26,11 +27,17 @@ from distqa.task import Task
 
 
 def is_exported(out: Path, final: Path, info: DistInfo) -> bool:
-    """Whether out/model holds checkpoint `final`'s weights (rank 0 looks; every rank learns it).
-    When it holds other weights, says that it is written again."""
+    """Whether out/model holds checkpoint `final`'s weights, its files as the export wrote them
+    (rank 0 looks; every rank learns it). When it holds other weights, or a file of it was damaged
+    since, says that it is written again."""
     model = out / "model"
     done = bool(on_rank0(info, lambda: exported_from(model, final)))
-    if not done and info.is_main and model.exists():
+    if done or not info.is_main or not model.exists():
+        return done
+    damage = export_damage(model)
+    if damage is not None:  # a file changed since the export wrote it: a rerun must not call it finished
+        print(f"distqa: warning: {model} is damaged ({damage}): writing it again", file=sys.stderr, flush=True)
+    else:
         print(f"{model} does not record that it holds the weights of {final}: writing it again", flush=True)
     return done
 

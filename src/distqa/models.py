@@ -56,6 +56,12 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
     (transformers' own error is a traceback of a hundred lines when the hub cannot be reached.)"""
     from huggingface_hub import constants
 
+    reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if os.path.isdir(name):  # nothing was downloaded: the folder itself lacks a file, or holds a damaged one
+        return DistqaError(
+            f"cannot load {what} from the folder {name} ({reason}): it does not hold a whole {what}; "
+            f"set {key} to a folder that does"
+        )
     offline = os.environ.get("HF_HUB_OFFLINE", "")
     if offline.upper() in ("1", "ON", "YES", "TRUE"):
         where = (
@@ -64,7 +70,7 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
     else:
         where = f"Check the network: the Hugging Face hub ({constants.ENDPOINT}, HF_ENDPOINT) must be reachable"
     return DistqaError(
-        f"cannot load {what} {name!r} ({type(err).__name__}: {str(err).splitlines()[0]}). {where}; "
+        f"cannot load {what} {name!r} ({reason}). {where}; "
         f"or set HF_HOME to a cache that holds it (now {constants.HF_HOME}); or set {key} to a local folder"
     )
 
@@ -87,10 +93,16 @@ def hf_config(cfg: ModelConfig, **overrides: Any) -> PretrainedConfig:
 
 
 def build_hf_model(
-    auto_class: Any, cfg: ModelConfig, config: PretrainedConfig | None = None, **overrides: Any
+    auto_class: Any,
+    cfg: ModelConfig,
+    config: PretrainedConfig | None = None,
+    *,
+    missing: list[str] | None = None,
+    **overrides: Any,
 ) -> nn.Module:
     """`auto_class` (AutoModelForSequenceClassification, ...) for `model.name`: random weights for a
-    RANDOM_MODELS name, else its pretrained weights (a new head where the checkpoint has none)."""
+    RANDOM_MODELS name, else its pretrained weights (a new head where the checkpoint has none; the
+    names of such new weights are added to `missing` when given, for a caller that needs them all)."""
     config = config or hf_config(cfg, **overrides)
     kwargs: dict[str, Any] = {}
     if cfg.attn_implementation is not None:
@@ -98,7 +110,11 @@ def build_hf_model(
     if cfg.name in RANDOM_MODELS:
         return auto_class.from_config(config, **kwargs)
     try:
-        return auto_class.from_pretrained(cfg.name, config=config, **kwargs)
+        if missing is None:
+            return auto_class.from_pretrained(cfg.name, config=config, **kwargs)
+        model, info = auto_class.from_pretrained(cfg.name, config=config, output_loading_info=True, **kwargs)
+        missing.extend(sorted(info["missing_keys"]))
+        return model
     except OSError as err:
         raise load_error("model", cfg.name, err, "model.name") from err
     except ValueError as err:  # e.g. an architecture without this kind of head

@@ -17,10 +17,11 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError
 
-from distqa.checkpoint_verify import SOURCE_FILE, source_of
+from distqa.checkpoint_verify import SOURCE_FILE, export_files, source_of
 from distqa.dist import DistInfo
 from distqa.durable import fsync_path, read_no_link, write_atomically
 from distqa.errors import DistqaError
@@ -122,14 +123,19 @@ def _fsync_tree(root: Path) -> None:
 
 
 def export_atomically(
-    save: Callable[[Path], None], directory: Path, info: DistInfo, note: str, source: Path | None = None
+    save: Callable[[Path], None],
+    directory: Path,
+    info: DistInfo,
+    note: str,
+    source: Path | dict[str, Any] | None = None,
 ) -> None:
     """Rank 0 calls `save(folder)` into a hidden folder beside `directory`, fsyncs it and renames
     it into place, so `directory` is always a whole export: the previous one, or the new one. A
     failure (a full disk) leaves the previous export as it was and is one line on every rank;
     `note` says what the user can do then, its `{fix}` what the error calls for (`rank0.fix_for`:
-    free space, permissions, or what the error names). `source`, the checkpoint the weights come from, is
-    recorded in the export (`checkpoint_verify.SOURCE_FILE`)."""
+    free space, permissions, or what the error names). `source`, the checkpoint the weights come
+    from (or what `source_of` read of it), is recorded in the export (`checkpoint_verify.SOURCE_FILE`)
+    with the size and SHA-256 of every file written."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     old = directory.with_name(f".old-{directory.name}")
 
@@ -139,12 +145,14 @@ def export_atomically(
             _remove(old)
             save(tmp)
             if source is not None:
-                (tmp / SOURCE_FILE).write_text(json.dumps(source_of(source), indent=2) + "\n")
+                # What it holds, with the size and hash of every file: a damaged export is written again.
+                record = {**(source if isinstance(source, dict) else source_of(source)), "files": export_files(tmp)}
+                (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
             _fsync_tree(tmp)
             if directory.exists():
                 directory.rename(old)
             tmp.rename(directory)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)  # the previous export, or the link `directory` was (unlinked: rmtree refuses links)
         except (OSError, RuntimeError, ValueError, SafetensorError, DistqaError) as err:
             # (DistqaError: a task's save_model, or rebuilding a sharded model, that cannot load
             # what it needs.) Rank 0 alone runs `save`: the others learn of it from on_rank0.

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForQuestionAnswering, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
 from distqa.config import ModelConfig
+from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS, build_hf_model, hf_config
 
 # 0 unknown, 1 yes, 2 no, 3 short, 4 long (the order of the Natural Questions baseline).
@@ -45,32 +47,52 @@ class BertJointQA(nn.Module):
         self.answer_type_head = nn.Linear(self.config.hidden_size, len(ANSWER_TYPES))
 
     @classmethod
-    def build(cls, cfg: ModelConfig) -> BertJointQA:
-        """The model `model.name` asks for: a RANDOM_MODELS name, a Hugging Face id, or a local folder."""
+    def build(cls, cfg: ModelConfig, missing: list[str] | None = None) -> BertJointQA:
+        """The model `model.name` asks for: a RANDOM_MODELS name, a Hugging Face id, or a local folder.
+        `missing`, when given, gets the names of the weights the checkpoint lacked (new, random)."""
         if cfg.name in RANDOM_MODELS:
             return cls(build_hf_model(AutoModelForQuestionAnswering, cfg))
         config = hf_config(cfg)
         head = _answer_type_head_weights(Path(cfg.name) / "model.safetensors")
         # A folder distqa exported holds `answer_type_head.*` beside the QA weights; Hugging Face
-        # would report them as unexpected, but we load them ourselves just below.
-        quiet = hf_logging.get_verbosity() if head else None
-        if head:
+        # would report them as unexpected, but we load them ourselves just below. (A caller asking
+        # for the `missing` weights says what they mean itself.)
+        quiet = hf_logging.get_verbosity() if head or missing is not None else None
+        if quiet is not None:
             hf_logging.set_verbosity_error()
         try:
             # A plain encoder checkpoint (bert-base-uncased) gets a freshly initialised span head.
-            qa = build_hf_model(AutoModelForQuestionAnswering, cfg, config=config)
+            qa = build_hf_model(AutoModelForQuestionAnswering, cfg, config=config, missing=missing)
         finally:
             if quiet is not None:
                 hf_logging.set_verbosity(quiet)
         model = cls(qa)
         if head:
             model.answer_type_head.load_state_dict(head)
+        elif missing is not None:
+            missing.extend(f"{ANSWER_TYPE_HEAD}.{key}" for key in model.answer_type_head.state_dict())
         return model
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> BertJointQA:
-        """Load a folder written by `save_pretrained` (the trained model, both heads)."""
-        return cls.build(ModelConfig(name=str(directory)))
+        """Load a folder written by `save_pretrained` (the trained model, both heads). Refused in one
+        line: a damaged weights file, or a folder whose checkpoint lacks weights (a plain encoder:
+        its span and answer-type heads would be random, and so would every answer)."""
+        missing: list[str] = []
+        weights = Path(directory) / "model.safetensors"
+        try:
+            model = cls.build(ModelConfig(name=str(directory)), missing=missing)
+        except SafetensorError as err:
+            raise DistqaError(
+                f"{weights} is damaged ({str(err).splitlines()[0]}): export the model again (distqa export)"
+            ) from err
+        if missing:
+            shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+            raise DistqaError(
+                f"{directory} is not a model trained for Natural Questions: its checkpoint lacks {shown} (they "
+                "would be random): give the model/ folder of a distqa training run, or its output_dir"
+            )
+        return model
 
     def forward(
         self,

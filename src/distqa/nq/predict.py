@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from distqa.checkpoint_verify import SOURCE_FILE, recorded_source
+from distqa.checkpoint_verify import SOURCE_FILE, export_damage, recorded_source
 from distqa.config import Config, ModelConfig
 from distqa.console import quiet_libraries
 from distqa.dist import autocast_dtype
@@ -21,7 +22,7 @@ from distqa.nq.postprocess import group_by_example
 from distqa.nq.reader import NQExample, NQReader
 from distqa.nq.submission import check_output_path, write_submission
 from distqa.nq.thresholds import THRESHOLDS_FILE, read_chosen
-from distqa.task import with_trained_settings
+from distqa.task import read_task_settings, with_trained_settings
 
 
 def model_folder(path: str | Path) -> Path:
@@ -31,6 +32,41 @@ def model_folder(path: str | Path) -> Path:
         if (candidate / "config.json").is_file():
             return candidate
     raise DistqaError(f"--checkpoint {folder}: no model there (expected config.json, or a model/ folder with one)")
+
+
+def check_nq_model(cfg: Config, folder: Path) -> None:
+    """`distqa predict` runs Natural Questions models alone: a model of another task (its
+    distqa_task.json says so) or task.name set to another is refused before anything is loaded,
+    naming that task's own predict command where it brings one (`Task.add_commands`)."""
+    trained = (read_task_settings(folder) or {}).get("name", "nq")
+    for name, where in ((cfg.task.name, "task.name"), (trained, f"the model in {folder} was trained with task.name")):
+        if name == "nq":
+            continue
+        own = predict_commands(name)
+        hint = (
+            f"use its own command: distqa {own[0]} task.name={name}"
+            if own
+            else f"task {name} brings no predict command: load the model with its own code (docs/outputs.md)"
+        )
+        raise DistqaError(f"{where}={name}, but distqa predict serves Natural Questions (task.name=nq) alone: {hint}")
+
+
+def predict_commands(task: str) -> list[str]:
+    """The commands with "predict" in their name that `task` adds to distqa (`Task.add_commands`)."""
+    import argparse
+
+    from distqa.registry import BUILTIN_COMMANDS, BUILTIN_TASKS, task_class
+
+    commands = argparse.ArgumentParser().add_subparsers()
+    try:
+        if task in BUILTIN_COMMANDS:
+            module_name, _, attr = BUILTIN_COMMANDS[task].partition(":")
+            getattr(importlib.import_module(module_name), attr)(commands, lambda *args, **kwargs: None)
+        elif task not in BUILTIN_TASKS:
+            task_class(task).add_commands(commands, lambda *args, **kwargs: None)
+    except DistqaError:  # a fork that cannot be imported here: no command to name
+        return []
+    return sorted(name for name in commands.choices if "predict" in name)
 
 
 # Files a saved tokenizer consists of (any one will do): without them, AutoTokenizer would build a
@@ -100,6 +136,12 @@ def predict(
     quiet_libraries(is_main=True)  # no progress bars of the model load and preparation in a log
     check_output_path(output, input_path=input_path)
     folder = model_folder(checkpoint)
+    check_nq_model(cfg, folder)
+    # The weights alone: a flipped byte there loads, and answers wrongly. (The thresholds file may be
+    # removed on purpose: every example then gets its best answer.)
+    damage = export_damage(folder, names=("model.safetensors",))
+    if damage is not None:
+        raise DistqaError(f"the model in {folder} is damaged ({damage}): export it again (distqa export)")
     # Windows of another length or stride than training's give a plausible, wrong submission.
     cfg = with_trained_settings(cfg, folder, given)
     tokenizer = model_tokenizer(cfg, folder)

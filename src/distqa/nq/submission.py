@@ -95,6 +95,22 @@ def check_output_path(output: str | os.PathLike, *, input_path: str | os.PathLik
     folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
     if not os.access(folder, os.W_OK | os.X_OK):
         raise DistqaError(f"--output {path} cannot be written: {folder} is not writable: choose another --output")
+    # Its folder created and a file made there now, not after the model's work: a read-only mount
+    # that os.access does not see, or a folder that cannot be created, fails here.
+    partial = _partial(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.open("w").close()
+        partial.unlink()
+    except OSError as err:
+        raise DistqaError(
+            f"--output {path} cannot be written ({err.strerror or err}): choose another --output"
+        ) from err
+
+
+def _partial(path: Path) -> Path:
+    """Where a submission is written before it is renamed to `path`."""
+    return path.with_name(path.name + ".partial")
 
 
 def write_submission(path: str | os.PathLike, predictions: Mapping[str, tuple[str, str]]) -> None:
@@ -106,14 +122,18 @@ def write_submission(path: str | os.PathLike, predictions: Mapping[str, tuple[st
     """
     rows = submission_rows(predictions)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = _partial(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         # lineterminator "\n": what pandas writes on Linux and what sample_submission.csv uses.
         with partial.open("w", encoding="utf-8", newline="") as f:
             writer = csv.writer(f, lineterminator="\n")
             writer.writerow(HEADER)
             writer.writerows(rows)
         os.replace(partial, path)
+    except OSError as err:  # a full disk: after all the prediction work, one line, and `path` as it was
+        raise DistqaError(
+            f"cannot write the submission {path} ({err.strerror or err}): free space, or choose another --output"
+        ) from err
     finally:
         partial.unlink(missing_ok=True)
