@@ -101,6 +101,15 @@ def is_core(name: str) -> bool:
     return not any(name == pkg or name.startswith(f"{pkg}.") for pkg in TASK_PACKAGES)
 
 
+def _class_var(node: ast.AnnAssign) -> bool:
+    """`name: ClassVar[...] = ...`: what a settings class tells the core (renamed_keys,
+    missing_data_hints), no key."""
+    annotation = node.annotation.value if isinstance(node.annotation, ast.Subscript) else node.annotation
+    return (isinstance(annotation, ast.Name) and annotation.id == "ClassVar") or (
+        isinstance(annotation, ast.Attribute) and annotation.attr == "ClassVar"
+    )
+
+
 def nq_only_keys(src: Path) -> set[str]:
     """The `task.*` keys of Natural Questions that no other built-in task has (max_seq_len is
     textcls's too): the words a core module must not use."""
@@ -112,10 +121,10 @@ def nq_only_keys(src: Path) -> set[str]:
             for cls in ast.walk(tree)
             if isinstance(cls, ast.ClassDef)
             for node in cls.body
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and not _class_var(node)
         }
 
-    nq = fields(src / "distqa" / "nq" / "settings.py") - {"renamed_keys"}
+    nq = fields(src / "distqa" / "nq" / "settings.py")
     return nq - fields(src / "distqa" / "textcls" / "settings.py")
 
 
