@@ -203,3 +203,12 @@ def test_an_output_that_cannot_be_written_is_one_line_before_or_after_the_work(
         "or choose another --output"
     ), err[-2000:]
     assert list(tmp_path.glob("sub.csv*")) == []
+
+
+def test_a_missing_input_is_one_line_before_the_model_loads(tmp_path, tiny_run, capsys):
+    missing = tmp_path / "no-such.jsonl"
+    status, out, err = predict_here(tmp_path, capsys, tiny_run, source=missing)
+    assert status != 0 and err.strip().splitlines() == [
+        f"distqa: error: --input {missing} does not exist or is not a file"
+    ]
+    assert "thresholds" not in out and not (tmp_path / "sub.csv").exists()  # nothing loaded, nothing said of it

@@ -134,6 +134,8 @@ def predict(
     Returns the counts of examples, long and short answers, and the numbers of the bad lines
     skipped (`skipped_lines`: no rows for them)."""
     quiet_libraries(is_main=True)  # no progress bars of the model load and preparation in a log
+    if not Path(input_path).is_file():  # before the model loads: a typo costs nothing
+        raise DistqaError(f"--input {input_path} does not exist or is not a file")
     check_output_path(output, input_path=input_path)
     folder = model_folder(checkpoint)
     check_nq_model(cfg, folder)
