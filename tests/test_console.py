@@ -115,3 +115,20 @@ def test_the_start_line_says_examples_and_features_when_they_differ():
 
     assert console.dataset_size([1, 2, 3]) == "3 examples"
     assert console.dataset_size(Features([1, 2, 3, 4, 5])) == "3 examples (5 features)"
+
+
+def test_a_long_title_is_wrapped_inside_the_picture(tmp_path, monkeypatch):
+    """The demo's title (task, model folder, data file, output folder) ran past both edges."""
+    from distqa import metrics as metrics_module
+
+    figures = []
+    monkeypatch.setattr(metrics_module, "_save_png", lambda fig, path, title: figures.append(fig) or True)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps(record(1)) + "\n")
+    title = "task nq, " + ", ".join(f"setting{i} value{i}" for i in range(20)) + "\nlr 0.0002 (linear), output /x"
+    assert plot_metrics(metrics, tmp_path / "metrics.png", title=title)
+    fig = figures[0]
+    fig.canvas.draw()
+    box = fig._suptitle.get_window_extent()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y1 <= fig.bbox.y1
+    assert fig._suptitle.get_text().splitlines()[-1] == "lr 0.0002 (linear), output /x"  # its own lines kept

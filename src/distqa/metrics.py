@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -303,7 +304,9 @@ def plot_metrics(metrics_path: Path, png_path: Path, *, title: str | None = None
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
     title = title or str(metrics_path.parent)
-    fig.suptitle(title)
+    # Wrapped to the figure's width: a run's title (task, model, data, batch, ...) is often longer,
+    # and suptitle centres one line, cut at both edges.
+    fig.suptitle("\n".join(textwrap.fill(line, width=80, break_on_hyphens=False) for line in title.splitlines()))
     fig.tight_layout()
     return _save_png(fig, png_path, title)
 
