@@ -212,3 +212,12 @@ def test_a_missing_input_is_one_line_before_the_model_loads(tmp_path, tiny_run, 
         f"distqa: error: --input {missing} does not exist or is not a file"
     ]
     assert "thresholds" not in out and not (tmp_path / "sub.csv").exists()  # nothing loaded, nothing said of it
+
+
+def test_a_training_checkpoint_is_named_with_the_export_that_makes_a_model_of_it(tmp_path, tiny_run, capsys):
+    checkpoint = tiny_run / "checkpoints" / "step-2"
+    status, _, err = predict_here(tmp_path, capsys, checkpoint)
+    assert status != 0 and err.strip().splitlines() == [
+        f"distqa: error: --checkpoint {checkpoint} is a training checkpoint, not an exported model: export it "
+        f"first (distqa export --checkpoint {checkpoint}) and give the folder it writes"
+    ]

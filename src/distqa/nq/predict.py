@@ -31,6 +31,11 @@ def model_folder(path: str | Path) -> Path:
     for candidate in (folder, folder / "model"):
         if (candidate / "config.json").is_file():
             return candidate
+    if (folder / "trainer_state.json").is_file():  # a training checkpoint: its weights, not yet a model folder
+        raise DistqaError(
+            f"--checkpoint {folder} is a training checkpoint, not an exported model: export it first "
+            f"(distqa export --checkpoint {folder}) and give the folder it writes"
+        )
     raise DistqaError(f"--checkpoint {folder}: no model there (expected config.json, or a model/ folder with one)")
 
 
