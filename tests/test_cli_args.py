@@ -154,3 +154,11 @@ def test_new_task_is_a_built_in_command(capsys):
     text = " ".join(_help([], capsys).split())
     assert "new-task write a new task" in text
     assert "--dir DIR" in _help(["new-task"], capsys)
+
+
+def test_an_unknown_command_gets_its_likely_spelling_or_where_a_tasks_commands_come_from(capsys):
+    assert _usage_error(["trian"], capsys).strip().endswith("; did you mean train?")
+    said = _usage_error(["toy-count"], capsys)  # a fork's command, its task not named
+    assert "invalid choice: 'toy-count'" in said and said.strip().endswith(
+        "; a task's own commands appear when it is named: add task.name=module:Class or --config FILE"
+    )

@@ -70,6 +70,8 @@ class Parser(argparse.ArgumentParser):
             message = _unknown_option(self, unknown)
         elif self.config_note and "invalid choice" in message:
             message = f"{message}; {self.config_note}"
+        elif "invalid choice" in message and self.prog == "distqa":
+            message += _unknown_command_hint(self)
         super().error(message)
 
     def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
@@ -128,3 +130,14 @@ def _task_in_yaml(path: str) -> tuple[str | None, str]:
         detail = (str(err).splitlines() or [type(err).__name__])[0]
         return None, f"note: --config {path} was not read ({detail}), so its task's keys and commands are not listed"
     return (None if name is None else str(name)), ""
+
+
+def _unknown_command_hint(parser: argparse.ArgumentParser) -> str:
+    """A misspelt command's likely name; else where a fork's own commands come from (they exist
+    once its task is named), the likeliest cause of an unknown one."""
+    given = next((t for t in getattr(parser, "_given", []) if not t.startswith("-")), "")
+    choices = [c for a in parser._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
+    close = difflib.get_close_matches(given, choices, n=1, cutoff=0.8)
+    if close:
+        return f"; did you mean {close[0]}?"
+    return "; a task's own commands appear when it is named: add task.name=module:Class or --config FILE"
