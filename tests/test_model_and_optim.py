@@ -149,3 +149,24 @@ def test_the_generic_padding_collate():
     assert batch["label"].tolist() == [2, 0] and batch["label"].dtype == torch.long
     assert batch["id"] == ["a", "b"] and batch["score"].tolist() == [0.5, 1.5]
     assert pad_collate(items, {"input_ids": 0, "attention_mask": 0}, max_len=4)["input_ids"].shape == (2, 4)
+
+
+def test_a_model_folder_with_damaged_weights_is_one_line_for_every_task(minilm_dir, tmp_path):
+    """Training textcls or NQ from a folder whose model.safetensors was cut short was a
+    SafetensorError traceback."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    from distqa.errors import DistqaError
+    from distqa.models import build_hf_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(minilm_dir, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    cfg = ModelConfig(name=str(folder))
+    with pytest.raises(DistqaError, match=r"are damaged \(.*\): set model.name to a whole copy of the model"):
+        build_hf_model(AutoModelForSequenceClassification, cfg, num_labels=2)
+    with pytest.raises(DistqaError, match=rf"{weights} is damaged \(.*\): set model.name to a whole model"):
+        BertJointQA.build(cfg)

@@ -17,6 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, BertConfig, PretrainedConfig
 
@@ -49,6 +50,10 @@ def set_dropout(config: PretrainedConfig, rate: float) -> None:
     for key, value in config.to_dict().items():
         if "dropout" in key and isinstance(value, float):
             setattr(config, key, rate)
+
+
+class DamagedWeights(DistqaError):
+    """A model's weights file that cannot be read (`build_hf_model`): a caller may say what fixes it."""
 
 
 def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
@@ -117,6 +122,11 @@ def build_hf_model(
         return model
     except OSError as err:
         raise load_error("model", cfg.name, err, "model.name") from err
+    except SafetensorError as err:  # a truncated or overwritten model.safetensors
+        raise DamagedWeights(
+            f"the weights of model.name={cfg.name!r} are damaged ({str(err).splitlines()[0]}): set model.name to "
+            "a whole copy of the model"
+        ) from err
     except ValueError as err:  # e.g. an architecture without this kind of head
         raise DistqaError(f"model.name={cfg.name!r} cannot be used as {auto_class.__name__}: {err}") from err
 

@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from distqa.config import ModelConfig
 from distqa.errors import DistqaError
-from distqa.models import RANDOM_MODELS, build_hf_model, hf_config
+from distqa.models import RANDOM_MODELS, DamagedWeights, build_hf_model, hf_config
 
 # 0 unknown, 1 yes, 2 no, 3 short, 4 long (the order of the Natural Questions baseline).
 ANSWER_TYPES = ("unknown", "yes", "no", "short", "long")
@@ -34,7 +34,13 @@ def _answer_type_head_weights(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         return {}
     prefix = f"{ANSWER_TYPE_HEAD}."
-    return {k[len(prefix) :]: v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
+    try:
+        weights = load_file(str(path))
+    except SafetensorError as err:
+        raise DamagedWeights(
+            f"{path} is damaged ({str(err).splitlines()[0]}): set model.name to a whole model"
+        ) from err
+    return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
 class BertJointQA(nn.Module):
@@ -82,9 +88,9 @@ class BertJointQA(nn.Module):
         weights = Path(directory) / "model.safetensors"
         try:
             model = cls.build(ModelConfig(name=str(directory)), missing=missing)
-        except SafetensorError as err:
+        except DamagedWeights as err:
             raise DistqaError(
-                f"{weights} is damaged ({str(err).splitlines()[0]}): export the model again (distqa export)"
+                f"{weights} is damaged ({str(err.__cause__).splitlines()[0]}): export the model again (distqa export)"
             ) from err
         if missing:
             shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
