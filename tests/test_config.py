@@ -468,3 +468,10 @@ def test_text_keys_read_a_task_s_annotations_even_where_one_cannot_be_resolved()
         namespace,
     )
     assert text_keys(namespace["Fork"](), "task.") == {"task.name": False, "task.path": True, "task.other": True}
+
+
+def test_a_missing_relative_data_path_names_the_folder_it_was_looked_for_in(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["data.train=data/train.jsonl"])
+    assert str(caught.value).startswith(f"data.train='data/train.jsonl' does not exist in {tmp_path} ("), caught.value

@@ -150,7 +150,9 @@ def check_data_paths(cfg: Config) -> None:
     hints.setdefault("data.valid", "set data.valid= (empty) to train without validation")
     for key, value in (("data.train", cfg.data.train), ("data.valid", cfg.data.valid)):
         if value not in (None, "dummy") and not Path(value).exists():  # the task says what dummy means
-            raise ConfigError(f"{key}={value!r} does not exist ({hints[key]})")
+            # A relative path is looked up from where the command runs, which is not always the project.
+            where = "" if Path(value).is_absolute() else f" in {Path.cwd()}"
+            raise ConfigError(f"{key}={value!r} does not exist{where} ({hints[key]})")
 
 
 def renamed_keys(cfg: Config) -> dict[str, str]:
