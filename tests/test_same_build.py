@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
-from distqa.build_identity import tokenizer_hash, weights_hash
+from distqa.build_identity import config_identity, tokenizer_hash, weight_summary, weights_differ
 from distqa.models import build_hf_model
 
 CASES = ("same", "config", "weights", "tokenizer")
@@ -100,11 +100,10 @@ def test_nodes_that_build_another_model_or_tokenizer_stop_naming_it(tmp_path):
     save_tokenizers(tmp_path)
     lines = two_nodes(tmp_path)[0]
     assert lines["same"] == "agreed"
-    for case, what in (("config", "model config"), ("weights", "model weights"), ("tokenizer", "tokenizer")):
-        assert lines[case].startswith(
-            f"refused: the processes of this run did not build the same thing: {what} (rank 0: "
-        )
-        assert lines[case].count("(rank 0:") == 1, lines[case]  # only what differs is named
+    cases = (("config", "model config (rank 0: "), ("weights", "model weights (rank(s) 1 built "))
+    for case, what in (*cases, ("tokenizer", "tokenizer (rank 0: ")):
+        assert lines[case].startswith(f"refused: {REFUSAL}: {what}"), lines[case]
+        assert lines[case].count("(rank") == 1, lines[case]  # only what differs is named
         assert "find the same files for model.name and model.tokenizer" in lines[case]
 
 
@@ -124,7 +123,9 @@ def test_a_node_with_other_distqa_code_stops_naming_it(tmp_path):
     assert lines["same"].count("(rank 0:") == 1
 
 
-def test_the_hashes_see_what_changes_the_computation_and_nothing_else(tmp_path):
+def test_the_identities_see_what_changes_the_computation_and_nothing_else(tmp_path):
+    import torch
+
     from distqa.config import ModelConfig
 
     save_tokenizers(tmp_path)
@@ -133,12 +134,26 @@ def test_the_hashes_see_what_changes_the_computation_and_nothing_else(tmp_path):
     tok(["a b"], truncation=True, max_length=2, padding="max_length")
     assert tokenizer_hash(tok) == before
     assert tokenizer_hash(PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok-swapped")) != before
-    import torch
+    assert tokenizer_hash(object()) is None  # a fork's own kind of tokenizer: its identity() says
 
-    torch.manual_seed(0)
-    model = build_hf_model(AutoModelForSequenceClassification, ModelConfig(name="tiny"), num_labels=2)
-    digest = weights_hash(model)
-    assert weights_hash(model) == digest
+    def built(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return build_hf_model(AutoModelForSequenceClassification, ModelConfig(name="tiny"), num_labels=2)
+
+    model, reference = built(0), weight_summary(built(0))
+    assert weights_differ(weight_summary(model), reference) == []
+    with torch.no_grad():  # the last bits of every weight, as another CPU's random numbers differ
+        for param in model.parameters():
+            param.mul_(1 + 2e-7)
+    assert weights_differ(weight_summary(model), reference) == []
     with torch.no_grad():
-        next(model.parameters()).view(-1)[0] += 1e-6
-    assert weights_hash(model) != digest
+        model.classifier.weight[0, 0] += 0.5
+    assert weights_differ(weight_summary(model), reference) == ["classifier.weight"]
+    assert weights_differ(weight_summary(built(1)), reference)  # other random weights: most tensors
+
+    # A config value JSON cannot hold (its repr names an address, other in every build) counts by its type.
+    first, second = built(0), built(0)
+    first.config.custom, second.config.custom = object(), object()
+    assert config_identity(first) == config_identity(second)
+    second.config.layer_norm_eps = 0.5
+    assert config_identity(first) != config_identity(second)

@@ -5,14 +5,14 @@ The settings are compared as text (`distqa.agreement`) and the data by fingerpri
 `model.name=./mdl` or a hub id whose cached snapshot differs, a tokenizer folder with other
 vocabulary, another version of distqa, torch or transformers. A review ran each of these on two
 nodes: both trained, averaged gradients of two different computations, and exited 0. So after the
-model is built each rank hashes what it built and what it runs, and the ranks compare the hashes in
-one small all-gather; a difference stops every rank with one line naming what differs.
+model is built each rank hashes what it runs and the model's config and tokenizer, sums its weights
+tensor by tensor, and the ranks compare them in one small all-gather; a difference stops every rank
+with one line naming what differs.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -29,6 +29,17 @@ if TYPE_CHECKING:  # for hints only
     from distqa.task import Task
 
 _PACKAGE = Path(distqa.__file__).resolve().parent
+# Weights built from the same files agree to float rounding; random ones drawn on two kinds of CPU
+# (another SIMD path of `normal_`) differ in their last bits, and DDP broadcasts rank 0's anyway.
+_WEIGHTS_RTOL = 1e-4
+
+
+def python_files(folder: Path) -> list[Path]:
+    """The .py files below `folder`: no caches, and no dot-files (an editor's lock of a file being
+    edited is a dangling link that cannot be read)."""
+    return [
+        p for p in folder.rglob("*.py") if "__pycache__" not in p.parts and not p.name.startswith(".") and p.is_file()
+    ]
 
 
 def source_hash(files: list[Path], root: Path) -> str:
@@ -41,59 +52,80 @@ def source_hash(files: list[Path], root: Path) -> str:
 
 
 def code_identity(task: Task) -> dict[str, str]:
-    """distqa's Python files, the task's module when it lives outside distqa (a fork's), and the
-    versions of the libraries that compute: other code computes another loss or gradient."""
+    """distqa's Python files, a fork's task package (or module), and the versions of the libraries
+    that compute: other code computes another loss or gradient. (A local build's suffix, +cu124 or
+    +cpu, is left out: the same release on other drivers computes the same.)"""
+    import transformers  # (loaded already: the model is built)
+
     identity = {
-        "distqa code": source_hash([p for p in _PACKAGE.rglob("*.py") if "__pycache__" not in p.parts], _PACKAGE),
-        "torch version": torch.__version__,
-        "transformers version": importlib.metadata.version("transformers"),
+        "distqa code": source_hash(python_files(_PACKAGE), _PACKAGE),
+        "torch version": torch.__version__.split("+")[0],
+        "transformers version": transformers.__version__,
     }
-    module = sys.modules.get(type(task).__module__)
-    task_file = getattr(module, "__file__", None)
+    task_file = getattr(sys.modules.get(type(task).__module__), "__file__", None)
     if task_file and not Path(task_file).resolve().is_relative_to(_PACKAGE):
         path = Path(task_file).resolve()
-        identity["task code"] = source_hash([path], path.parent)
+        # A task in a package (my_task/task.py beside model.py, data.py): the whole package.
+        files = python_files(path.parent) if (path.parent / "__init__.py").is_file() else [path]
+        identity["task code"] = source_hash(files, path.parent)
     return identity
 
 
-def weights_hash(model: nn.Module) -> str:
-    """A hash of every tensor of the model's state (names, dtypes, shapes and bytes). Called on the
-    freshly built model, on the CPU as `Task.build_model` returns it: seeded alike, every rank
-    builds the same weights, unless its pretrained files differ (about 0.25 s for BERT-base)."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        if tensor.device.type != "meta":
-            digest.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def model_identity(model: nn.Module) -> dict[str, str]:
-    """The weights, and the model's Hugging Face config when it has one: settings such as
-    `layer_norm_eps` or the attention kernel change what is computed and are no weights."""
-    identity = {"model weights": weights_hash(model)}
+def config_identity(model: nn.Module) -> dict[str, str]:
+    """The model's Hugging Face config, when it has one: settings such as `layer_norm_eps` change what
+    is computed and are no weights. A value JSON cannot hold counts by its type (its repr may hold
+    an address, other in every process)."""
     config = getattr(model, "config", None)
-    if hasattr(config, "to_dict"):
-        text = json.dumps(config.to_dict(), sort_keys=True, default=repr)
-        identity["model config"] = hashlib.sha256(text.encode()).hexdigest()
-    return identity
+    if not hasattr(config, "to_dict"):
+        return {}
+    text = json.dumps(config.to_dict(), sort_keys=True, default=lambda value: type(value).__qualname__)
+    return {"model config": hashlib.sha256(text.encode()).hexdigest()}
 
 
-def tokenizer_hash(tokenizer: Any) -> str:
+def weight_summary(model: nn.Module) -> dict[str, tuple[float, float, float]]:
+    """Sum, L1 and L2 norm of every tensor of the model's state, in float64: weights from other files
+    differ in all three, rounding in none beyond `_WEIGHTS_RTOL`. Called on the freshly built model,
+    on the CPU as `Task.build_model` returns it (about half a second for BERT-base)."""
+    summary = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.device.type == "meta":
+            continue
+        values = tensor.detach() if tensor.is_floating_point() else tensor.detach().double()
+        norms = [torch.linalg.vector_norm(values, ord, dtype=torch.float64) for ord in (1, 2)]
+        summary[name] = (float(torch.sum(values, dtype=torch.float64)), *map(float, norms))
+    return summary
+
+
+def weights_differ(mine: dict[str, tuple[float, ...]], reference: dict[str, tuple[float, ...]]) -> list[str]:
+    """The tensors whose summaries differ beyond rounding (or that only one side has)."""
+    names = sorted(mine.keys() | reference.keys())
+    differ = [n for n in names if n not in mine or n not in reference]
+    for name in (n for n in names if n in mine and n in reference):
+        (total, l1, l2), (ref_total, ref_l1, ref_l2) = mine[name], reference[name]
+        scale = max(l1, ref_l1, 1e-12)
+        close = abs(total - ref_total) <= _WEIGHTS_RTOL * scale and abs(l1 - ref_l1) <= _WEIGHTS_RTOL * scale
+        if not (close and abs(l2 - ref_l2) <= _WEIGHTS_RTOL * max(l2, ref_l2, 1e-12)):
+            differ.append(name)
+    return differ
+
+
+def tokenizer_hash(tokenizer: Any) -> str | None:
     """What turns text into ids: a fast tokenizer's whole definition (vocabulary, normalization,
     splitting, post-processing, added tokens) without its truncation and padding state, which
     tokenizing changes (a node's first process may have prepared data with it already); a slow
-    one's class, vocabulary and special tokens."""
+    one's class, vocabulary and special tokens. None for another kind of tokenizer (a fork's own,
+    whose `Task.identity` says what identifies it)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         state = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
-    else:
+    elif hasattr(tokenizer, "get_vocab"):
         state = {
             "class": type(tokenizer).__name__,
             "vocab": sorted(tokenizer.get_vocab().items()),
             "lower": getattr(tokenizer, "do_lower_case", None),
         }
+    else:
+        return None
     state["special"] = getattr(tokenizer, "special_tokens_map", None)
     return hashlib.sha256(json.dumps(state, sort_keys=True, default=repr).encode()).hexdigest()
 
@@ -104,11 +136,10 @@ def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> None:
     must call it, with the model as `Task.build_model` returned it."""
     if not info.is_distributed:
         return
-    mine = {**code_identity(task), **model_identity(model), **task.identity()}
-    views: list[dict[str, str]] = all_gather_objects(mine, info)  # type: ignore[assignment]
+    mine = {**code_identity(task), **config_identity(model), **task.identity()}
+    gathered = all_gather_objects((mine, weight_summary(model)), info)
+    views: list[dict[str, str]] = [view for view, _ in gathered]  # type: ignore[misc]
     differ = sorted({key for view in views for key in view if any(v.get(key) != view.get(key) for v in views)})
-    if not differ:
-        return
 
     def shown(value: str | None) -> str:
         return "(none)" if value is None else value[:12] if len(value) == 64 else value
@@ -117,7 +148,17 @@ def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> None:
         f"{key} ({', '.join(f'rank {rank}: {shown(view.get(key))}' for rank, view in enumerate(views))})"
         for key in differ
     ]
-    raise ConfigError(
-        f"the processes of this run did not build the same thing: {'; '.join(parts)}: every node must run "
-        "the same image or installation of distqa and find the same files for model.name and model.tokenizer"
-    )
+    reference = gathered[0][1]  # type: ignore[index]
+    odd = {rank: weights_differ(summary, reference) for rank, (_, summary) in enumerate(gathered)}  # type: ignore[misc]
+    odd = {rank: names for rank, names in odd.items() if names}
+    if odd:
+        first = next(iter(odd.values()))
+        parts.append(
+            f"model weights (rank(s) {', '.join(map(str, odd))} built {len(first)} of {len(reference)} tensors "
+            f"other than rank 0's, e.g. {first[0]})"
+        )
+    if parts:
+        raise ConfigError(
+            f"the processes of this run did not build the same thing: {'; '.join(parts)}: every node must run "
+            "the same image or installation of distqa and find the same files for model.name and model.tokenizer"
+        )

@@ -126,8 +126,8 @@ class Task(ABC):
         is read from each node's own disk: compared across ranks at start (`distqa.build_identity`,
         which compares the code and the built model itself). Default: the tokenizer, when the task
         keeps one as `self.tokenizer` (a node with another vocabulary would feed other ids)."""
-        tokenizer = getattr(self, "tokenizer", None)
-        return {} if tokenizer is None else {"tokenizer": tokenizer_hash(tokenizer)}
+        digest = tokenizer_hash(getattr(self, "tokenizer", None))
+        return {} if digest is None else {"tokenizer": digest}
 
     def model_shape(self, model: nn.Module) -> ModelShape:
         """Parameters, layers and width for the FLOPs estimate of `distqa bench` (MFU). The
