@@ -176,3 +176,35 @@ def test_a_checkpoint_pruned_during_the_export_is_one_line_naming_it(tmp_path, m
         "export checkpoints/best, or export after the run"
     )
     assert not (tmp_path / "model").exists()
+
+
+def test_a_run_kept_in_a_projects_folder_named_checkpoints_exports_to_its_default(tmp_path):
+    """A project's own config.yaml beside its folder `checkpoints/` (output_dir=checkpoints/run1) made
+    every export of that run refused as 'inside the run's checkpoints folder', its default too."""
+    from distqa.export import export_checkpoint
+
+    (tmp_path / "config.yaml").write_text("train:\n  lr: 0.001\n")
+    out = tmp_path / "checkpoints" / "run1"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    export_checkpoint(str(out / "checkpoints" / "step-2"), None)
+    assert (out / "model-step-2" / SOURCE_FILE).is_file()
+
+
+def test_a_file_removed_from_the_export_on_purpose_is_no_damage_but_the_weights_are(tmp_path, capsys):
+    """nq.md: remove distqa_thresholds.json to give every example its best answer. A rerun of the
+    finished run must not call that damage and write the file back; missing weights it must."""
+    out = tmp_path / "run"
+    settings = [*TOY, f"output_dir={out}", "train.max_steps=2"]
+    train(load_config(None, settings))
+    recorded = json.loads((out / "model" / SOURCE_FILE).read_text())["files"]
+    optional = sorted(name for name in recorded if name != "config.json" and not name.endswith(".safetensors"))
+    assert optional  # the toy task's settings file at least
+    (out / "model" / optional[0]).unlink()
+    capsys.readouterr()
+    train(load_config(None, settings))
+    assert "already finished at step 2" in capsys.readouterr().out
+    assert not (out / "model" / optional[0]).exists()
+    (out / "model" / "model.safetensors").unlink()
+    train(load_config(None, settings))
+    assert "model.safetensors is missing): writing it again" in capsys.readouterr().err
+    assert (out / "model" / "model.safetensors").is_file()

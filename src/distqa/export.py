@@ -21,13 +21,13 @@ from safetensors.torch import load_model
 from torch import nn
 
 from distqa import sharded
-from distqa.best import resolve_checkpoint
+from distqa.best import BEST_NAME, resolve_checkpoint
 from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
 from distqa.config import Config
 from distqa.console import quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
-from distqa.outdir import CONFIG_FILE, export_atomically
+from distqa.outdir import export_atomically
 from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
 from distqa.task import SETTINGS_FILE
@@ -64,7 +64,10 @@ def check_replaceable(target: Path) -> None:
     run's checkpoints/ folder (a `best` link turned into a model folder would no longer name a step)."""
     parent = target.parent.resolve()  # a link on the way to checkpoints/ leads there all the same
     for folder in (parent, *parent.parents):
-        if folder.name == "checkpoints" and (step_folders(folder) or (folder.parent / CONFIG_FILE).is_file()):
+        # A run's: it holds step folders or `best`, or beside it a run's records. (Not config.yaml
+        # alone: a project's own config.yaml sits beside many a folder of that name.)
+        made_by_a_run = step_folders(folder) or os.path.lexists(folder / BEST_NAME)
+        if folder.name == "checkpoints" and (made_by_a_run or (folder.parent / "metrics.jsonl").is_file()):
             raise DistqaError(
                 f"--output {target} is inside the run's checkpoints folder {folder}, which only training "
                 "writes: name a folder outside it (default: OUTPUT/model-step-N)"
