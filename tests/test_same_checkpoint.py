@@ -26,11 +26,12 @@ TOY = [
     "train.checkpoint_every=3",
 ]
 
-CASES = ("same", "other", "missing", "damaged")
+CASES = ("same", "shared", "other", "missing", "damaged")
 
 TWO_NODES = """
 import os, sys, torch, torch.distributed as dist
 from pathlib import Path
+from distqa import checkpoint_verify
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.resume import choose_checkpoint
@@ -38,10 +39,15 @@ from distqa.resume import choose_checkpoint
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", rank=rank, world_size=2)
 info = DistInfo(rank=rank, local_rank=0, world_size=2, device=torch.device("cpu"))  # a node each
+verify = checkpoint_verify.verify_checkpoint
+verified = []
+checkpoint_verify.verify_checkpoint = lambda folder: verified.append(folder) or verify(folder)
 for case in sys.argv[2:]:
-    output_dir = Path(sys.argv[1]) / case / f"node{rank}" / "run"  # each node's own path to its copy
+    node = 0 if case == "shared" else rank  # shared: both nodes see node 0's folder
+    output_dir = Path(sys.argv[1]) / case / f"node{node}" / "run"  # each node's own path to its copy
+    verified.clear()
     try:
-        print(case, "resumes from", choose_checkpoint(output_dir, "auto", info), flush=True)
+        print(case, "resumes from", choose_checkpoint(output_dir, "auto", info), len(verified), flush=True)
     except DistqaError as err:
         print(case, "refused:", err, flush=True)
 dist.destroy_process_group()
@@ -57,6 +63,8 @@ def node_views(tmp_path: Path) -> None:
         train(load_config(None, [*TOY, f"seed={seed}", f"output_dir={runs[name]}"]))
     for case in CASES:
         shutil.copytree(runs["A"], tmp_path / case / "node0" / "run")
+        if case == "shared":
+            continue
         node1 = tmp_path / case / "node1" / "run"
         if case == "missing":
             node1.mkdir(parents=True)
@@ -92,7 +100,10 @@ def test_every_node_resumes_from_its_own_copy_of_rank_0s_checkpoint_or_none_star
         outputs.append(dict(line.split(" ", 1) for line in out.splitlines()))
     for rank, lines in enumerate(outputs):
         # Each node's own path (a node may mount the volume elsewhere), not rank 0's.
-        assert lines["same"] == f"resumes from {tmp_path / 'same' / f'node{rank}' / 'run' / 'checkpoints' / 'step-3'}"
+        # (The count: the checkpoint verified again here, on node 1's own copy only.)
+        step = tmp_path / "same" / f"node{rank}" / "run" / "checkpoints" / "step-3"
+        assert lines["same"] == f"resumes from {step} {rank}"
+        assert lines["shared"] == f"resumes from {tmp_path / 'shared' / 'node0' / 'run' / 'checkpoints' / 'step-3'} 0"
         assert lines["other"].startswith("refused: the processes of this run do not all see the checkpoint")
         assert "rank 1: another checkpoint (its manifest.json differs from rank 0's)" in lines["other"]
         assert "rank 1: cannot read its manifest.json (No such file or directory)" in lines["missing"]

@@ -255,7 +255,7 @@ def exported_from(export: Path, checkpoint: Path) -> bool:
     return export_damage(export) is None
 
 
-def same_on_every_rank(directory: Path, info: DistInfo) -> None:
+def same_on_every_rank(directory: Path, info: DistInfo, *, shared: bool = False) -> None:
     """Raise the same one line on every rank unless every rank will load the checkpoint rank 0
     chose and verified in `directory`. Every rank must call it.
 
@@ -263,12 +263,13 @@ def same_on_every_rank(directory: Path, info: DistInfo) -> None:
     node's copy may be another run's, an older one, damaged, or missing, and DDP would then train on
     two sets of weights with exit 0. So every rank compares its manifest's hash with rank 0's, and
     the first process of every other node verifies its files as rank 0 did (once per node: the
-    processes of a node share its files)."""
+    processes of a node share its files), unless it reads rank 0's own (`shared`: it sees the files
+    rank 0 writes in output_dir, `sharded.sees_rank0_files`)."""
     if not info.is_distributed:
         return
     try:
         digest: str | None = hashlib.sha256((directory / MANIFEST_FILE).read_bytes()).hexdigest()
-        damage = verify_checkpoint(directory) if info.local_rank == 0 and not info.is_main else None
+        damage = verify_checkpoint(directory) if info.local_rank == 0 and not info.is_main and not shared else None
     except OSError as err:
         digest, damage = None, f"cannot read its {MANIFEST_FILE} ({err.strerror or err})"
     views: list[tuple[str | None, str | None, str]] = all_gather_objects((digest, damage, str(directory)), info)  # type: ignore[assignment]

@@ -28,6 +28,7 @@ from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
 from distqa.rank0 import on_rank0, reason
 from distqa.set_aside import set_aside_earlier_run
+from distqa.sharded import sees_rank0_files
 
 
 def resume_kind(cfg: Config, key: str) -> str:
@@ -59,7 +60,9 @@ def choose_checkpoint(output_dir: Path, mode: str, info: DistInfo) -> Path | Non
         return None
     chosen, inside = choice
     mine = chosen if inside is None or info.is_main else output_dir / inside
-    same_on_every_rank(mine, info)
+    # A node that sees rank 0's output_dir reads the files rank 0 verified: no second reading.
+    shared = inside is not None and info.is_distributed and sees_rank0_files(output_dir, info)[info.rank]
+    same_on_every_rank(mine, info, shared=shared)
     return mine
 
 

@@ -48,11 +48,10 @@ METADATA_FILE = ".metadata"
 _TOKEN_FILE = ".distqa-shared-check"
 
 
-def require_shared(folder: Path, info: DistInfo) -> None:
-    """Every rank, at start: raise unless every rank sees the files rank 0 writes in `folder`
-    (a file with a random name and content), so that a run whose nodes do not share output_dir
-    stops before its first step, not at its first checkpoint hours later. (A name never used before
-    cannot be answered from a network file system's cache of names that do not exist.)"""
+def sees_rank0_files(folder: Path, info: DistInfo) -> list[bool]:
+    """Whether each rank sees the files rank 0 writes in `folder` (a file with a random name and
+    content: a name never used before cannot be answered from a network file system's cache of
+    names that do not exist). Every rank must call it."""
 
     def write_token() -> str:
         for stale in folder.glob(f"{_TOKEN_FILE}-*"):  # left by a run killed right here (one run per folder)
@@ -67,9 +66,17 @@ def require_shared(folder: Path, info: DistInfo) -> None:
         seen = path.read_text() == token
     except OSError:
         seen = False
-    blind = [rank for rank, ok in enumerate(all_gather_objects(seen, info)) if not ok]
+    views: list[bool] = all_gather_objects(seen, info)  # type: ignore[assignment]
     if info.is_main:
         path.unlink(missing_ok=True)
+    return views
+
+
+def require_shared(folder: Path, info: DistInfo) -> None:
+    """Every rank, at start: raise unless every rank sees the files rank 0 writes in `folder`, so
+    that a run whose nodes do not share output_dir stops before its first step, not at its first
+    checkpoint hours later."""
+    blind = [rank for rank, ok in enumerate(sees_rank0_files(folder, info)) if not ok]
     if blind:
         raise DistqaError(
             f"rank(s) {', '.join(map(str, blind))} cannot see the files rank 0 writes in {folder}: with "
