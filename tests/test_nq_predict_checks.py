@@ -199,8 +199,8 @@ def test_an_output_that_cannot_be_written_is_one_line_before_or_after_the_work(
     monkeypatch.setattr(submission, "csv", types.SimpleNamespace(writer=full_disk))
     status, _, err = predict_here(tmp_path, capsys, tiny_run, f"model.tokenizer={minilm_dir}")
     assert status != 0 and err.strip().splitlines()[-1] == (
-        f"distqa: error: cannot write the submission {tmp_path / 'sub.csv'} (No space left on device): free space, "
-        "or choose another --output"
+        f"distqa: error: cannot write the submission {tmp_path / 'sub.csv'} (No space left on device): free space "
+        f"in {tmp_path}, or choose another --output"
     ), err[-2000:]
     assert list(tmp_path.glob("sub.csv*")) == []
 

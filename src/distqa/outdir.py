@@ -102,7 +102,7 @@ def archive_config(output_dir: Path, step: int, info: DistInfo) -> Path | None:
         keep,
         failure=lambda err: (
             f"cannot keep the earlier {source} as {history / f'{step}.yaml'} ({reason(err)}): "
-            "free space in output_dir (or remove the link named) and run again"
+            f"{fix_for(err)} (or remove the link named) and run again"
         ),
     )
     return kept if info.is_main else None

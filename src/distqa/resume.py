@@ -53,7 +53,8 @@ def choose_checkpoint(output_dir: Path, mode: str, info: DistInfo) -> Path | Non
     choice = on_rank0(
         info,
         choose,
-        failure=lambda err: f"cannot read the checkpoints in {root}: {reason(err)}",
+        # (Moving an earlier run aside, train.resume=never or auto over records, fails here too.)
+        failure=lambda err: f"cannot read the checkpoints in {root} or move an earlier run aside: {reason(err)}",
         error=ConfigError,
     )
     if choice is None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from distqa.durable import file_in_the_way
 from distqa.errors import DistqaError
+from distqa.rank0 import fix_for
 
 HEADER = ("example_id", "PredictionString")
 _SPAN = re.compile(r"([0-9]+):([0-9]+)")  # ASCII digits: `\d` would also take "١٩٦٠"
@@ -133,7 +134,8 @@ def write_submission(path: str | os.PathLike, predictions: Mapping[str, tuple[st
         os.replace(partial, path)
     except OSError as err:  # a full disk: after all the prediction work, one line, and `path` as it was
         raise DistqaError(
-            f"cannot write the submission {path} ({err.strerror or err}): free space, or choose another --output"
+            f"cannot write the submission {path} ({err.strerror or err}): {fix_for(err, str(path.parent))}, or "
+            "choose another --output"
         ) from err
     finally:
         partial.unlink(missing_ok=True)
