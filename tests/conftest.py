@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -62,6 +64,21 @@ def needs_root(why: str, *tools: str) -> None:
     missing = (["root"] if os.geteuid() != 0 else []) + [f"`{tool}`" for tool in tools if shutil.which(tool) is None]
     if missing:
         unavailable(f"{why} needs {', '.join(missing)}")
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, options: str, why: str) -> Iterator[Path]:
+    """A tmpfs mounted at `folder` (made here) with mount `options` ("size=64k", "ro,size=64k"):
+    a full, small or read-only disk. Root only: `why` names what the test needs it for."""
+    folder.mkdir()
+    needs_root(why, "mount", "umount")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
 
 
 TESTS = Path(__file__).resolve().parent

@@ -27,10 +27,9 @@ from conftest import (
     load_weights,
     max_abs_diff,
     metrics_rows,
-    needs_root,
     run_train,
     subprocess_env,
-    unavailable,
+    tmpfs,
     wait_for_step,
 )
 from distqa import dist as distqa_dist
@@ -166,16 +165,8 @@ def test_only_the_newest_checkpoints_are_kept_and_tmp_folders_ignored(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 26 MB tmpfs (root only): one tiny-model checkpoint fits, two do not."""
-    disk = tmp_path / "small-disk"
-    disk.mkdir()
-    needs_root("a small disk (a tmpfs mount)", "mount", "umount")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=26m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        unavailable(f"cannot mount a tmpfs for a small disk: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "small-disk", "size=26m", "a small disk (a tmpfs mount)") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

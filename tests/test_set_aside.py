@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import needs_root, unavailable
+from conftest import tmpfs
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.resume import choose_checkpoint
@@ -144,16 +143,8 @@ def test_a_set_aside_stopped_at_any_rename_loses_nothing_and_a_second_try_comple
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 64 KiB tmpfs (root only)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    needs_root("a full disk (a tmpfs mount)", "mount", "umount")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "size=64k", "a full disk (a tmpfs mount)") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
 
 
 def test_a_full_disk_while_setting_a_line_aside_moves_nothing_and_a_second_try_completes(tiny_disk):

@@ -8,14 +8,13 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import needs_root, unavailable
+from conftest import tmpfs
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.metrics import MetricsWriter
@@ -86,16 +85,8 @@ def test_the_advice_is_chosen_by_errno_also_through_a_wrapping_error(case):
 @pytest.fixture
 def read_only_disk(tmp_path):
     """A read-only tmpfs (root only)."""
-    disk = tmp_path / "ro"
-    disk.mkdir()
-    needs_root("a read-only mount", "mount", "umount")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=64k", "a read-only mount") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
 
 
 def test_a_checkpoint_on_a_read_only_disk_says_to_make_it_writable(read_only_disk):
@@ -109,16 +100,8 @@ def test_a_checkpoint_on_a_read_only_disk_says_to_make_it_writable(read_only_dis
 @pytest.fixture
 def small_disk(tmp_path):
     """A 32 KiB tmpfs (root only), and a function that fills it."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    needs_root("a full disk (a tmpfs mount)", "mount", "umount")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        unavailable(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "size=32k", "a full disk (a tmpfs mount)") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
 
 
 def fill(disk: Path) -> None:
