@@ -157,3 +157,33 @@ def test_the_identities_see_what_changes_the_computation_and_nothing_else(tmp_pa
     assert config_identity(first) == config_identity(second)
     second.config.layer_norm_eps = 0.5
     assert config_identity(first) != config_identity(second)
+
+
+def test_a_resume_whose_tokenizer_files_changed_is_refused_naming_it(tmp_path, minilm_dir):
+    """The same model.tokenizer setting, other files (a hub id's newer snapshot, a folder replaced):
+    textcls tokenizes as it collates, so nothing else would see that the ids changed."""
+    from distqa.errors import ConfigError
+    from distqa.registry import load_config
+    from distqa.trainer import train
+    from test_textcls import LABELS, write_keyword_csv
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        if (minilm_dir / name).is_file():
+            shutil.copy(minilm_dir / name, tok / name)
+    out = tmp_path / "run"
+    args = ["task.name=textcls", f"task.labels={LABELS}", "model.name=tiny", f"model.tokenizer={tok}"]
+    args += [f"data.train={write_keyword_csv(tmp_path / 't.csv', 32, 0)}", "data.num_workers=0"]
+    args += ["train.batch_size=8", f"output_dir={out}"]
+    train(load_config(None, [*args, "train.max_steps=2"]))
+    vocab = (tok / "vocab.txt").read_text().splitlines()
+    first, second = vocab.index("good"), vocab.index("bad")
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tok / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    with pytest.raises(ConfigError) as refused:
+        train(load_config(None, [*args, "train.max_steps=4"]))
+    assert str(refused.value).startswith(
+        f"checkpoint {out / 'checkpoints' / 'step-2'} was trained with another tokenizer than this run builds ("
+    ), refused.value
+    assert "give model.name and model.tokenizer the files it was trained with" in str(refused.value)

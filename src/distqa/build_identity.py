@@ -130,13 +130,15 @@ def tokenizer_hash(tokenizer: Any) -> str | None:
     return hashlib.sha256(json.dumps(state, sort_keys=True, default=repr).encode()).hexdigest()
 
 
-def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> None:
+def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> dict[str, str]:
     """Raise the same one-line ConfigError on every rank unless every rank runs the same code and
     built the same model (`Task.identity` adds the task's own parts: its tokenizer). Every rank
-    must call it, with the model as `Task.build_model` returned it."""
+    must call it, with the model as `Task.build_model` returned it. Returns `Task.identity`, which
+    checkpoints keep for a resume to compare (`resume.check_continuation`)."""
+    task_identity = task.identity()
     if not info.is_distributed:
-        return
-    mine = {**code_identity(task), **config_identity(model), **task.identity()}
+        return task_identity
+    mine = {**code_identity(task), **config_identity(model), **task_identity}
     gathered = all_gather_objects((mine, weight_summary(model)), info)
     views: list[dict[str, str]] = [view for view, _ in gathered]  # type: ignore[misc]
     differ = sorted({key for view in views for key in view if any(v.get(key) != view.get(key) for v in views)})
@@ -157,8 +159,9 @@ def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> None:
             f"model weights (rank(s) {', '.join(map(str, odd))} built {len(first)} of {len(reference)} tensors "
             f"other than rank 0's, e.g. {first[0]})"
         )
-    if parts:
-        raise ConfigError(
-            f"the processes of this run did not build the same thing: {'; '.join(parts)}: every node must run "
-            "the same image or installation of distqa and find the same files for model.name and model.tokenizer"
-        )
+    if not parts:
+        return task_identity
+    raise ConfigError(
+        f"the processes of this run did not build the same thing: {'; '.join(parts)}: every node must run "
+        "the same image or installation of distqa and find the same files for model.name and model.tokenizer"
+    )

@@ -53,6 +53,8 @@ class TrainerState:
     data_identity: dict[str, Any]
     # The validation data's identity (`agreed_identity` of the task's eval dataset), or None.
     valid_identity: dict[str, Any] | None = None
+    # `Task.identity` (the tokenizer's hash): a resume compares it (`resume.check_continuation`).
+    task_identity: dict[str, str] | None = None
     step: int = 0  # the last finished step
     # train.best_metric's record so far: {"metric", "mode", "value", "step"} (`distqa.best`).
     best: dict[str, Any] | None = None
@@ -70,6 +72,7 @@ class TrainerState:
             "config": dataclasses.asdict(self.cfg),
             "data": self.data_identity,
             "valid_data": self.valid_identity,
+            "task_identity": self.task_identity,
             "log_window": self.meter.window(),
             "grad_norm_window": self.meter.norm_window(),
             "best": self.best,

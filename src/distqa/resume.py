@@ -184,15 +184,24 @@ def _shown(keys: list[str], saved: dict[str, Any], now: dict[str, Any]) -> str:
 
 
 def check_continuation(
-    directory: Path, state: dict[str, Any], cfg: Config, *, total_steps: int, data: dict[str, Any]
+    directory: Path,
+    state: dict[str, Any],
+    cfg: Config,
+    *,
+    total_steps: int,
+    data: dict[str, Any],
+    task_identity: dict[str, str] | None = None,
 ) -> bool:
-    """Once the data is built: refuse other data or too few steps; True when the checkpoint is the
-    end of this run already (nothing to train). Warns about settings applied from the resume step."""
+    """Once the data is built: refuse other data, another tokenizer or too few steps; True when the
+    checkpoint is the end of this run already (nothing to train). Warns about settings applied from
+    the resume step."""
     if state["step"] > total_steps:
         raise ConfigError(
             f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps: raise "
             "train.max_steps (or train.epochs), or start afresh with train.resume=never"
         )
+    # The tokenizer first: NQ's features, made by it, would show as other data.
+    _check_task_identity(directory, state.get("task_identity"), task_identity or {})
     _check_data(directory, state.get("data"), data, cfg)
     _refuse_finished_with_other_settings(state, cfg, total_steps)
     if state["step"] == total_steps:
@@ -204,6 +213,22 @@ def check_continuation(
             + _shown(applied, saved, now)
         )
     return False
+
+
+def _check_task_identity(directory: Path, saved: Any, now: dict[str, str]) -> None:
+    """The same setting may name other files on resume (a hub id's newer snapshot, a folder
+    replaced): a tokenizer that gives other ids would train on as if nothing changed. (Checkpoints
+    written before identities were kept have none.)"""
+    if not isinstance(saved, dict):
+        return
+    differ = sorted(key for key in saved.keys() & now.keys() if saved[key] != now[key])
+    if differ:
+        shown = "; ".join(f"{key}: {str(saved[key])[:12]} then, {now[key][:12]} now" for key in differ)
+        raise ConfigError(
+            f"checkpoint {directory} was trained with another {', '.join(differ)} than this run builds ({shown}): "
+            "give model.name and model.tokenizer the files it was trained with, or start afresh with "
+            "train.resume=never"
+        )
 
 
 def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -> None:

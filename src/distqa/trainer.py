@@ -117,6 +117,7 @@ class Trainer:
             self.cfg,
             total_steps=self.total_steps,
             data=self.data_identity,
+            task_identity=self.task_identity,
         )
         # (finished is the same on every rank: the same checkpoint, settings and agreed data.)
         # train.resume=PATH: output_dir then holds PATH's line alone (later checkpoints, or another
@@ -150,7 +151,8 @@ class Trainer:
         seed_everything(cfg.seed)
         with local_main_first(info):
             self.raw_model = self.task.build_model()
-        check_same_build(self.raw_model, self.task, info)  # as built, on the CPU: the same code, weights, tokenizer
+        # As built, on the CPU: the same code, weights and tokenizer on every rank (and on resume, the tokenizer).
+        self.task_identity = check_same_build(self.raw_model, self.task, info)
         if not self.sharded:  # FSDP moves it to the device itself, one unit at a time, as it shards it
             self.raw_model.to(info.device)
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
@@ -189,6 +191,7 @@ class Trainer:
             self.epoch_steps,
             self.data_identity,
             valid_identity=self.valid_identity,
+            task_identity=self.task_identity,
         )
         self.parts = Parts(self.raw_model, self.optimizer, scheduler, scaler, self.task, self.state, comm_hook)
         self.checkpoints.track(self.parts)
