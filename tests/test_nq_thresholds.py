@@ -237,3 +237,20 @@ def test_predict_refuses_thresholds_copied_beside_other_weights(evaluated_run, t
     assert (
         f"{two / THRESHOLDS_FILE} was chosen at step 4, but the weights in {two} are step 2" in capsys.readouterr().err
     )
+
+
+def test_predict_says_never_for_a_kind_that_is_never_answered(evaluated_run, tmp_path, capsys, minilm_dir):
+    """The file says null ("never") for the short threshold here; the console said `inf`."""
+    from conftest import TESTS
+    from distqa.cli import main
+
+    source = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+    capsys.readouterr()
+    status = main(
+        ["predict", "--input", str(source), "--checkpoint", str(evaluated_run), "--output", str(tmp_path / "s.csv")]
+        + [f"model.tokenizer={minilm_dir}", f"task.cache_dir={tmp_path / 'cache'}"]
+    )
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("thresholds from")]
+    assert status == 0 and said == [
+        f"thresholds from {evaluated_run / 'model' / THRESHOLDS_FILE}: long 3.5, short never"
+    ]

@@ -159,7 +159,12 @@ def predict(
     # Without thresholds (a run with no data.valid) every example gets its best answer.
     thresholds = chosen_thresholds(thresholds_path, folder) if thresholds_path.is_file() else {}
     if thresholds:
-        print(f"thresholds from {thresholds_path}: long {thresholds.get('long')}, short {thresholds.get('short')}")
+        # (A threshold no score passes, null in the file, is "never": that kind is never answered.)
+        shown = {
+            kind: "never" if thresholds.get(kind) == float("inf") else thresholds.get(kind)
+            for kind in ("long", "short")
+        }
+        print(f"thresholds from {thresholds_path}: long {shown['long']}, short {shown['short']}")
     else:
         print(
             f"no {THRESHOLDS_FILE} in {folder} (no thresholds were chosen with these weights: trained without "
