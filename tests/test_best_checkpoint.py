@@ -112,6 +112,14 @@ def test_best_metric_mistakes_are_one_line(tmp_path):
         DistqaError, match=r"'eval_f1' is not a metric of this task's evaluation: it reported eval_other"
     ):
         run(tmp_path / "b", "train.max_steps=2", "train.best_metric=eval_f1")
+    # A task whose settings name its metrics: a misspelt one at once, not at the first evaluation.
+    with pytest.raises(ConfigError) as misspelt:
+        load_config(None, ["task.name=textcls", "task.labels=a,b", "train.best_metric=eval_acc"])
+    assert str(misspelt.value) == (
+        "train.best_metric='eval_acc' is not a metric this task reports (did you mean eval_accuracy?): one of "
+        "eval_accuracy, eval_macro_f1"
+    )
+    load_config(None, ["train.best_metric=eval_micro_f1"])  # NQ's
 
 
 def test_a_pointer_is_verified_on_read(tmp_path):

@@ -75,6 +75,9 @@ def test_the_pair_is_chosen_for_the_pooled_f1_not_each_kind_s_own():
     metrics, thresholds = score_predictions(grouped, NS(examples=examples, gold=gold))
     assert thresholds == {"long": 4.5, "short": math.inf}
     assert metrics["eval_micro_f1"] == pytest.approx(22 / 23)
+    from distqa.nq.settings import NQSettings
+
+    assert tuple(metrics) == NQSettings.metric_names  # what train.best_metric is checked against
 
 
 def test_never_is_chosen_when_no_answer_can_be_right():

@@ -8,6 +8,7 @@ lookup of a task's settings class (`distqa.registry.load_config` does).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,9 +135,24 @@ def load_config(
             raise err.__cause__ from None
         raise_config_error(err, "the configuration", known, renamed)
     assert isinstance(cfg, Config)
+    check_best_metric(cfg)
     if data_paths:
         check_data_paths(cfg)
     return cfg
+
+
+def check_best_metric(cfg: Config) -> None:
+    """train.best_metric is one the task reports, where its settings class says which
+    (`metric_names: ClassVar[tuple[str, ...]]`): a misspelt name would fail at the first
+    evaluation, hours into a run."""
+    names = tuple(getattr(type(cfg.task), "metric_names", ()))
+    metric = cfg.train.best_metric
+    if metric is None or not names or metric in names:
+        return
+    close = difflib.get_close_matches(metric, names, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    reported = ", ".join(names)
+    raise ConfigError(f"train.best_metric={metric!r} is not a metric this task reports{hint}: one of {reported}")
 
 
 def check_data_paths(cfg: Config) -> None:

@@ -36,6 +36,15 @@ class NQSettings:
         "with `distqa split --input data/simplified-nq-train.jsonl --valid 2000 --output data/split`"
     }
 
+    # The eval_* keys the task reports (`nq.evaluate.score_predictions`): train.best_metric is one.
+    metric_names: ClassVar[tuple[str, ...]] = (
+        "eval_micro_f1",
+        "eval_long_f1",
+        "eval_short_f1",
+        "eval_long_threshold",
+        "eval_short_threshold",
+    )
+
     max_seq_len: int = setting(512, "tokens per input sequence, special tokens included")
     doc_stride: int = setting(128, "document tokens between the starts of two windows (at most a window's length)")
     max_query_len: int = setting(64, "question tokens kept (the rest is cut)")

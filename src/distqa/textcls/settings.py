@@ -7,6 +7,7 @@ torch with it) is imported, so a mistake is reported at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from distqa.config import check_min, setting
 from distqa.errors import ConfigError
@@ -14,6 +15,9 @@ from distqa.errors import ConfigError
 
 @dataclass
 class TextClsSettings:
+    # The eval_* keys the task reports (`textcls.metric`): train.best_metric is one.
+    metric_names: ClassVar[tuple[str, ...]] = ("eval_accuracy", "eval_macro_f1")
+
     labels: str | None = setting(
         None,
         "the class names in order, comma-separated (e.g. 'negative,positive'); "
