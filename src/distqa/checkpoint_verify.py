@@ -243,16 +243,14 @@ def export_damage(export: Path, names: Collection[str] | None = None) -> str | N
 
 
 def exported_from(export: Path, checkpoint: Path) -> bool:
-    """Whether the export folder `export` holds `checkpoint`'s weights, by its SOURCE_FILE, and its
-    files are still those the export wrote (`export_damage`)."""
+    """Whether the export folder `export` holds `checkpoint`'s weights, by its SOURCE_FILE (whether
+    its files are still those the export wrote is `export_damage`'s to say)."""
     recorded = recorded_source(export)
     try:
         source = source_of(checkpoint)
     except (OSError, ValueError, KeyError, TypeError):  # the checkpoint's own files cannot say
         return False
-    if recorded is None or {key: recorded.get(key) for key in source} != source:
-        return False
-    return export_damage(export) is None
+    return recorded is not None and {key: recorded.get(key) for key in source} == source
 
 
 def same_on_every_rank(directory: Path, info: DistInfo, *, shared: bool = False) -> None:

@@ -31,15 +31,20 @@ def is_exported(out: Path, final: Path, info: DistInfo) -> bool:
     (rank 0 looks; every rank learns it). When it holds other weights, or a file of it was damaged
     since, says that it is written again."""
     model = out / "model"
-    done = bool(on_rank0(info, lambda: exported_from(model, final)))
-    if done or not info.is_main or not model.exists():
-        return done
-    damage = export_damage(model)
-    if damage is not None:  # a file changed since the export wrote it: a rerun must not call it finished
-        print(f"distqa: warning: {model} is damaged ({damage}): writing it again", file=sys.stderr, flush=True)
-    else:
-        print(f"{model} does not record that it holds the weights of {final}: writing it again", flush=True)
-    return done
+
+    def look() -> bool:
+        if not model.exists():
+            return False
+        damage = export_damage(model)  # (its files hashed once: the verdict and the line both need it)
+        if damage is not None:  # a file changed since the export wrote it: a rerun must not call it finished
+            print(f"distqa: warning: {model} is damaged ({damage}): writing it again", file=sys.stderr, flush=True)
+            return False
+        if not exported_from(model, final):
+            print(f"{model} does not record that it holds the weights of {final}: writing it again", flush=True)
+            return False
+        return True
+
+    return bool(on_rank0(info, look))
 
 
 def export_final(
