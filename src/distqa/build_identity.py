@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import distqa
+from distqa.agreement import differences
 from distqa.dist import DistInfo, all_gather_objects
 from distqa.errors import ConfigError
 
@@ -140,16 +141,9 @@ def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> dict[str, 
         return task_identity
     mine = {**code_identity(task), **config_identity(model), **task_identity}
     gathered = all_gather_objects((mine, weight_summary(model)), info)
-    views: list[dict[str, str]] = [view for view, _ in gathered]  # type: ignore[misc]
-    differ = sorted({key for view in views for key in view if any(v.get(key) != view.get(key) for v in views)})
-
-    def shown(value: str | None) -> str:
-        return "(none)" if value is None else value[:12] if len(value) == 64 else value
-
-    parts = [
-        f"{key} ({', '.join(f'rank {rank}: {shown(view.get(key))}' for rank, view in enumerate(views))})"
-        for key in differ
-    ]
+    # Hashes shown by their first 12 characters, versions whole; named as the settings' are.
+    views = [{key: v[:12] if len(v) == 64 else v for key, v in view.items()} for view, _ in gathered]  # type: ignore[misc]
+    parts = [found] if (found := differences(views)) else []
     reference = gathered[0][1]  # type: ignore[index]
     odd = {rank: weights_differ(summary, reference) for rank, (_, summary) in enumerate(gathered)}  # type: ignore[misc]
     odd = {rank: names for rank, names in odd.items() if names}
