@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import sys
 import textwrap
@@ -101,14 +100,13 @@ example (Natural Questions, 2 processes on this machine):
 def _add_task_commands(commands: Any, task: str | None) -> None:
     """The commands tasks bring (`Task.add_commands`): every built-in task's, and those of the
     fork's task named on the command line (`task.name=module:Class`) or in its --config file."""
-    from distqa.registry import BUILTIN_COMMANDS, BUILTIN_TASKS, task_class
+    from distqa.registry import BUILTIN_COMMANDS, BUILTIN_TASKS, add_task_commands
 
-    for target in BUILTIN_COMMANDS.values():
-        module_name, _, attr = target.partition(":")
-        getattr(importlib.import_module(module_name), attr)(commands, _add_settings)
+    for name in BUILTIN_COMMANDS:
+        add_task_commands(name, commands, _add_settings)
     if task is not None and task not in BUILTIN_TASKS:
         try:
-            task_class(task).add_commands(commands, _add_settings)
+            add_task_commands(task, commands, _add_settings)
         except DistqaError:
             pass  # reported when the command loads its configuration
 

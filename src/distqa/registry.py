@@ -13,7 +13,7 @@ task's package.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from distqa import config_layers
@@ -55,6 +55,15 @@ def task_class(name: str) -> type[Task]:
     if not (isinstance(found, type) and issubclass(found, Task)):
         raise ConfigError(f"task.name={name!r}: {found!r} is not a distqa.task.Task subclass")
     return found
+
+
+def add_task_commands(name: str, commands: Any, add_settings: Callable[..., None]) -> None:
+    """Add task `name`'s own `distqa` commands to `commands` (argparse's subparsers): a built-in
+    task's from its commands module (no torch), a fork's from its class (`Task.add_commands`)."""
+    if name in BUILTIN_COMMANDS:
+        _import(name, BUILTIN_COMMANDS[name])(commands, add_settings)
+    elif name not in BUILTIN_TASKS:
+        task_class(name).add_commands(commands, add_settings)
 
 
 def settings_class(name: str) -> type:

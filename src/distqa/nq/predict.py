@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -60,15 +59,11 @@ def predict_commands(task: str) -> list[str]:
     """The commands with "predict" in their name that `task` adds to distqa (`Task.add_commands`)."""
     import argparse
 
-    from distqa.registry import BUILTIN_COMMANDS, BUILTIN_TASKS, task_class
+    from distqa.registry import add_task_commands
 
     commands = argparse.ArgumentParser().add_subparsers()
     try:
-        if task in BUILTIN_COMMANDS:
-            module_name, _, attr = BUILTIN_COMMANDS[task].partition(":")
-            getattr(importlib.import_module(module_name), attr)(commands, lambda *args, **kwargs: None)
-        elif task not in BUILTIN_TASKS:
-            task_class(task).add_commands(commands, lambda *args, **kwargs: None)
+        add_task_commands(task, commands, lambda *args, **kwargs: None)
     except DistqaError:  # a fork that cannot be imported here: no command to name
         return []
     return sorted(name for name in commands.choices if "predict" in name)
