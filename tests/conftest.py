@@ -81,6 +81,20 @@ def tmpfs(folder: Path, options: str, why: str) -> Iterator[Path]:
         subprocess.run(["umount", str(folder)], check=False)
 
 
+def fill(disk: Path, name: str = "filler", chunk: int = 512) -> Path:
+    """Fill `disk` (a `tmpfs`) to its last byte with the file `name`; returns that file, whose
+    removal frees the space again."""
+    filler = disk / name
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                os.write(fd, b"x" * chunk)
+    finally:
+        os.close(fd)
+    return filler
+
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 

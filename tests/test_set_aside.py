@@ -4,15 +4,17 @@ a second try and the trainer cutting metrics.jsonl back to step N. On a made-up 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tmpfs
+from conftest import fill, tmpfs
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.resume import choose_checkpoint
@@ -71,51 +73,49 @@ class Killed(BaseException):
     folder as the kill left it)."""
 
 
-def renames_of_a_set_aside(tmp_path: Path) -> int:
-    out = tmp_path / "count"
-    made_up_run(out)
+@contextlib.contextmanager
+def each_rename(before: Callable[[int], None]) -> Iterator[None]:
+    """os.rename and os.replace patched: each call's number (1-based) goes to `before` first, which
+    may raise instead of the rename."""
     calls = 0
-    real_rename, real_replace = os.rename, os.replace
 
-    def counted(real):
+    def wrapped(real):
         def call(*args, **kwargs):
             nonlocal calls
             calls += 1
+            before(calls)
             return real(*args, **kwargs)
 
         return call
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(os, "rename", counted(real_rename))
-        patch.setattr(os, "replace", counted(real_replace))
+        patch.setattr(os, "rename", wrapped(os.rename))
+        patch.setattr(os, "replace", wrapped(os.replace))
+        yield
+
+
+def renames_of_a_set_aside(tmp_path: Path) -> int:
+    out = tmp_path / "count"
+    made_up_run(out)
+    calls: list[int] = []
+    with each_rename(calls.append):
         set_aside(out)
-    return calls
+    return len(calls)
 
 
 def stopped_set_aside(out: Path, snapshot: Path, at: int, stop: str) -> BaseException:
     """A set-aside of `out` stopped at its `at`-th rename (0-based): killed (`out` as the kill left
     it copied to `snapshot`) or failed; what it raised."""
-    calls = 0
-    real_rename, real_replace = os.rename, os.replace
 
-    def stopping(real):
-        def call(*args, **kwargs):
-            nonlocal calls
-            calls += 1
-            if calls == at + 1:
-                if stop == "error":
-                    raise OSError(5, "Input/output error")
-                shutil.copytree(out, snapshot, symlinks=True)
-                raise Killed
-            return real(*args, **kwargs)
+    def stopping(call: int) -> None:
+        if call == at + 1:
+            if stop == "error":
+                raise OSError(5, "Input/output error")
+            shutil.copytree(out, snapshot, symlinks=True)
+            raise Killed
 
-        return call
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(os, "rename", stopping(real_rename))
-        patch.setattr(os, "replace", stopping(real_replace))
-        with pytest.raises(Killed if stop == "kill" else DistqaError) as raised:
-            set_aside(out)
+    with each_rename(stopping), pytest.raises(Killed if stop == "kill" else DistqaError) as raised:
+        set_aside(out)
     return raised.value
 
 
@@ -151,14 +151,7 @@ def test_a_full_disk_while_setting_a_line_aside_moves_nothing_and_a_second_try_c
     out = tiny_disk / "run"
     made_up_run(out)
     before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    filler = tiny_disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        with pytest.raises(OSError, match="No space left"):
-            while True:
-                os.write(fd, b"x" * 1024)
-    finally:
-        os.close(fd)
+    filler = fill(tiny_disk, chunk=1024)
     with pytest.raises(DistqaError, match=r"aside \(No space left on device\): nothing was lost; free space in"):
         set_aside(out)
     assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

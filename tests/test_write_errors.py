@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tmpfs
+from conftest import fill, tmpfs
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.metrics import MetricsWriter
@@ -102,16 +102,6 @@ def small_disk(tmp_path):
     """A 32 KiB tmpfs (root only), and a function that fills it."""
     with tmpfs(tmp_path / "disk", "size=32k", "a full disk (a tmpfs mount)") as disk:
         yield disk
-
-
-def fill(disk: Path) -> None:
-    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        with pytest.raises(OSError, match="No space left"):
-            while True:
-                os.write(fd, b"x" * 512)
-    finally:
-        os.close(fd)
 
 
 AGAIN = ": free space in output_dir and run the same command again to resume"
