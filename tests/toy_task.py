@@ -254,24 +254,27 @@ def _count(args) -> int:
     return 0
 
 
+def _counting_command(name: str, help_text: str) -> classmethod:
+    """A `Task.add_commands` adding one command `name` that counts the synthetic examples."""
+
+    def add_commands(cls, commands, add_settings) -> None:
+        parser = commands.add_parser(name, help=help_text)
+        add_settings(parser)
+        parser.set_defaults(run=_count)
+
+    return classmethod(add_commands)
+
+
 class CommandTask(ToyClassificationTask):
     """Brings a command of its own: `distqa toy-count task.name=toy_task:CommandTask`."""
 
-    @classmethod
-    def add_commands(cls, commands, add_settings) -> None:
-        parser = commands.add_parser("toy-count", help="count the synthetic examples")
-        add_settings(parser)
-        parser.set_defaults(run=_count)
+    add_commands = _counting_command("toy-count", "count the synthetic examples")
 
 
 class PredictTask(ToyClassificationTask):
     """Brings a predict command of its own, which `distqa predict` names for its models."""
 
-    @classmethod
-    def add_commands(cls, commands, add_settings) -> None:
-        parser = commands.add_parser("toy-predict", help="predict with a toy model")
-        add_settings(parser)
-        parser.set_defaults(run=_count)
+    add_commands = _counting_command("toy-predict", "predict with a toy model")
 
 
 class SleepyTask(ToyClassificationTask):
