@@ -38,7 +38,7 @@ from distqa.nq.features import (
     is_html_tag,
     select_target,
 )
-from distqa.nq.reader import BadLine, NQExample, NQReader, byte_ranges, parse_example
+from distqa.nq.reader import GZIP_MAGIC, UTF8_BOM, BadLine, NQExample, NQReader, byte_ranges, parse_example
 
 
 def props(max_examples: int) -> settings:
@@ -386,6 +386,8 @@ def write_lines(directory: Path, lines: list[bytes], trailing_newline: bool) -> 
 
 @props(100)
 @given(labelled=st.lists(labelled_line, min_size=1, max_size=8), trailing_newline=st.booleans())
+@explicit(labelled=[("oracle", UTF8_BOM)], trailing_newline=False)  # found by a run: the whole file is refused
+@explicit(labelled=[("oracle", GZIP_MAGIC + b"x"), ("oracle", b"{}")], trailing_newline=True)
 def test_reader_yields_good_lines_and_names_the_first_bad_one(lines_dir, labelled, trailing_newline):
     lines = [raw for _, raw in labelled]
     if not trailing_newline and not lines[-1].strip():
@@ -396,6 +398,12 @@ def test_reader_yields_good_lines_and_names_the_first_bad_one(lines_dir, labelle
     good = [ex for verdict, ex in verdicts if verdict == "good"]
     bad_numbers = [i for i, (verdict, _) in enumerate(verdicts, 1) if verdict == "bad"]
     path = write_lines(lines_dir, lines, trailing_newline)
+    if path.read_bytes()[:3] == UTF8_BOM or path.read_bytes().startswith(GZIP_MAGIC):
+        # A start no line gets past (`refuse_unreadable_start`): the whole file is refused in one
+        # line, with skip_bad_lines too (skipping line 1 would drop a real example).
+        with pytest.raises(DistqaError, match=r"starts with a UTF-8 byte-order mark|is gzip-compressed"):
+            list(NQReader(path, skip_bad_lines=True))
+        return
 
     # skip_bad_lines: never raises, yields the good lines in order, reports exactly the bad ones.
     reader = NQReader(path, skip_bad_lines=True)
