@@ -51,7 +51,8 @@ def _speed_table(report: dict[str, Any]) -> list[str]:
         notes = [f"{figures['speedup']:.2f}× eager (measured minutes apart on the same GPU)" if figures["speedup"] else
                  "no eager row to compare with"]  # fmt: skip
         if figures["compile_time_s"] is not None:
-            notes.append(f"compiling took about {figures['compile_time_s']:.0f} s (the GPU suite's compile test)")
+            seconds = figures["compile_time_s"]
+            notes.append(f"compiling took about {seconds:.0f} s (the tiny model, in the GPU suite's compile test)")
         lines.append(_bench_line(f"`train.compile=true`, batch {row['batch_size']}", row, "; ".join(notes)))
     return lines if len(lines) > 2 else []
 

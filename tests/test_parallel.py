@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SMALL, checkpoint_weights, load_weights, max_abs_diff
+from conftest import ROOT, SMALL, checkpoint_weights, load_weights, max_abs_diff
 from distqa.checkpoint import verify_checkpoint
 from distqa.errors import ConfigError, DistqaError
 from distqa.parallel import state_bytes, transformer_blocks
@@ -228,6 +228,25 @@ def test_the_memory_formula_matches_the_measured_state_and_orders_the_setups():
                 for b in (batch, batch + 1)
             ]
             assert need[0] <= (24 - OVERHEAD_GIB) * 2**30 < need[1]
+
+
+def _table_after(text: str, marker: str) -> str:
+    """The markdown table that follows `marker` in `text` (its lines starting with "|")."""
+    lines = text[text.index(marker) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_the_memory_tables_of_the_docs_are_what_the_formula_prints_now():
+    """docs/benchmarks.md's three tables are pasted from `python -m distqa.bench.memory`: a change of
+    the formula (its activation term was recalibrated once) must come with the tables it changes."""
+    from distqa.bench.memory import fit_table, table
+
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert _table_after(docs, "`python -m distqa.bench.memory --gpus 8 --seq 512 --batch 8`") == table(8, 512, 8)
+    assert _table_after(docs, "\n24 GiB:\n") == fit_table(8, 512, 24)
+    assert _table_after(docs, "\n80 GiB:\n") == fit_table(8, 512, 80)
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,14 @@ Per GPU = training state + activations + what FSDP gathers for the block it is c
 - State (AdamW, fp32 weights whether or not compute is bf16): weights 4 + gradients 4 + two moments
   8 = 16 bytes per parameter. DDP holds all of it on every GPU; FSDP 1/N of it. `distqa bench`
   measures the same figure (`state_mib_per_rank`), which this formula matches on the CPU.
-- Activations kept for the backward pass of one block, bf16 (Korthikanti et al., 2022, "Reducing
-  Activation Recomputation in Large Transformer Models", eq. 2, without the attention matrix,
-  which SDPA's fused kernels do not keep): 34 * s * b * h bytes. With activation checkpointing,
-  only each block's input (2 * s * b * h) stays, plus one block's activations while it is
-  recomputed.
+- Activations of one block: 48 * s * b * h bytes (`ACTIVATION_BYTES`), measured: peak memory
+  on an H100 (docs/benchmarks.md, 2026-11-27) grew by that much per sequence added, for BERT-base
+  and BERT-large alike. Korthikanti et al. (2022, "Reducing Activation Recomputation in Large
+  Transformer Models", eq. 2, without the attention matrix, which SDPA's fused kernels do not
+  keep) count 34 for pure bf16; under autocast the residual stream and the layer norms stay
+  fp32, and backward's temporaries add to the peak. With activation checkpointing, only each
+  block's input stays (fp32 under autocast: 4 * s * b * h), plus one block's activations while
+  it is recomputed (not yet measured on a GPU).
 - FSDP's gathered copies: the block being computed and the one prefetched, bf16 weights and fp32
   gradients before their reduce-scatter, and the root unit (embeddings and heads), which stays
   gathered from its forward to the end of its backward.
@@ -32,6 +35,11 @@ from dataclasses import dataclass
 GIB = 2**30
 OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation: set aside from each GPU
 STATE_BYTES_PER_PARAMETER = 16  # fp32 weights 4 + gradients 4 + AdamW's two moments 8
+# Bytes per sequence position per hidden unit per block. Measured on one H100 (torch 2.11, bf16
+# autocast, SDPA, dropout 0.1, seq 512): peak memory rose 0.2140 GiB per sequence for BERT-base
+# (batch 128 -> 256), 48.7 per s*h per block, and 0.5593 GiB for BERT-large (64 -> 128), 47.7.
+ACTIVATION_BYTES = 48
+CHECKPOINTED_INPUT_BYTES = 4  # a block's input under autocast: the fp32 output of a layer norm
 
 
 @dataclass(frozen=True)
@@ -68,9 +76,9 @@ def state_bytes_per_rank(parameters: float, world: int, sharded: bool) -> float:
 
 
 def activation_bytes(model: Encoder, seq: int, batch: int, checkpointed: bool) -> float:
-    per_block = 34 * seq * batch * model.hidden
+    per_block = ACTIVATION_BYTES * seq * batch * model.hidden
     if checkpointed:
-        return model.layers * 2 * seq * batch * model.hidden + per_block
+        return model.layers * CHECKPOINTED_INPUT_BYTES * seq * batch * model.hidden + per_block
     return model.layers * per_block
 
 
