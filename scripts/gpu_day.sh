@@ -5,9 +5,12 @@
 #   1. the GPU acceptance suite (scripts/gpu_check.sh: no .venv or package index needed);
 #   2. `distqa bench` rows for BERT-base, seq 512, bf16: 1 process per GPU count (DDP), and
 #      DataParallel beside it (--dp) with 2 GPUs or more; samples/s, scaling, MFU;
-#   3. the largest batch per GPU that fits, per set-up of scripts/bench_fsdp_gpu.sh (BERT-base and
-#      -large, DDP and FSDP, activation checkpointing off and on), doubling from 16;
-#   4. the speed-up of train.compile=true over step 2's eager 1-process row.
+#   3. the speed-up of train.compile=true over step 2's eager 1-process row;
+#   4. the largest batch per GPU that fits, per set-up of scripts/bench_fsdp_gpu.sh (BERT-base and
+#      -large, DDP and FSDP, activation checkpointing off and on), searched from the batch
+#      `distqa.bench.memory` names for this GPU's memory: up by 10 % (then 25 %) while it fits,
+#      down by 10 % (then 25 %) while it does not, so a formula within 10 % costs two runs.
+#      Last: the most runs and the least value per minute, it gets what the day has left.
 #
 #     scripts/gpu_day.sh OUTPUT_DIR
 #
@@ -26,10 +29,12 @@
 #   GPU_CHECK         step 1's command (default: scripts/gpu_check.sh)
 #   GPU_DAY_BUDGET_S  seconds for the whole day (default: 2400); a step with under
 #                     GPU_DAY_MIN_BOX_S (default: 60) left is skipped
-#   GPU_DAY_STEPS     which steps, of: tests bench batches compile (default: all four, in that order)
-#   GPU_DAY_BOX_TESTS, GPU_DAY_BOX_BENCH, GPU_DAY_BOX_BATCHES, GPU_DAY_BOX_COMPILE
-#                     each step's box in seconds (default: 480, 510, 840, 360; step 3's is shared
-#                     among its 8 set-ups, what one leaves going to the next); none over
+#   GPU_DAY_STEPS     which steps, of: tests bench compile batches (default: all four, in that order)
+#   GPU_DAY_SETUPS    step 4's set-ups, e.g. "bert-base-random-ddp-ac-false bert-large-random-fsdp-ac-true"
+#                     (default: all eight, MODEL-PARALLEL-ac-AC)
+#   GPU_DAY_BOX_TESTS, GPU_DAY_BOX_BENCH, GPU_DAY_BOX_COMPILE, GPU_DAY_BOX_BATCHES
+#                     each step's box in seconds (default: 480, 510, 360, 840; step 4's is shared
+#                     among its set-ups, what one leaves going to the next); none over
 #                     GPU_DAY_MAX_BOX_S (default: 510)
 #   GPU_DAY_GRACE_S   after a box, seconds between SIGINT (distqa bench then stops its launch's
 #                     processes) and SIGKILL (default: 30)
@@ -41,10 +46,23 @@ if [[ $# -ne 1 || $1 == -* ]]; then
 fi
 out=$(realpath -m -- "$1") # before the cd below: a relative OUTPUT_DIR is the caller's
 cd "$(dirname "$0")/.."
-steps=" ${GPU_DAY_STEPS:-tests bench batches compile} "
+steps=" ${GPU_DAY_STEPS:-tests bench compile batches} "
 for step in $steps; do
-  [[ " tests bench batches compile " == *" $step "* ]] || {
-    echo "gpu_day.sh: GPU_DAY_STEPS names '$step': the steps are tests, bench, batches, compile" >&2
+  [[ " tests bench compile batches " == *" $step "* ]] || {
+    echo "gpu_day.sh: GPU_DAY_STEPS names '$step': the steps are tests, bench, compile, batches" >&2
+    exit 2
+  }
+done
+all_setups=()
+for model in bert-base-random bert-large-random; do
+  for parallel in ddp fsdp; do
+    for ac in false true; do all_setups+=("$model-$parallel-ac-$ac"); done
+  done
+done
+read -ra setups <<< "${GPU_DAY_SETUPS:-${all_setups[*]}}"
+for name in "${setups[@]}"; do
+  [[ " ${all_setups[*]} " == *" $name "* ]] || {
+    echo "gpu_day.sh: GPU_DAY_SETUPS names '$name': the set-ups are ${all_setups[*]}" >&2
     exit 2
   }
 done
@@ -91,20 +109,50 @@ run_step() { # NAME BOX_S COMMAND...: COMMAND in its box, its output in logs/NAM
 }
 
 # shellcheck disable=SC2329  # run by the steps through `bash -c`, which the function's export reaches
-largest_batch() { # DIR NPROC KEY=VALUE...: the batch per GPU doubled until a run fails (bench_fsdp_gpu.sh's loop)
-  local dir=$1 nproc=$2 batch
-  shift 2
+largest_batch() { # DIR NPROC FROM KEY=VALUE...: the largest batch per GPU that fits, searched from FROM
+  local dir=$1 nproc=$2 batch=$3 fits=0 fails=0 runs=0 pct
+  shift 3
   mkdir -p "$dir"
-  for batch in 16 32 64 128 256 512; do
-    if ! distqa bench --nproc "$nproc" --output "$dir/batch-$batch" --warmup 2 --steps 2 --repeats 1 --timeout 240 \
+  ((batch >= 1)) || batch=1
+  while ((runs < 8)); do
+    runs=$((runs + 1))
+    if distqa bench --nproc "$nproc" --output "$dir/batch-$batch" --warmup 2 --steps 2 --repeats 1 --timeout 240 \
       "$@" train.batch_size="$batch" > "$dir/batch-$batch.log" 2>&1; then
-      # Out of memory ends the search (the report reads the reason); nothing fitting is a failure.
-      ((batch > 16)) || { tail -n 5 "$dir/batch-$batch.log" >&2; return 1; }
-      return 0
+      fits=$batch
+    elif grep -qi 'out of .*memory' "$dir/batch-$batch.log"; then
+      fails=$batch
+    else # not memory: a fault the search cannot step around
+      tail -n 5 "$dir/batch-$batch.log" >&2
+      return 1
+    fi
+    ((fits == 0 || fails == 0)) || return 0 # one that fits beside one that does not: found
+    pct=$((runs == 1 ? 10 : 25))
+    if ((fails == 0)); then
+      batch=$((batch + (batch * pct / 100 > 0 ? batch * pct / 100 : 1)))
+    else
+      batch=$((batch - (batch * pct / 100 > 0 ? batch * pct / 100 : 1)))
+      ((batch >= 1)) || { tail -n 5 "$dir/batch-$fails.log" >&2; return 1; } # not even one sequence
     fi
   done
+  # Eight runs and no batch that fits beside one that does not: every one fit (the report says
+  # "the largest size tried"), or none did, a failure.
+  ((fits > 0)) || { tail -n 5 "$dir/batch-$fails.log" >&2; return 1; }
 }
 export -f largest_batch
+
+predicted_batch() { # MODEL PARALLEL AC: distqa.bench.memory's largest batch per GPU in this GPU's memory
+  local mib
+  mib=$(awk -F', *' 'NR == 1 { print $2 + 0 }' "$out/gpus.csv" 2> /dev/null)
+  "$PYTHON" -c '
+import sys
+from distqa.bench.memory import ENCODERS, largest_batch
+model, parallel, ac, gpus, mib = sys.argv[1:]
+name = {"bert-base-random": "BERT-base", "bert-large-random": "BERT-large"}[model]
+encoder = next(e for e in ENCODERS if e.name == name)
+print(largest_batch(encoder, gpus=int(gpus), seq=512, gib=float(mib) / 1024, sharded=parallel == "fsdp",
+                    checkpointed=ac == "true"))
+' "$1" "$2" "$3" "$gpus" "${mib:-0}"
+}
 
 # Without an installed distqa (a lent machine): the checkout's, with the wheels step 1 installs.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 WHEELS=${WHEELS-.whl} SITE=${SITE:-/tmp/site}
@@ -146,32 +194,30 @@ fi
 [[ $steps != *" bench "* ]] || run_step bench "${GPU_DAY_BOX_BENCH:-510}" \
   distqa bench --nproc "$nproc" --output "$out/bench" --repeats 2 --timeout 300 "${common[@]}" "${dp[@]}"
 
-# 3. The largest batch per set-up, on every GPU; each set-up gets its share of what is left.
-setups=()
-for model in bert-base-random bert-large-random; do
-  for parallel in ddp fsdp; do
-    for ac in false true; do setups+=("$model $parallel $ac"); done
-  done
-done
+# 3. Compiled against step 2's eager 1-process row; 10 warm-up steps leave the compilation out.
+[[ $steps != *" compile "* ]] || run_step compile "${GPU_DAY_BOX_COMPILE:-360}" \
+  distqa bench --nproc 1 --output "$out/compile" --warmup 10 --repeats 2 --timeout 300 "${common[@]}" train.compile=true
+
+# 4. The largest batch per set-up, on every GPU; each set-up gets its share of what is left.
 batches_end=$((SECONDS + ${GPU_DAY_BOX_BATCHES:-840}))
 for i in "${!setups[@]}"; do
   [[ $steps == *" batches "* ]] || break
-  read -r model parallel ac <<< "${setups[i]}"
-  name="$model-$parallel-ac-$ac"
+  name=${setups[i]}
+  [[ $name =~ ^(.+)-(ddp|fsdp)-ac-(true|false)$ ]]
+  model=${BASH_REMATCH[1]} parallel=${BASH_REMATCH[2]} ac=${BASH_REMATCH[3]}
   share=$(((batches_end - SECONDS) / (${#setups[@]} - i)))
   if ((share < min_box)); then
     report skip --name "largest-batch/$name" --reason "the set-ups before it used this step's box (GPU_DAY_BOX_BATCHES)"
     continue
   fi
+  from=$(predicted_batch "$model" "$parallel" "$ac") || from=""
+  mkdir -p "$out/batches/$name"
+  printf '{"formula_largest_batch": %s}\n' "${from:-null}" > "$out/batches/$name/formula.json"
   # shellcheck disable=SC2016  # "$@" is bash -c's own: the function's arguments follow
   run_step "largest-batch/$name" "$share" bash -c 'largest_batch "$@"' largest_batch "$out/batches/$name" "$gpus" \
-    model.name="$model" task.max_seq_len=512 train.precision=bf16 train.parallel="$parallel" \
+    "${from:-16}" model.name="$model" task.max_seq_len=512 train.precision=bf16 train.parallel="$parallel" \
     train.activation_checkpointing="$ac"
 done
-
-# 4. Compiled against step 2's eager 1-process row; 10 warm-up steps leave the compilation out.
-[[ $steps != *" compile "* ]] || run_step compile "${GPU_DAY_BOX_COMPILE:-360}" \
-  distqa bench --nproc 1 --output "$out/compile" --warmup 10 --repeats 2 --timeout 300 "${common[@]}" train.compile=true
 
 report build
 exit "$failed"

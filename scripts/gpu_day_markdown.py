@@ -60,8 +60,9 @@ def _speed_table(report: dict[str, Any]) -> list[str]:
 def _batch_table(report: dict[str, Any]) -> list[str]:
     if not report["largest_batches"]:
         return []
-    lines = ["| set-up | GPUs | largest batch per GPU | samples/s at it | peak GiB at it | what ended the doubling |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    head = ["set-up", "GPUs", "largest batch per GPU", "the formula's", "samples/s at it", "peak GiB at it",
+            "what ended the search"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for entry in report["largest_batches"]:
         label = entry["setup"]
         if entry["model"]:
@@ -69,8 +70,9 @@ def _batch_table(report: dict[str, Any]) -> list[str]:
             label = f"{entry['model']}, {entry['parallel']}, activation checkpointing {ac}"
         largest = f"{'≥ ' if entry['lower_bound'] else ''}{entry['largest_batch']}"
         ended = entry["stopped_by"] or ("the time box" if entry["lower_bound"] else "the largest size tried")
-        cells = [label, _fmt(entry["gpus"], "d"), largest, _fmt(entry["samples_per_s"], ",.1f"),
-                 _fmt(entry["peak_memory_gib"], ".1f"), ended.replace("|", "/")]  # fmt: skip
+        cells = [label, _fmt(entry["gpus"], "d"), largest, _fmt(entry.get("formula_largest_batch"), "d"),
+                 _fmt(entry["samples_per_s"], ",.1f"), _fmt(entry["peak_memory_gib"], ".1f"),
+                 ended.replace("|", "/")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

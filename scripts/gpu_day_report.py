@@ -145,7 +145,8 @@ def compile_figures(out: Path, eager: list[dict[str, Any]], tests: dict[str, Any
 
 
 def largest_batches(out: Path, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per set-up: the largest batch per GPU whose run passed, and what stopped the doubling."""
+    """Per set-up: the largest batch per GPU whose run passed, the smallest above it that did not
+    (and why), and the batch distqa.bench.memory named, where the search started."""
     found = []
     status = {s["name"]: s for s in steps if "name" in s}
     for folder in sorted(p for p in (out / "batches").glob("*") if p.is_dir()):
@@ -153,10 +154,10 @@ def largest_batches(out: Path, steps: list[dict[str, Any]]) -> list[dict[str, An
         fits = [b for b in tried if (folder / f"batch-{b}" / "bench.json").is_file()]
         at = _read_json(folder / f"batch-{max(fits)}" / "bench.json") if fits else None
         row = bench_rows(at)[0] if at else {}
-        # The doubling ends at the first failure (out of memory, as a rule: its line says) or at
-        # the largest size tried; a box that ran out stops the probe in flight and leaves a lower bound.
+        # The search ends at a failure (out of memory, as a rule: its line says) just above a batch
+        # that fits; a box that ran out stops the probe in flight and leaves a lower bound.
         cut = status.get(f"largest-batch/{folder.name}", {}).get("status") == "timed-out"
-        failed = [b for b in tried if b not in fits and not cut]
+        failed = [b for b in tried if b not in fits and b > max(fits, default=0) and not cut]
         match = SETUP.match(folder.name)
         found.append({
             "setup": folder.name,
@@ -168,6 +169,7 @@ def largest_batches(out: Path, steps: list[dict[str, Any]]) -> list[dict[str, An
             "tried": tried,
             "stopped_by": f"batch {failed[0]}: {_why_not(folder / f'batch-{failed[0]}.log')}" if failed else None,
             "lower_bound": cut,
+            "formula_largest_batch": (_read_json(folder / "formula.json") or {}).get("formula_largest_batch"),
             "samples_per_s": row.get("samples_per_s"),
             "peak_memory_gib": row.get("peak_memory_gib"),
         })  # fmt: skip

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from conftest import ROOT
+from distqa.bench.memory import ENCODERS, largest_batch
 
 SCRIPT = ROOT / "scripts" / "gpu_day.sh"
 # scripts/ is not a package: the report builder runs as a script, its sibling gpu_day_markdown beside it.
@@ -106,35 +107,71 @@ def test_without_a_gpu_it_exits_2_with_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "day").exists()
 
 
+def _formula(model: str, parallel: str, ac: bool, gpus: int = 1) -> int:
+    """distqa.bench.memory's largest batch per GPU on the fake card (81559 MiB), seq 512."""
+    encoder = next(e for e in ENCODERS if e.name == model)
+    return largest_batch(encoder, gpus=gpus, seq=512, gib=81559 / 1024, sharded=parallel == "fsdp", checkpointed=ac)
+
+
+def _probes(calls: list[str], setup: str) -> list[int]:
+    return [int(c.split(" train.batch_size=")[1].split()[0]) for c in calls if f"/batches/{setup}/" in c]
+
+
 def test_one_gpu_day_runs_the_steps_in_order_and_a_step_past_its_box_times_out(tmp_path):
+    """Steps in order of value: the suite, bench, compile (timed out here), then the largest batch
+    searched from the formula's: down while out of memory (10 %, then 25 % steps), up while it fits."""
     out = tmp_path / "day"
+    base, large = _formula("BERT-base", "ddp", False), _formula("BERT-large", "fsdp", True)
+    limit = base - base // 20  # the fake runs out of memory above it: the formula's batch fails, 10 % less fits
     began = time.monotonic()
     proc = _run(
-        _fakes(tmp_path), out, FAKE_GPUS="1", FAKE_MAX_BATCH="16", FAKE_COMPILE_SLEEP="30", GPU_DAY_BOX_COMPILE="1"
-    )
-    assert time.monotonic() - began < 15  # the 30 s compile was stopped at its 1 s box (+1 s grace)
+        _fakes(tmp_path), out, FAKE_GPUS="1", FAKE_MAX_BATCH=str(limit), FAKE_COMPILE_SLEEP="30",
+        GPU_DAY_BOX_COMPILE="1", GPU_DAY_SETUPS="bert-base-random-ddp-ac-false bert-large-random-fsdp-ac-true",
+    )  # fmt: skip
+    assert time.monotonic() - began < 20  # the 30 s compile was stopped at its 1 s box (+1 s grace)
     assert proc.returncode == 1, proc.stderr  # a step timed out
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert calls[0].startswith("gpu-check ")
     assert calls[1].startswith(f"distqa bench --nproc 1 --output {out}/bench ") and "--dp" not in calls[1]
-    probes = [c for c in calls[2:-1] if "/batches/" in c]
-    assert len(probes) == 8 * 2  # per set-up: 16 fits, 32 is out of memory (the end)
-    assert [c.split(" train.batch_size=")[1] for c in probes[:3]] == ["16", "32", "16"]
-    assert "bert-base-random-ddp-ac-false" in probes[0] and "bert-large-random-fsdp-ac-true" in probes[-1]
-    assert calls[-1].startswith(f"distqa bench --nproc 1 --output {out}/compile ") and "train.compile=true" in calls[-1]
+    assert calls[2].startswith(f"distqa bench --nproc 1 --output {out}/compile ") and "train.compile=true" in calls[2]
+    assert all("/batches/" in c for c in calls[3:])
+    assert _probes(calls, "bert-base-random-ddp-ac-false") == [base, base - base // 10]
+    # From far above: down in steps of at most 25 %, until one fits (the last) below one that did not.
+    down = _probes(calls, "bert-large-random-fsdp-ac-true")
+    assert down[0] == large > limit >= down[-1] and all(limit < b for b in down[:-1])
+    assert all(0.75 * a <= b < a for a, b in zip(down, down[1:]))
+    assert "train.parallel=fsdp train.activation_checkpointing=true" in calls[-1]
     assert "1 GPU: DP/DDP scaling rows skipped" in proc.stdout
     report = json.loads((out / "gpu_day.json").read_text())
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert status["gpu-tests"] == status["bench"] == status["largest-batch/bert-large-random-fsdp-ac-true"] == "ok"
-    assert status["compile"] == "timed-out" and len(status) == 11
+    assert status["compile"] == "timed-out" and len(status) == 5
     assert report["gpu"] == {"count": 1, "name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB", "driver": "550.54"}
-    assert {b["largest_batch"] for b in report["largest_batches"]} == {16}
-    assert "out of memory" in report["largest_batches"][0]["stopped_by"]
+    found = {b["setup"]: b for b in report["largest_batches"]}
+    assert found["bert-base-random-ddp-ac-false"]["largest_batch"] == base - base // 10
+    assert found["bert-base-random-ddp-ac-false"]["formula_largest_batch"] == base
+    assert found["bert-base-random-ddp-ac-false"]["stopped_by"] == f"batch {base}: CUDA out of memory"
+    assert found["bert-large-random-fsdp-ac-true"]["largest_batch"] == down[-1]
+    assert f"| 1 | {base - base // 10} | {base} |" in (out / "gpu_day.md").read_text()
     assert report["tests"]["passed"] == 1 and report["tests"]["skipped"] == 1
     assert (
         "| eager, batch 32 | 100.0 (99.0..101.0) | 40,000 | 20.0 % | 40.0 (38.0 / 1.5) | 8.0 |  |"
         in (out / "gpu_day.md").read_text()
     )
+
+
+def test_where_every_batch_fits_the_search_goes_up_and_reports_the_largest_tried(tmp_path):
+    out = tmp_path / "day"
+    proc = _run(
+        _fakes(tmp_path), out, FAKE_GPUS="1", FAKE_MAX_BATCH="100000", GPU_DAY_STEPS="batches",
+        GPU_DAY_SETUPS="bert-base-random-ddp-ac-true",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    up = _probes((tmp_path / "calls.log").read_text().splitlines(), "bert-base-random-ddp-ac-true")
+    assert up[0] == _formula("BERT-base", "ddp", True) and len(up) == 8  # its limit of runs
+    assert all(a < b <= 1.25 * a for a, b in zip(up, up[1:]))
+    (entry,) = json.loads((out / "gpu_day.json").read_text())["largest_batches"]
+    assert (entry["largest_batch"], entry["stopped_by"], entry["lower_bound"]) == (up[-1], None, False)
 
 
 def test_two_gpus_add_dp_rows_and_a_failed_suite_does_not_stop_the_day(tmp_path):
@@ -147,9 +184,11 @@ def test_two_gpus_add_dp_rows_and_a_failed_suite_does_not_stop_the_day(tmp_path)
     report = json.loads((out / "gpu_day.json").read_text())
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert status["gpu-tests"] == "failed" and status["bench"] == "ok" and status["compile"] == "ok"
-    # Nothing fits (batch 16 out of memory): the set-up failed, with the reason.
+    # Nothing fits (out of memory down to a sixth of the formula's batch): the set-up failed, with the reason.
     assert status["largest-batch/bert-base-random-ddp-ac-false"] == "failed"
-    assert "out of memory" in report["steps"][2]["reason"]
+    assert "out of memory" in report["steps"][3]["reason"]
+    probes = _probes(calls, "bert-base-random-ddp-ac-false")
+    assert probes[0] == _formula("BERT-base", "ddp", False, gpus=2) and len(probes) == 8
     assert [(r["mode"], r["nproc"]) for r in report["bench"]["rows"]] == [("ddp", 1), ("ddp", 2), ("dp", 1), ("dp", 2)]
     assert report["compile"]["speedup"] == 1.25 and report["compile"]["compile_time_s"] == 16.2
     assert "| DP, 2 GPUs, eager, batch 32 per GPU | 200.0 (199.0..201.0) |" in (out / "gpu_day.md").read_text()
@@ -190,6 +229,7 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
             _bench_json(
                 out / "batches" / "bert-base-random-fsdp-ac-true" / f"batch-{batch}", [_row(1, 10.0 * batch)], batch
             )
+    (out / "batches" / "bert-base-random-fsdp-ac-true" / "formula.json").write_text('{"formula_largest_batch": 40}')
     (out / "batches" / "bert-large-random-ddp-ac-false").mkdir()
     (out / "batches" / "bert-large-random-ddp-ac-false" / "batch-16.log").write_text("")
     (out / "batches" / "bert-large-random-ddp-ac-false" / "batch-32.log").write_text("Traceback\nKeyboardInterrupt\n")
@@ -229,10 +269,10 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     assert "| 8.3 | scaling efficiency 90.0 %; 0.67× DDP at as many GPUs |" in md
     assert "| `train.compile=true`, batch 32 | 960.0 |" in md and "1.28× eager" in md
     assert (
-        "| bert-base-random, fsdp, activation checkpointing on | 1 | 32 | 320.0 | 8.3 | batch 64: CUDA out of memory |"
-        in md
+        "| bert-base-random, fsdp, activation checkpointing on | 1 | 32 | 40 | 320.0 | 8.3 "
+        "| batch 64: CUDA out of memory |" in md
     )
-    assert "| bert-large-random, ddp, activation checkpointing off | 1 | ≥ 16 | 50.0 | 8.3 | the time box |" in md
+    assert "| bert-large-random, ddp, activation checkpointing off | 1 | ≥ 16 |  | 50.0 | 8.3 | the time box |" in md
     assert "- compile: skipped: only 20 s left of the 2400 s budget" in md
 
 
@@ -257,3 +297,5 @@ def test_some_steps_at_a_time_gather_into_one_report(tmp_path):
     ]
     bad = _run(env, out, GPU_DAY_STEPS="tests batch")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'batch'" in bad.stderr
+    bad = _run(env, out, GPU_DAY_SETUPS="bert-base-random-ddp-ac-false bert-base-ddp-ac-false")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'bert-base-ddp-ac-false'" in bad.stderr
