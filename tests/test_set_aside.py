@@ -184,3 +184,75 @@ def test_auto_moves_records_without_a_step_folder_aside_instead_of_overwriting_t
     (fresh / "config.yaml").write_text(OTHER_CONFIG)
     assert choose_checkpoint(fresh, "auto", ONE) is None
     assert os.listdir(fresh) == ["config.yaml"] and capsys.readouterr().out == ""
+
+
+def _tree(folder: Path) -> dict[str, bytes | str]:
+    """Every path under `folder`: a file's bytes, a link's target, a folder's "dir"."""
+    found: dict[str, bytes | str] = {}
+    for path in folder.rglob("*"):
+        name = str(path.relative_to(folder))
+        found[name] = os.readlink(path) if path.is_symlink() else "dir" if path.is_dir() else path.read_bytes()
+    return found
+
+
+def _whole_run(out: Path) -> dict[str, bytes | str]:
+    made_up_run(out)
+    (out / "tb").mkdir()
+    (out / "tb" / "events.out.tfevents.1").write_bytes(b"the earlier run's curves")
+    return _tree(out)
+
+
+@pytest.mark.parametrize("then", ["never", "auto"])
+def test_a_whole_run_move_killed_at_any_rename_is_moved_back_at_the_next_start(tmp_path, then):
+    """train.resume=never moves a whole run aside by renames. A SIGKILL before any one of them
+    leaves the run half moved; the next start (the same command, or `auto`) first moves it back,
+    so `never` sets it aside whole in one folder, and `auto` sees the run as it was (here: no
+    usable checkpoint, the made-up ones have no manifest), with nothing left in output_dir for a
+    new run to write into (tb/ events of two runs in one folder)."""
+    calls: list[int] = []
+    _whole_run(tmp_path / "count")
+    with each_rename(calls.append):
+        choose_checkpoint(tmp_path / "count", "never", ONE)
+    assert len(calls) == 8  # seven of the run's paths, then the folder's own rename
+    for at in range(len(calls)):
+        out, snapshot = tmp_path / f"run-{at}", tmp_path / f"killed-{at}"
+        before = _whole_run(out)
+
+        def kill(call: int, at: int = at, out: Path = out, snapshot: Path = snapshot) -> None:
+            if call == at + 1:
+                shutil.copytree(out, snapshot, symlinks=True)
+                raise Killed
+
+        with each_rename(kill), pytest.raises(Killed):
+            choose_checkpoint(out, "never", ONE)
+        if then == "never":
+            assert choose_checkpoint(snapshot, "never", ONE) is None
+            (moved,) = (snapshot / "earlier-runs").iterdir()
+            assert not moved.name.startswith(".") and _tree(moved) == before
+            assert os.listdir(snapshot) == ["earlier-runs"]
+        else:
+            with pytest.raises(DistqaError, match="no usable checkpoint"):
+                choose_checkpoint(snapshot, "auto", ONE)
+            assert {k: v for k, v in _tree(snapshot).items() if not k.startswith("earlier-runs")} == before
+            assert os.listdir(snapshot / "earlier-runs") == []
+
+
+def test_a_whole_run_move_that_fails_moves_back_what_it_moved(tmp_path):
+    out = tmp_path / "run"
+    before = _whole_run(out)
+
+    def fail(call: int) -> None:
+        if call == 4:
+            raise OSError(5, "Input/output error")
+
+    with each_rename(fail), pytest.raises(DistqaError, match=r"move an earlier run aside: Input/output error"):
+        choose_checkpoint(out, "never", ONE)
+    assert {k: v for k, v in _tree(out).items() if not k.startswith("earlier-runs")} == before
+    assert os.listdir(out / "earlier-runs") == []
+    # Where a file is both in the stopped move and back in output_dir: refused, nothing moved.
+    stopped = out / "earlier-runs" / ".moving-20261127-100000"
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text("the stopped move's copy")
+    with pytest.raises(DistqaError, match=r"and .*metrics.jsonl exists too: nothing was moved or lost"):
+        choose_checkpoint(out, "never", ONE)
+    assert (stopped / "metrics.jsonl").read_text() == "the stopped move's copy"

@@ -27,7 +27,7 @@ from distqa.data_identity import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
 from distqa.rank0 import on_rank0, reason
-from distqa.set_aside import set_aside_earlier_run
+from distqa.set_aside import set_aside_earlier_run, undo_killed_move
 from distqa.sharded import sees_rank0_files
 
 
@@ -76,6 +76,7 @@ def _inside(path: Path, folder: Path) -> Path | None:
 
 
 def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:
+    undo_killed_move(output_dir)  # first: every choice below sees the earlier run whole
     if mode == "never":
         moved = set_aside_earlier_run(output_dir)
         if moved is not None:

@@ -1,6 +1,11 @@
 """Setting an earlier run, or the later line of checkpoints of this one, aside in
 output_dir/earlier-runs/, so that a fresh start or a resume from an earlier step overwrites nothing.
 
+A whole run is moved by renames into a hidden `earlier-runs/.moving-<time>`, renamed to `<time>`
+once all are in. A kill in between leaves that folder: the next start moves its files back first
+(`undo_killed_move`), so each command finds the run whole, never split over two folders or half
+left in output_dir for a new run to write into; an error moves them back at once.
+
 A line is set aside in an order that loses nothing whatever stops it (a full disk, a SIGKILL):
 1. everything that needs space is written first, into a hidden staging folder that is renamed to
    `earlier-runs/<time>-after-step-N` once whole: the copies of metrics.jsonl and config.yaml (the
@@ -16,6 +21,7 @@ A line is set aside in an order that loses nothing whatever stops it (a full dis
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -26,7 +32,7 @@ from distqa.best import BEST_NAME, pointed
 from distqa.checkpoint_verify import folder_step, read_trainer_state, step_folders
 from distqa.dist import DistInfo
 from distqa.durable import fsync_path, read_no_link, write_atomically
-from distqa.errors import ConfigError
+from distqa.errors import ConfigError, DistqaError
 from distqa.outdir import CONFIG_FILE, HISTORY_DIR, RUN_PATHS
 from distqa.rank0 import fix_for, on_rank0, reason
 from distqa.runlock import LOCK_NAME
@@ -39,7 +45,8 @@ RUN_FILES = tuple(name for name in RUN_PATHS if name != LOCK_NAME)
 RECORDS = ("metrics.jsonl", "model")
 # The settings config.yaml becomes, staged inside the set-aside folder until renamed into place.
 _NEXT_CONFIG = ".next-config.yaml"
-_STAGING = ".tmp-"
+_STAGING = ".tmp-"  # a line's set-aside in the making: copies only
+_MOVING = ".moving-"  # a whole run's move in the making: the run's own files
 
 
 def earlier_run_present(output_dir: Path) -> bool:
@@ -52,11 +59,37 @@ def set_aside_earlier_run(output_dir: Path) -> Path | None:
     overwrites nothing. Returns where they went (None: there was no earlier run)."""
     if not earlier_run_present(output_dir):
         return None
-    present = [name for name in RUN_FILES if (output_dir / name).exists()]
-    target = _new_folder(output_dir, "")
-    for name in present:
-        shutil.move(str(output_dir / name), str(target / name))
+    present = [name for name in RUN_FILES if os.path.lexists(output_dir / name)]
+    staging = _new_folder(output_dir, "", prefix=_MOVING)
+    try:
+        for name in present:
+            os.rename(output_dir / name, staging / name)
+        target = staging.with_name(staging.name[len(_MOVING) :])
+        os.rename(staging, target)
+    except Exception:
+        undo_killed_move(output_dir)
+        raise
+    fsync_path(target.parent)
+    fsync_path(output_dir)
     return target
+
+
+def undo_killed_move(output_dir: Path) -> None:
+    """Move the files of a whole-run move that a kill (or an error) stopped back into output_dir,
+    and remove its folder. Called by rank 0 before it looks for checkpoints, under the run lock:
+    nothing has written into output_dir since. Refuses, moving nothing more, where a file is in both."""
+    for staging in sorted((output_dir / EARLIER_RUNS).glob(_MOVING + "*")):
+        for path in sorted(staging.iterdir()):
+            back = output_dir / path.name
+            if os.path.lexists(back):
+                raise DistqaError(
+                    f"{staging} holds a run's files that a stopped move left, and {back} exists too: nothing "
+                    f"was moved or lost; move {path} (and the rest of {staging}) where it belongs, then run again"
+                )
+            os.rename(path, back)
+        staging.rmdir()
+        fsync_path(output_dir)
+        print(f"an earlier move of the run in {output_dir} aside was stopped: its files were moved back", flush=True)
 
 
 def _new_folder(output_dir: Path, suffix: str, *, prefix: str = "") -> Path:
