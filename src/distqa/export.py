@@ -30,7 +30,7 @@ from distqa.errors import DistqaError
 from distqa.outdir import export_atomically
 from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
-from distqa.task import SETTINGS_FILE
+from distqa.task_settings import SETTINGS_FILE
 
 # What the checkpoint's settings name that an export does not need, and may no longer exist.
 _NOT_NEEDED = ("data.train=dummy", "data.valid=null", "train.resume=auto")

@@ -8,28 +8,29 @@ model or task, subclass `Task` in your own module and run `distqa train task.nam
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import json
-import math
-import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from distqa.build_identity import tokenizer_hash
 from distqa.data_identity import fingerprint
-from distqa.errors import ConfigError, DistqaError
 from distqa.evaluation import evaluate_dataset
 from distqa.flops import ModelShape, model_shape
+
+# The exported settings' names, here too: forks import them from the seam's module (the new-task template does).
+from distqa.task_settings import (  # noqa: F401
+    SETTINGS_FILE,
+    given_task_keys,
+    read_task_settings,
+    with_trained_settings,
+    write_task_settings,
+)
 
 if TYPE_CHECKING:  # for hints only: the configuration and the process group know no task
     from distqa.config import Config as RunConfig
@@ -192,168 +193,3 @@ class Task(ABC):
         """Write the `task.*` settings beside the exported model (SETTINGS_FILE): the folder then
         says how its inputs must be built, wherever it is copied."""
         return write_task_settings(self.cfg.task, directory)
-
-
-# The task settings a model was trained with travel in its export: a command that runs the model
-# (`distqa predict`) must build its inputs the same way (windows of task.max_seq_len tokens, ...),
-# and a wrong window length gives a plausible, wrong result rather than an error.
-SETTINGS_FILE = "distqa_task.json"
-SETTINGS_FORMAT = 1
-_FIX = f"copy {SETTINGS_FILE} again from the training run's model/ folder"
-
-
-def _plain(value: Any) -> Any:
-    """`value` as strict JSON holds it: a non-finite float as the string OmegaConf reads back into a
-    float field ("inf", "-inf", "nan"), an enum by name, dataclasses and containers item by item."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, enum.Enum):
-        return value.name
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _shown(value: Any) -> str:
-    """A value as one would type it after `task.KEY=`."""
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(_plain(value))
-
-
-def _warn(line: str) -> None:
-    print(f"distqa: warning: {line}", file=sys.stderr, flush=True)
-
-
-def write_task_settings(settings: Any, directory: Path) -> Path:
-    """Write a task's settings (the `task.*` dataclass, `task.name` included) to directory/SETTINGS_FILE."""
-    path = Path(directory) / SETTINGS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"format": SETTINGS_FORMAT, "task": _plain(settings)}
-    # allow_nan=False: JSON has no Infinity or NaN; a value `_plain` missed fails here, not in a reader.
-    path.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    return path
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def read_task_settings(directory: Path) -> dict[str, Any] | None:
-    """The `task.*` settings saved with an exported model; None for an export without them (an older distqa)."""
-    path = Path(directory) / SETTINGS_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constants)
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise DistqaError(f"{path} cannot be read ({str(err).splitlines()[0]}): {_FIX}") from err
-    if not isinstance(record, dict) or not isinstance(record.get("task"), dict):
-        raise DistqaError(f"{path} holds no 'task' mapping of settings: {_FIX}")
-    if record.get("format") != SETTINGS_FORMAT:
-        raise DistqaError(
-            f"{path} is of format {record.get('format')!r}, this distqa reads format {SETTINGS_FORMAT}: "
-            "run the model with the distqa version that exported it"
-        )
-    return record["task"]
-
-
-def given_task_keys(config_path: str | None, overrides: Collection[str]) -> set[str]:
-    """The `task.*` keys (without the prefix) that a command's --config file and KEY=VALUE overrides
-    set, `task=NAME` included. Call it after `load_config` has accepted both."""
-    given: set[str] = set()
-    layer = OmegaConf.load(config_path) if config_path is not None else None
-    if isinstance(layer, DictConfig):
-        task = layer.get("task")
-        if isinstance(task, str):  # the shorthand `task: NAME`
-            given.add("name")
-        elif isinstance(task, DictConfig):
-            given.update(str(key) for key in task)
-    for item in overrides:
-        key = item.partition("=")[0]
-        if key == "task":
-            given.add("name")
-        elif key.startswith("task."):
-            given.add(key[5:].split(".")[0])
-    return given
-
-
-def _check_float(key: str, value: Any, field: dataclasses.Field) -> None:
-    """A float from the file is a number, as on the command line: never nan, and +-inf only for a
-    setting declared `setting(..., finite=False)`."""
-    if isinstance(value, float) and not math.isfinite(value):
-        if math.isnan(value) or field.metadata.get("finite") is not False:
-            raise ConfigError(f"task.{key}={value} is not a finite number")
-
-
-def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str] = ()) -> RunConfig:
-    """`cfg` (changed in place) with the `task.*` settings the model in `directory` was trained with,
-    for a command that runs an exported model. A key in `given` (set by the user: `given_task_keys`)
-    keeps its value, with one warning line when it differs from the trained one. Settings that may
-    change on resume (field metadata `resume`: a cache folder, skipping bad lines) are choices of
-    this run, not properties of the model: never taken from the file. Without the file (an export
-    of an older distqa) `cfg` stays as it is, and one line says so."""
-    directory = Path(directory)
-    path = directory / SETTINGS_FILE
-    fields = {f.name: f for f in dataclasses.fields(cfg.task)}
-    model_keys = [name for name, f in fields.items() if name != "name" and "resume" not in f.metadata]
-    saved = read_task_settings(directory)
-    if saved is None:
-        shown = ", ".join(f"task.{key}={_shown(getattr(cfg.task, key))}" for key in model_keys)
-        _warn(
-            f"{directory} has no {SETTINGS_FILE} (exported by an older distqa): using the given and default "
-            f"settings {shown}; give the ones the model was trained with"
-        )
-        return cfg
-    trained_name = saved.get("name", cfg.task.name)
-    if trained_name != cfg.task.name:
-        if "name" not in given:
-            raise DistqaError(
-                f"{path}: the model was trained with task.name={trained_name}, not {cfg.task.name}: "
-                f"give task.name={trained_name}"
-            )
-        _warn(f"task.name={cfg.task.name} was given but the model was trained with task.name={trained_name}")
-    taken: dict[str, Any] = {}
-    for key, value in saved.items():
-        if key == "name":
-            continue
-        if key not in fields:
-            _warn(f"{path} holds task.{key}, which task.name={cfg.task.name} does not know: ignored")
-        elif key not in model_keys:
-            continue
-        elif key not in given:
-            taken[key] = value
-        elif _plain(getattr(cfg.task, key)) != value:
-            mine = _shown(getattr(cfg.task, key))
-            _warn(
-                f"task.{key}={mine} was given but the model in {directory} was trained with "
-                f"task.{key}={_shown(value)}: using {mine} (leave task.{key} out to use the trained value)"
-            )
-    before = cfg.task
-    cfg.task = _merged(cfg.task, taken, path)
-    changed = [key for key in taken if getattr(cfg.task, key) != getattr(before, key)]
-    if changed:  # what the file changed, for a log that explains the run's windows
-        print(
-            f"trained settings from {path}: " + ", ".join(f"task.{k}={_shown(getattr(cfg.task, k))}" for k in changed)
-        )
-    return cfg
-
-
-def _merged(settings: Any, taken: dict[str, Any], path: Path) -> Any:
-    """`settings` with the values `taken` from the file at `path`, typed and checked as on the
-    command line (OmegaConf reads "inf" into a float field); a bad value names the file and the fix."""
-    fields = {f.name: f for f in dataclasses.fields(settings)}
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(settings), taken)
-        for key in taken:  # before __post_init__, whose range checks nan would pass
-            _check_float(key, merged[key], fields[key])
-        return OmegaConf.to_object(merged)
-    except ConfigError as err:  # a range check of the settings' __post_init__: it names the key
-        raise ConfigError(f"{path}: {err}: {_FIX}") from err
-    except OmegaConfBaseException as err:
-        if isinstance(err.__cause__, ConfigError):
-            raise ConfigError(f"{path}: {err.__cause__}: {_FIX}") from err
-        where = f"task.{err.full_key}: " if getattr(err, "full_key", None) else ""
-        raise ConfigError(f"{path}: {where}{str(err).splitlines()[0]}: {_FIX}") from err

@@ -149,7 +149,7 @@ def _predict(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides, data_paths=False)
     from distqa.nq.predict import predict
     from distqa.nq.reader import shown_lines
-    from distqa.task import given_task_keys
+    from distqa.task_settings import given_task_keys
 
     # The model's saved task settings apply unless the user set a key (then with a warning if it differs).
     given = given_task_keys(args.config, args.overrides)

@@ -21,7 +21,7 @@ from distqa.nq.postprocess import group_by_example
 from distqa.nq.reader import NQExample, NQReader
 from distqa.nq.submission import check_output_path, write_submission
 from distqa.nq.thresholds import THRESHOLDS_FILE, read_chosen
-from distqa.task import read_task_settings, with_trained_settings
+from distqa.task_settings import read_task_settings, with_trained_settings
 
 
 def model_folder(path: str | Path) -> Path:
@@ -130,7 +130,7 @@ def predict(
     cfg: Config, input_path: str, checkpoint: str, output: str, *, given: Collection[str] = ()
 ) -> dict[str, Any]:
     """Write a submission for `input_path`. The `task.*` settings are the model's (saved with its
-    export), except the keys in `given` (those the user set, `distqa.task.given_task_keys`).
+    export), except the keys in `given` (those the user set, `distqa.task_settings.given_task_keys`).
     Returns the counts of examples, long and short answers, and the numbers of the bad lines
     skipped (`skipped_lines`: no rows for them)."""
     quiet_libraries(is_main=True)  # no progress bars of the model load and preparation in a log
