@@ -32,10 +32,10 @@ from conftest import (
     tmpfs,
     wait_for_step,
 )
-from distqa import dist as distqa_dist
+from distqa import peer_watch
 from distqa.checkpoint import list_checkpoints, read_trainer_state, verify_checkpoint
-from distqa.dist import PeerWatch
 from distqa.errors import DistqaError
+from distqa.peer_watch import PeerWatch
 from distqa.registry import load_config
 from distqa.trainer import train
 
@@ -270,7 +270,7 @@ def watching(rank: int, prefix: str) -> tuple[PeerWatch, list[list[int]]]:
 def test_peer_watch_ends_a_rank_whose_peer_is_gone_and_spares_live_and_finished_ones(
     fast_peer_watch, monkeypatch, tmp_path, capsys
 ):
-    """The gloo hang of a peer lost mid-message (dist.PeerWatch): a rank's neighbour that stops
+    """The gloo hang of a peer lost mid-message (peer_watch.PeerWatch): a rank's neighbour that stops
     counting is lost within the timeout; one that counts, or said it stops on purpose, is not."""
     gone, lost = watching(0, "gone/")  # rank 1 never starts counting
     deadline = time.monotonic() + 10
@@ -287,7 +287,7 @@ def test_peer_watch_ends_a_rank_whose_peer_is_gone_and_spares_live_and_finished_
 
     # What a lost peer looks like: one line, also for worker.sh's error file, then a hard exit.
     monkeypatch.setenv("DISTQA_ERROR_FILE", str(tmp_path / "error"))
-    monkeypatch.setattr(distqa_dist.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(peer_watch.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
     with pytest.raises(SystemExit, match="1"):
         PeerWatch._lost(gone, [1])
     line = capsys.readouterr().err.strip()
@@ -301,7 +301,7 @@ def test_peer_watch_after_the_whole_process_was_paused_reports_nobody(fast_peer_
     offset, awake = [0.0], threading.Event()
     awake.set()
     real = time.monotonic
-    monkeypatch.setattr(distqa_dist.time, "monotonic", lambda: real() + offset[0])
+    monkeypatch.setattr(peer_watch.time, "monotonic", lambda: real() + offset[0])
     (zero, lost_by_zero), (one, lost_by_one) = watching(0, "paused/"), watching(1, "paused/")
     count = one._add
     one._add = lambda rank, amount: (awake.wait(), count(rank, amount))[1]  # type: ignore[method-assign]

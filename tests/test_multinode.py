@@ -357,7 +357,7 @@ def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts,
     ends with the weights of a 1-process resume from that checkpoint. With fsdp, each change of the
     node count reshards the checkpoint (2 processes' shards to 1, then 1 to 2). Node 1 dies mid-
     all-gather now and then: gloo then leaves node 0 waiting for its process group's timeout, and
-    only distqa's peer watch (dist.PeerWatch) ends that round in time."""
+    only distqa's peer watch (peer_watch.PeerWatch) ends that round in time."""
     hosts, _ = two_hosts
     out = tmp_path / "run"
     # Longer steps (256 tokens) and more of them: node 0 must still be training when node 1 is back.

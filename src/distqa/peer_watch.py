@@ -1,0 +1,136 @@
+"""Ends a process whose neighbouring rank is gone, whatever it waits in (`PeerWatch`): a lost
+peer under gloo can otherwise leave it waiting the process group's whole timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class PeerWatch:
+    """Ends this process when a neighbouring rank's process is gone, whatever this one is waiting in.
+
+    A peer killed while it sends into a gloo collective (a node lost mid-all-gather under FSDP, or
+    mid-all-reduce under DDP) can leave this process waiting for the rest of that message: gloo
+    closes the connection but does not wake the receive whose first bytes had already arrived, which
+    then waits the process group's whole timeout (30 minutes) instead of failing, and torchrun never
+    starts the next round. Seen in the elastic node test: rank 0 in `UnboundBuffer::waitRecv` under
+    `gloo::allgather`, its socket to the lost node already closed. So each rank counts up a key in
+    the rendezvous store every `INTERVAL_S` from a thread of its own, and watches the counters of
+    its two ring neighbours (rank - 1, rank + 1: every loss is seen by two ranks, at a cost that does
+    not grow with the world): one that has not moved for DISTQA_PEER_TIMEOUT_S (default 60; 0: off)
+    is a lost peer, said in one line before this process exits for torchrun to restart the round.
+    A rank that stops on purpose (`cleanup`) marks its counter done first. Only a dead process
+    stops counting: a busy one (a long data preparation, a slow step) still counts from this thread.
+    """
+
+    INTERVAL_S = 2.0
+    DONE = 1 << 40  # added to the counter by a rank that stops on purpose
+    current: PeerWatch | None = None
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, prefix: str) -> None:
+        self.rank, self.timeout_s, self.prefix = rank, timeout_s, prefix
+        self.peers = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
+        self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store: dist.Store | None = None
+        self.store_lost = False  # a call to the store failed (its host may be gone for good)
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, rank: int, world_size: int) -> None:
+        timeout_s = float(os.environ.get("DISTQA_PEER_TIMEOUT_S") or 60)
+        if timeout_s <= 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            return  # off, or a process group made without a TCP store to count in
+        from distqa import rounds
+
+        # Static rendezvous: the agent's store outlives a round, so the keys are the round's own.
+        prefix = f"distqa/round-{rounds.joined.number}/" if rounds.joined is not None else "distqa/"
+        cls.current = watch = cls(rank, world_size, timeout_s, prefix)
+        watch.thread = threading.Thread(target=watch._run, name="distqa-peer-watch", daemon=True)
+        watch.thread.start()
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}alive/{rank}"
+
+    def _add(self, rank: int, amount: int) -> int:
+        # A client of its own, with a short timeout: the trainer's may be busy, and a store that no
+        # longer answers must count as silence, not block this thread.
+        if self.store is None:
+            if self.stopped.is_set() and self.store_lost:
+                # Stopping (a preemption, the end) after the store stopped answering: node 0's store
+                # may be gone with its container, and a new client would retry its connect (and the
+                # name lookup) for its whole timeout, past a `docker stop`'s grace period (issue 26:
+                # rank 1 "hung" after its checkpoint and was killed, exit 137).
+                raise RuntimeError("the store stopped answering: no new client while stopping")
+            # Connecting gives up after one interval (a store that is gone counts as silence at once);
+            # a connected client waits 10 s for an answer.
+            self.store = dist.TCPStore(
+                self.addr, self.port, is_master=False, timeout=timedelta(seconds=self.INTERVAL_S)
+            )
+            self.store.set_timeout(timedelta(seconds=10))
+        return self.store.add(self._key(rank), amount)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        seen = {peer: (-1, start) for peer in self.peers}
+        answered = last_tick = start  # when the store last answered; when this thread last ran
+        while not self.stopped.wait(self.INTERVAL_S):
+            now = time.monotonic()
+            if now - last_tick > self.timeout_s / 2:
+                # This process itself did not run (the whole job paused: SIGSTOP, `docker pause`):
+                # its neighbours did not either, and a counter read now would look long silent.
+                seen = {peer: (value, now) for peer, (value, _) in seen.items()}
+                answered = now
+            last_tick = now
+            try:
+                self._add(self.rank, 1)
+                values = {peer: self._add(peer, 0) for peer in list(seen)}
+                answered = time.monotonic()
+            except Exception:  # noqa: BLE001 (the store's host is gone, or the network: silence)
+                self.store, values, self.store_lost = None, {}, True
+            now = time.monotonic()
+            for peer, value in values.items():
+                if value >= self.DONE:
+                    del seen[peer]  # it stopped on purpose
+                elif value != seen[peer][0]:
+                    seen[peer] = (value, now)
+            silent = sorted(peer for peer, (_, since) in seen.items() if now - since > self.timeout_s)
+            if silent and not self.stopped.is_set():
+                self._lost(silent, store_silent=now - answered > self.timeout_s)
+
+    def _lost(self, silent: list[int], store_silent: bool = False) -> None:
+        from distqa import rounds
+
+        where = f" in restart round {rounds.joined.number}" if rounds.joined is not None else ""
+        ranks = ", ".join(str(peer) for peer in silent)
+        store = f" (the rendezvous store at {self.addr}:{self.port} did not answer either)" if store_silent else ""
+        line = (
+            f"distqa [rank {self.rank}]: error: lost a peer: rank(s) {ranks}{store} gave no sign of life for "
+            f"{self.timeout_s:g} s{where} (DISTQA_PEER_TIMEOUT_S): torchrun starts the next round if "
+            "restarts are left (MAX_RESTARTS, --max-restarts) and it resumes from the newest checkpoint"
+        )
+        print(line, file=sys.stderr, flush=True)
+        if error_file := os.environ.get("DISTQA_ERROR_FILE"):
+            with contextlib.suppress(OSError), open(error_file, "a") as f:
+                f.write(line + "\n")
+        # The main thread may be inside a collective that never returns: no cleanup can run there.
+        os._exit(1)
+
+    def stop(self, done: bool = True) -> None:
+        """Stop watching; `done`: tell the neighbours that this rank ends on purpose. A rank that
+        fails alone says nothing: its silence is what makes the neighbours stop waiting for it."""
+        self.stopped.set()
+        # The watch thread leaves its loop first: a store client torn down mid-call aborts the process.
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=15)
+        if done:
+            with contextlib.suppress(Exception):
+                self._add(self.rank, self.DONE)
+        self.store = None
