@@ -73,3 +73,13 @@ def test_the_checkpoint_table_names_every_file_a_checkpoint_holds(tmp_path):
     table = (ROOT / "docs" / "outputs.md").read_text(encoding="utf-8").partition("## Checkpoints")[2]
     rows = set(re.findall(r"^\| `([^`]+)`", table, flags=re.M))
     assert files and set(files) <= rows, f"not in docs/outputs.md's checkpoint table: {set(files) - rows}"
+
+
+def test_the_fork_page_names_every_module_of_the_core():
+    """docs/fork.md's map of src/distqa/ is where a fork looks first: twelve modules had been added
+    without a line there before this test."""
+    page = (ROOT / "docs" / "fork.md").read_text(encoding="utf-8")
+    names = re.findall(r"^  (\w+(?:, \w+)*)$", page, flags=re.M)  # "  dist, parallel, ..." lines
+    listed = {name for line in names for name in line.split(", ")}
+    modules = {p.stem for p in (ROOT / "src" / "distqa").glob("*.py")} - {"__init__", "__main__"}
+    assert not modules - listed, f"docs/fork.md does not name: {sorted(modules - listed)}"
