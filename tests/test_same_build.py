@@ -157,6 +157,12 @@ def test_the_identities_see_what_changes_the_computation_and_nothing_else(tmp_pa
     assert config_identity(first) == config_identity(second)
     second.config.layer_norm_eps = 0.5
     assert config_identity(first) != config_identity(second)
+    # The attention kernel, which the config's dict leaves out: named as it is.
+    third = built(0)
+    assert config_identity(third)["attention kernel"] == third.config._attn_implementation
+    third.config._attn_implementation = "eager" if third.config._attn_implementation != "eager" else "sdpa"
+    assert config_identity(third)["model config"] == config_identity(built(0))["model config"]
+    assert config_identity(third)["attention kernel"] != config_identity(built(0))["attention kernel"]
 
 
 def test_a_resume_whose_tokenizer_files_changed_is_refused_naming_it(tmp_path, minilm_dir):

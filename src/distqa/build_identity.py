@@ -80,7 +80,13 @@ def config_identity(model: nn.Module) -> dict[str, str]:
     if not hasattr(config, "to_dict"):
         return {}
     text = json.dumps(config.to_dict(), sort_keys=True, default=lambda value: type(value).__qualname__)
-    return {"model config": hashlib.sha256(text.encode()).hexdigest()}
+    identity = {"model config": hashlib.sha256(text.encode()).hexdigest()}
+    # The attention kernel transformers picked where model.attn_implementation is unset (what the
+    # node's packages allow): to_dict leaves it out, and kernels differ in their rounding.
+    kernel = getattr(config, "_attn_implementation", None)
+    if kernel is not None:
+        identity["attention kernel"] = str(kernel)
+    return identity
 
 
 def weight_summary(model: nn.Module) -> dict[str, tuple[float, float, float]]:
