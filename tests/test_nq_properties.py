@@ -681,17 +681,18 @@ def fits(tokenizer: Any, example: NQExample, s: FeatureSettings) -> bool:
     return s.max_seq_len - len(question_ids(tokenizer, example.question, s.max_query_len)) - 3 >= 1
 
 
-def test_features_are_deterministic_and_subsampling_keeps_every_answer(tokenizer, builder):
-    seen: Counter = Counter()
+# Each branch its own half of the examples: drawn as a boolean, training came up in 3 of 61 examples
+# of one `make test` run (hypothesis favours False), under the branch floor of a tenth.
+@pytest.mark.parametrize("training", [True, False], ids=["training", "evaluation"])
+def test_features_are_deterministic_and_subsampling_keeps_every_answer(tokenizer, builder, training):
     dropped: list[int] = []  # windows subsampling left out, per training example
 
-    @props(60)
+    @props(30)
     @given(
         example=nq_document_example(),
         s=feature_settings,
         keep=st.floats(0.0, 1.0),
         seed=st.integers(0, 2**32 - 1),
-        training=st.booleans(),
         fresh=st.integers(0, 3),
     )
     @explicit(  # 13 windows, none answered: keep_unknown=0.5 leaves some out
@@ -699,10 +700,9 @@ def test_features_are_deterministic_and_subsampling_keeps_every_answer(tokenizer
         s=FeatureSettings(max_seq_len=32, doc_stride=8, max_query_len=8),
         keep=0.5,
         seed=0,
-        training=True,
         fresh=1,
     )
-    def deterministic_and_subsampling_keeps_every_answer(example, s, keep, seed, training, fresh):
+    def deterministic_and_subsampling_keeps_every_answer(example, s, keep, seed, fresh):
         s = dataclasses.replace(s, keep_unknown=keep, seed=seed, training=training)
         assume(fits(tokenizer, example, s))
         once = build(builder, s, example)
@@ -712,7 +712,6 @@ def test_features_are_deterministic_and_subsampling_keeps_every_answer(tokenizer
         every = build(builder, dataclasses.replace(s, keep_unknown=1.0, training=True), example)
         if not training:
             assert once == every  # evaluation keeps every window, whatever keep_unknown says
-            seen["evaluation"] += 1
             return
         # Subsampling drops unknown windows only: what is kept is an ordered sub-list of every window.
         it = iter(every)
@@ -720,12 +719,11 @@ def test_features_are_deterministic_and_subsampling_keeps_every_answer(tokenizer
         assert [f for f in once if f["answer_type"] != UNKNOWN] == [f for f in every if f["answer_type"] != UNKNOWN]
         if keep == 0.0:
             assert all(f["answer_type"] != UNKNOWN for f in once)
-        seen["subsampled"] += 1
         dropped.append(len(every) - len(once))
 
     deterministic_and_subsampling_keeps_every_answer()
-    branch_floor(seen, "subsampled")
-    assert any(dropped), dropped  # subsampling really left windows out, in some example at least
+    if training:
+        assert any(dropped), dropped  # subsampling really left windows out, in some example at least
 
 
 @pytest.fixture(scope="module")
