@@ -5,6 +5,7 @@ a second try and the trainer cutting metrics.jsonl back to step N. On a made-up 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -237,22 +238,45 @@ def test_a_whole_run_move_killed_at_any_rename_is_moved_back_at_the_next_start(t
             assert os.listdir(snapshot / "earlier-runs") == []
 
 
-def test_a_whole_run_move_that_fails_moves_back_what_it_moved(tmp_path):
+def test_a_whole_run_move_that_fails_moves_back_what_it_moved(tmp_path, capsys):
     out = tmp_path / "run"
     before = _whole_run(out)
 
-    def fail(call: int) -> None:
+    def fail(call: int, code: int = 5) -> None:
         if call == 4:
-            raise OSError(5, "Input/output error")
+            raise OSError(code, os.strerror(code))
 
     with each_rename(fail), pytest.raises(DistqaError, match=r"move an earlier run aside: Input/output error"):
         choose_checkpoint(out, "never", ONE)
     assert {k: v for k, v in _tree(out).items() if not k.startswith("earlier-runs")} == before
     assert os.listdir(out / "earlier-runs") == []
-    # Where a file is both in the stopped move and back in output_dir: refused, nothing moved.
+    assert "was stopped" not in capsys.readouterr().out  # an error, not a kill: nothing to say of one
+    # earlier-runs/ on another filesystem (a mount): renames cannot cross; said so, nothing moved.
+    with each_rename(lambda call: fail(call, errno.EXDEV)), pytest.raises(DistqaError, match="another filesystem"):
+        choose_checkpoint(out, "never", ONE)
+    assert {k: v for k, v in _tree(out).items() if not k.startswith("earlier-runs")} == before
+    # Where a file is both in the stopped move and back in output_dir: refused before moving any.
     stopped = out / "earlier-runs" / ".moving-20261127-100000"
     stopped.mkdir()
+    (stopped / "a-first").write_text("moved back first, were the clash not checked first")
     (stopped / "metrics.jsonl").write_text("the stopped move's copy")
     with pytest.raises(DistqaError, match=r"and .*metrics.jsonl exists too: nothing was moved or lost"):
         choose_checkpoint(out, "never", ONE)
-    assert (stopped / "metrics.jsonl").read_text() == "the stopped move's copy"
+    assert sorted(os.listdir(stopped)) == ["a-first", "metrics.jsonl"] and not (out / "a-first").exists()
+
+
+def test_a_checkpoint_named_inside_a_stopped_move_is_refused_naming_where_it_is_back(tmp_path):
+    out = tmp_path / "run"
+    _whole_run(out)
+
+    def kill(call: int) -> None:
+        if call == 4:  # config.yaml, metrics.jsonl and checkpoints/ are in the move's folder
+            raise Killed
+
+    with each_rename(kill), pytest.raises(Killed):
+        choose_checkpoint(out, "never", ONE)
+    (stopped,) = (out / "earlier-runs").iterdir()
+    named = stopped / "checkpoints" / "step-4"
+    with pytest.raises(DistqaError, match=rf"it is back at {out / 'checkpoints' / 'step-4'}: name that"):
+        choose_checkpoint(out, str(named), ONE)
+    assert (out / "checkpoints" / "step-4").is_dir() and not stopped.exists()

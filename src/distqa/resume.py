@@ -76,7 +76,14 @@ def _inside(path: Path, folder: Path) -> Path | None:
 
 
 def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:
-    undo_killed_move(output_dir)  # first: every choice below sees the earlier run whole
+    undone = undo_killed_move(output_dir)  # first: every choice below sees the earlier run whole
+    for staging in undone:  # a checkpoint named inside the stopped move's folder is back in place
+        inside = _inside(Path(mode), staging) if mode not in ("auto", "never") else None
+        if inside is not None:
+            raise ConfigError(
+                f"train.resume={mode} lay in {staging}, the folder of a move of the run aside that was stopped: "
+                f"it is back at {output_dir / inside}: name that"
+            )
     if mode == "never":
         moved = set_aside_earlier_run(output_dir)
         if moved is not None:

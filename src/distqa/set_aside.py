@@ -21,6 +21,7 @@ A line is set aside in an order that loses nothing whatever stops it (a full dis
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -66,30 +67,44 @@ def set_aside_earlier_run(output_dir: Path) -> Path | None:
             os.rename(output_dir / name, staging / name)
         target = staging.with_name(staging.name[len(_MOVING) :])
         os.rename(staging, target)
-    except Exception:
-        undo_killed_move(output_dir)
+    except Exception as err:
+        undo_killed_move(output_dir, stopped_by_a_kill=False)
+        if isinstance(err, OSError) and err.errno == errno.EXDEV:
+            raise DistqaError(
+                f"cannot move the earlier run in {output_dir} aside: {output_dir / EARLIER_RUNS} or one of the run's "
+                "files is on another filesystem (a mount), and a run is moved aside by renames, which stay on one: "
+                "nothing was moved; make them plain folders of output_dir, or use another output_dir"
+            ) from err
         raise
     fsync_path(target.parent)
     fsync_path(output_dir)
     return target
 
 
-def undo_killed_move(output_dir: Path) -> None:
+def undo_killed_move(output_dir: Path, *, stopped_by_a_kill: bool = True) -> list[Path]:
     """Move the files of a whole-run move that a kill (or an error) stopped back into output_dir,
-    and remove its folder. Called by rank 0 before it looks for checkpoints, under the run lock:
-    nothing has written into output_dir since. Refuses, moving nothing more, where a file is in both."""
+    and remove its folder; returns the folders emptied. Called by rank 0 before it looks for
+    checkpoints, under the run lock: nothing has written into output_dir since. Where a file is
+    both there and back in output_dir, refuses before moving anything."""
+    undone = []
     for staging in sorted((output_dir / EARLIER_RUNS).glob(_MOVING + "*")):
-        for path in sorted(staging.iterdir()):
-            back = output_dir / path.name
-            if os.path.lexists(back):
-                raise DistqaError(
-                    f"{staging} holds a run's files that a stopped move left, and {back} exists too: nothing "
-                    f"was moved or lost; move {path} (and the rest of {staging}) where it belongs, then run again"
-                )
-            os.rename(path, back)
+        entries = sorted(staging.iterdir())
+        clash = next((output_dir / p.name for p in entries if os.path.lexists(output_dir / p.name)), None)
+        if clash is not None:
+            raise DistqaError(
+                f"{staging} holds a run's files that a stopped move left, and {clash} exists too: nothing "
+                f"was moved or lost; move the files of {staging} where they belong, then run again"
+            )
+        for path in entries:
+            os.rename(path, output_dir / path.name)
         staging.rmdir()
         fsync_path(output_dir)
-        print(f"an earlier move of the run in {output_dir} aside was stopped: its files were moved back", flush=True)
+        undone.append(staging)
+        if stopped_by_a_kill:
+            print(
+                f"an earlier move of the run in {output_dir} aside was stopped: its files were moved back", flush=True
+            )
+    return undone
 
 
 def _new_folder(output_dir: Path, suffix: str, *, prefix: str = "") -> Path:

@@ -26,6 +26,7 @@ from distqa.flops import ModelShape, model_shape
 # The exported settings' names, here too: forks import them from the seam's module (the new-task template does).
 from distqa.task_settings import (  # noqa: F401
     SETTINGS_FILE,
+    SETTINGS_FORMAT,
     given_task_keys,
     read_task_settings,
     with_trained_settings,
