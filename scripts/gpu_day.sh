@@ -59,10 +59,20 @@ for model in bert-base-random bert-large-random; do
     for ac in false true; do all_setups+=("$model-$parallel-ac-$ac"); done
   done
 done
-read -ra setups <<< "${GPU_DAY_SETUPS:-${all_setups[*]}}"
-for name in "${setups[@]}"; do
+given=${GPU_DAY_SETUPS:-${all_setups[*]}}
+read -ra setups <<< "${given//$'\n'/ }"
+((${#setups[@]} > 0)) || {
+  echo "gpu_day.sh: GPU_DAY_SETUPS names no set-up: leave it unset for all, or name some of ${all_setups[*]}" >&2
+  exit 2
+}
+for i in "${!setups[@]}"; do
+  name=${setups[i]}
   [[ " ${all_setups[*]} " == *" $name "* ]] || {
     echo "gpu_day.sh: GPU_DAY_SETUPS names '$name': the set-ups are ${all_setups[*]}" >&2
+    exit 2
+  }
+  [[ " ${setups[*]:0:i} " != *" $name "* ]] || {
+    echo "gpu_day.sh: GPU_DAY_SETUPS names '$name' twice" >&2
     exit 2
   }
 done
@@ -143,6 +153,7 @@ export -f largest_batch
 predicted_batch() { # MODEL PARALLEL AC: distqa.bench.memory's largest batch per GPU in this GPU's memory
   local mib
   mib=$(awk -F', *' 'NR == 1 { print $2 + 0 }' "$out/gpus.csv" 2> /dev/null)
+  ((${mib:-0} > 0)) || { echo "nvidia-smi gave no memory size (gpus.csv)" >&2; return 1; }
   "$PYTHON" -c '
 import sys
 from distqa.bench.memory import ENCODERS, largest_batch
@@ -210,8 +221,12 @@ for i in "${!setups[@]}"; do
     report skip --name "largest-batch/$name" --reason "the set-ups before it used this step's box (GPU_DAY_BOX_BATCHES)"
     continue
   fi
-  from=$(predicted_batch "$model" "$parallel" "$ac") || from=""
+  rm -rf "$out/batches/$name" # an earlier day's runs in the same OUTPUT_DIR would count as this one's
   mkdir -p "$out/batches/$name"
+  if ! from=$(predicted_batch "$model" "$parallel" "$ac" 2> "$out/batches/$name/formula.log"); then
+    from=""
+    report note "largest-batch/$name: no figure of distqa.bench.memory ($(tail -n 1 "$out/batches/$name/formula.log")): the search starts at 16"
+  fi
   printf '{"formula_largest_batch": %s}\n' "${from:-null}" > "$out/batches/$name/formula.json"
   # shellcheck disable=SC2016  # "$@" is bash -c's own: the function's arguments follow
   run_step "largest-batch/$name" "$share" bash -c 'largest_batch "$@"' largest_batch "$out/batches/$name" "$gpus" \

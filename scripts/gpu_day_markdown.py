@@ -69,7 +69,9 @@ def _batch_table(report: dict[str, Any]) -> list[str]:
             ac = "on" if entry["activation_checkpointing"] else "off"
             label = f"{entry['model']}, {entry['parallel']}, activation checkpointing {ac}"
         largest = f"{'≥ ' if entry['lower_bound'] else ''}{entry['largest_batch']}"
-        ended = entry["stopped_by"] or ("the time box" if entry["lower_bound"] else "the largest size tried")
+        if not entry["largest_batch"] and entry["stopped_by"]:  # none fit: below the smallest that failed
+            largest = "< " + entry["stopped_by"].split(":")[0].removeprefix("batch ")
+        ended = entry["stopped_by"] or ("the time box" if entry.get("timed_out") else "the largest size tried")
         cells = [label, _fmt(entry["gpus"], "d"), largest, _fmt(entry.get("formula_largest_batch"), "d"),
                  _fmt(entry["samples_per_s"], ",.1f"), _fmt(entry["peak_memory_gib"], ".1f"),
                  ended.replace("|", "/")]  # fmt: skip

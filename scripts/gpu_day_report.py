@@ -154,10 +154,16 @@ def largest_batches(out: Path, steps: list[dict[str, Any]]) -> list[dict[str, An
         fits = [b for b in tried if (folder / f"batch-{b}" / "bench.json").is_file()]
         at = _read_json(folder / f"batch-{max(fits)}" / "bench.json") if fits else None
         row = bench_rows(at)[0] if at else {}
-        # The search ends at a failure (out of memory, as a rule: its line says) just above a batch
-        # that fits; a box that ran out stops the probe in flight and leaves a lower bound.
+        # The search ends at a batch out of memory just above one that fits. A box that runs out stops
+        # the probe in flight (no bench.json, no such line) and leaves a bound on one side; so does a
+        # search whose every run fit; another failure ends it, and its line says why.
         cut = status.get(f"largest-batch/{folder.name}", {}).get("status") == "timed-out"
-        failed = [b for b in tried if b not in fits and b > max(fits, default=0) and not cut]
+        largest = max(fits, default=0)
+        logs = {b: folder / f"batch-{b}.log" for b in tried if b not in fits}
+        oom = sorted(b for b, log in logs.items() if _why_not(log) == "CUDA out of memory")
+        above = [b for b in oom if b > largest]
+        other = [b for b in logs if b not in oom and not cut]
+        stopped = above[0] if above else other[0] if other else None
         match = SETUP.match(folder.name)
         found.append({
             "setup": folder.name,
@@ -165,10 +171,11 @@ def largest_batches(out: Path, steps: list[dict[str, Any]]) -> list[dict[str, An
             "parallel": match and match["parallel"],
             "activation_checkpointing": match and match["ac"] == "true",
             "gpus": row.get("nproc"),
-            "largest_batch": max(fits) if fits else 0,
+            "largest_batch": largest,
             "tried": tried,
-            "stopped_by": f"batch {failed[0]}: {_why_not(folder / f'batch-{failed[0]}.log')}" if failed else None,
-            "lower_bound": cut,
+            "stopped_by": None if stopped is None else f"batch {stopped}: {_why_not(logs[stopped])}",
+            "lower_bound": not above and bool(fits),  # no batch above the largest failed: it may go higher
+            "timed_out": cut,
             "formula_largest_batch": (_read_json(folder / "formula.json") or {}).get("formula_largest_batch"),
             "samples_per_s": row.get("samples_per_s"),
             "peak_memory_gib": row.get("peak_memory_gib"),

@@ -28,7 +28,7 @@ NVIDIA_SMI = """#!/usr/bin/env bash
 ((${FAKE_GPUS:-0} > 0)) || { echo "NVIDIA-SMI has failed because it couldn't communicate with the driver."; exit 9; }
 for ((i = 0; i < FAKE_GPUS; i++)); do
   if [[ $1 == -L ]]; then echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"
-  else echo "NVIDIA H100 80GB HBM3, 81559 MiB, 550.54"; fi
+  else echo "NVIDIA H100 80GB HBM3, ${FAKE_MEMORY:-81559 MiB}, 550.54"; fi
 done
 """
 
@@ -171,7 +171,33 @@ def test_where_every_batch_fits_the_search_goes_up_and_reports_the_largest_tried
     assert up[0] == _formula("BERT-base", "ddp", True) and len(up) == 8  # its limit of runs
     assert all(a < b <= 1.25 * a for a, b in zip(up, up[1:]))
     (entry,) = json.loads((out / "gpu_day.json").read_text())["largest_batches"]
-    assert (entry["largest_batch"], entry["stopped_by"], entry["lower_bound"]) == (up[-1], None, False)
+    assert (entry["largest_batch"], entry["stopped_by"], entry["lower_bound"]) == (up[-1], None, True)
+    assert f"| ≥ {up[-1]} | {up[0]} |" in (out / "gpu_day.md").read_text()
+    assert "the largest size tried |" in (out / "gpu_day.md").read_text()
+    # The same OUTPUT_DIR again, where nothing fits now: this day's search alone is reported.
+    (tmp_path / "again").mkdir()
+    proc = _run(
+        _fakes(tmp_path / "again"), out, FAKE_GPUS="1", FAKE_MAX_BATCH="0", GPU_DAY_STEPS="batches",
+        GPU_DAY_SETUPS="bert-base-random-ddp-ac-true",
+    )  # fmt: skip
+    assert proc.returncode == 1
+    (entry,) = json.loads((out / "gpu_day.json").read_text())["largest_batches"]
+    assert entry["largest_batch"] == 0 and entry["stopped_by"].endswith("CUDA out of memory")
+    assert "| < " in (out / "gpu_day.md").read_text()
+
+
+def test_without_the_card_s_memory_the_search_starts_at_16_and_says_why(tmp_path):
+    out = tmp_path / "day"
+    proc = _run(
+        _fakes(tmp_path), out, FAKE_GPUS="1", FAKE_MEMORY="[N/A]", FAKE_MAX_BATCH="20", GPU_DAY_STEPS="batches",
+        GPU_DAY_SETUPS="bert-base-random-ddp-ac-false",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert _probes((tmp_path / "calls.log").read_text().splitlines(), "bert-base-random-ddp-ac-false") == [16, 17, 21]
+    report = json.loads((out / "gpu_day.json").read_text())
+    assert any("no figure of distqa.bench.memory (nvidia-smi gave no memory size" in n for n in report["not_done"])
+    (entry,) = report["largest_batches"]
+    assert (entry["largest_batch"], entry["formula_largest_batch"]) == (17, None)
 
 
 def test_two_gpus_add_dp_rows_and_a_failed_suite_does_not_stop_the_day(tmp_path):
@@ -234,11 +260,18 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     (out / "batches" / "bert-large-random-ddp-ac-false" / "batch-16.log").write_text("")
     (out / "batches" / "bert-large-random-ddp-ac-false" / "batch-32.log").write_text("Traceback\nKeyboardInterrupt\n")
     _bench_json(out / "batches" / "bert-large-random-ddp-ac-false" / "batch-16", [_row(1, 50.0)], 16)
+    # A search going down whose box ran out: 400 out of memory, 360 stopped in flight.
+    (out / "batches" / "bert-large-random-fsdp-ac-false").mkdir()
+    (out / "batches" / "bert-large-random-fsdp-ac-false" / "batch-400.log").write_text("CUDA out of memory.\n")
+    (out / "batches" / "bert-large-random-fsdp-ac-false" / "batch-360.log").write_text("Traceback\nKeyboardInterrupt\n")
     steps = [
         gpu_day_report.step_entry("gpu-tests", 1, 61.0, 480, out / "logs" / "gpu-tests.log"),
         gpu_day_report.step_entry("bench", 0, 120.0, 540, out / "logs" / "bench.log"),
         gpu_day_report.step_entry(
             "largest-batch/bert-large-random-ddp-ac-false", 124, 105.0, 105, out / "logs" / "x.log"
+        ),
+        gpu_day_report.step_entry(
+            "largest-batch/bert-large-random-fsdp-ac-false", 124, 105.0, 105, out / "logs" / "x.log"
         ),
         {"name": "compile", "status": "skipped", "reason": "only 20 s left of the 2400 s budget", "seconds": 0},
         {"note": "1 GPU: DP/DDP scaling rows skipped"},
@@ -246,14 +279,16 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     (out / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     report = gpu_day_report.write(out, 2, 2400)
     assert json.loads((out / "gpu_day.json").read_text()) == json.loads(json.dumps(report))
-    assert [s["status"] for s in report["steps"]] == ["failed", "ok", "timed-out", "skipped"]
+    assert [s["status"] for s in report["steps"]] == ["failed", "ok", "timed-out", "timed-out", "skipped"]
     assert report["steps"][0]["reason"] == "E   RuntimeError: CUDA error: no kernel image"
     assert report["tests"]["passed"] == report["tests"]["failed"] == report["tests"]["skipped"] == 1
     assert report["tests"]["not_passed"] == ["test_fsdp_ws1"]
     assert [(r["mode"], r["nproc"], r["samples_per_s"]) for r in report["bench"]["rows"]] == [
         ("ddp", 1, 750.0), ("ddp", 2, 1350.0), ("dp", 2, 900.0)]  # fmt: skip
     assert report["compile"]["speedup"] == 960.0 / 750.0 and report["compile"]["compile_time_s"] is None
-    base, large = report["largest_batches"]
+    base, large, down = report["largest_batches"]
+    assert down["largest_batch"] == 0 and not down["lower_bound"]
+    assert down["stopped_by"] == "batch 400: CUDA out of memory"
     assert (base["largest_batch"], base["stopped_by"], base["lower_bound"]) == (
         32,
         "batch 64: CUDA out of memory",
@@ -261,7 +296,7 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     )
     # Its box ran out in the probe of 32: no failure, a lower bound.
     assert (large["largest_batch"], large["stopped_by"], large["lower_bound"]) == (16, None, True)
-    assert report["not_done"][0] == "1 GPU: DP/DDP scaling rows skipped" and len(report["not_done"]) == 4
+    assert report["not_done"][0] == "1 GPU: DP/DDP scaling rows skipped" and len(report["not_done"]) == 5
     md = (out / "gpu_day.md").read_text()
     assert "GPU acceptance suite (`make test-gpu`): 1 passed, 1 failed, 1 skipped (not passed: test_fsdp_ws1)." in md
     assert "| eager, batch 32 | 750.0 | 300,000 | 25.0 % | 42.7 (39.9 / 1.3) | 8.3 |  |" in md
@@ -274,6 +309,10 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     )
     assert "| bert-large-random, ddp, activation checkpointing off | 1 | ≥ 16 |  | 50.0 | 8.3 | the time box |" in md
     assert "- compile: skipped: only 20 s left of the 2400 s budget" in md
+    down_row = (
+        "| bert-large-random, fsdp, activation checkpointing off |  | < 400 |  |  |  | batch 400: CUDA out of memory |"
+    )
+    assert down_row in md
 
 
 def test_some_steps_at_a_time_gather_into_one_report(tmp_path):
@@ -297,5 +336,10 @@ def test_some_steps_at_a_time_gather_into_one_report(tmp_path):
     ]
     bad = _run(env, out, GPU_DAY_STEPS="tests batch")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'batch'" in bad.stderr
-    bad = _run(env, out, GPU_DAY_SETUPS="bert-base-random-ddp-ac-false bert-base-ddp-ac-false")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'bert-base-ddp-ac-false'" in bad.stderr
+    for setups, said in (
+        ("bert-base-random-ddp-ac-false bert-base-ddp-ac-false", "names 'bert-base-ddp-ac-false': the set-ups are"),
+        (" ", "names no set-up"),
+        ("bert-base-random-ddp-ac-false\nbert-base-random-ddp-ac-false", "names 'bert-base-random-ddp-ac-false' twice"),
+    ):
+        bad = _run(env, out, GPU_DAY_SETUPS=setups)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, bad.stderr
