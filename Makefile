@@ -26,7 +26,7 @@ help:
 	@echo "make bench-network  two hosts on a capped link (root): speed and bytes per step of each gradient hook (minutes)"
 	@echo "make test-torch-floor  make test again on torch 2.11, the oldest supported (its own venv; a CUDA build, GBs)"
 	@echo "make test-gpu   the GPU acceptance suite (CUDA, NCCL, bf16/fp16, compile, FSDP2, peak memory); skipped without a GPU"
-	@echo "make gpu-day    a lent GPU's day (40 min): GPU suite, bench rows, compile speed-up, largest batches into gpu_day.json/.md"
+	@echo "make gpu-day    a lent GPU's day (40 min): GPU suite, bench rows, compile speed-up, profile, largest batches into gpu_day.json/.md"
 	@echo "make lint       ruff"
 	@echo "make docs       regenerate docs/keys.md from \`distqa train --help\` (tests/test_docs.py checks it)"
 	@echo "make clean      remove .venv and everything under results/"
@@ -163,7 +163,7 @@ clean:
 	find results -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
 
 # Everything a lent GPU should run, time-boxed to 40 minutes (scripts/gpu_day.sh): the GPU suite,
-# BERT-base bench rows (DDP, DP), the compile speed-up, the largest batch per set-up; writes
+# BERT-base bench rows (DDP, DP), the compile speed-up, a step's profile, the largest batch per set-up; writes
 # $(GPU_DAY_OUT)/gpu_day.json and gpu_day.md. No install: a lent machine has torch but no package
 # index; .venv/bin (when there is one) comes first on PATH. Exits 2 without a GPU.
 .PHONY: gpu-day

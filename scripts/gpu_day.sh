@@ -6,6 +6,8 @@
 #   2. `distqa bench` rows for BERT-base, seq 512, bf16: 1 process per GPU count (DDP), and
 #      DataParallel beside it (--dp) with 2 GPUs or more; samples/s, scaling, MFU;
 #   3. the speed-up of train.compile=true over step 2's eager 1-process row;
+#   3b. (`profile`) where an eager 1-process step's time goes: `distqa bench --profile`, its
+#      trace and table of operators in OUTPUT_DIR/profile/profile-np1/;
 #   4. the largest batch per GPU that fits, per set-up of scripts/bench_fsdp_gpu.sh (BERT-base and
 #      -large, DDP and FSDP, activation checkpointing off and on), searched from the batch
 #      `distqa.bench.memory` names for this GPU's memory: up by 10 % (then 25 %) while it fits,
@@ -29,11 +31,11 @@
 #   GPU_CHECK         step 1's command (default: scripts/gpu_check.sh)
 #   GPU_DAY_BUDGET_S  seconds for the whole day (default: 2400); a step with under
 #                     GPU_DAY_MIN_BOX_S (default: 60) left is skipped
-#   GPU_DAY_STEPS     which steps, of: tests bench compile batches (default: all four, in that order)
+#   GPU_DAY_STEPS     which steps, of: tests bench compile profile batches (default: all five, in that order)
 #   GPU_DAY_SETUPS    step 4's set-ups, e.g. "bert-base-random-ddp-ac-false bert-large-random-fsdp-ac-true"
 #                     (default: all eight, MODEL-PARALLEL-ac-AC)
-#   GPU_DAY_BOX_TESTS, GPU_DAY_BOX_BENCH, GPU_DAY_BOX_COMPILE, GPU_DAY_BOX_BATCHES
-#                     each step's box in seconds (default: 480, 510, 360, 840; step 4's is shared
+#   GPU_DAY_BOX_TESTS, GPU_DAY_BOX_BENCH, GPU_DAY_BOX_COMPILE, GPU_DAY_BOX_PROFILE, GPU_DAY_BOX_BATCHES
+#                     each step's box in seconds (default: 480, 510, 360, 180, 840; step 4's is shared
 #                     among its set-ups, what one leaves going to the next); none over
 #                     GPU_DAY_MAX_BOX_S (default: 510)
 #   GPU_DAY_GRACE_S   after a box, seconds between SIGINT (distqa bench then stops its launch's
@@ -46,10 +48,10 @@ if [[ $# -ne 1 || $1 == -* ]]; then
 fi
 out=$(realpath -m -- "$1") # before the cd below: a relative OUTPUT_DIR is the caller's
 cd "$(dirname "$0")/.."
-steps=" ${GPU_DAY_STEPS:-tests bench compile batches} "
+steps=" ${GPU_DAY_STEPS:-tests bench compile profile batches} "
 for step in $steps; do
-  [[ " tests bench compile batches " == *" $step "* ]] || {
-    echo "gpu_day.sh: GPU_DAY_STEPS names '$step': the steps are tests, bench, compile, batches" >&2
+  [[ " tests bench compile profile batches " == *" $step "* ]] || {
+    echo "gpu_day.sh: GPU_DAY_STEPS names '$step': the steps are tests, bench, compile, profile, batches" >&2
     exit 2
   }
 done
@@ -208,6 +210,10 @@ fi
 # 3. Compiled against step 2's eager 1-process row; 10 warm-up steps leave the compilation out.
 [[ $steps != *" compile "* ]] || run_step compile "${GPU_DAY_BOX_COMPILE:-360}" \
   distqa bench --nproc 1 --output "$out/compile" --warmup 10 --repeats 2 --timeout 300 "${common[@]}" train.compile=true
+
+# 3b. Where an eager step's time goes (the H100 of 2026-11-27 spent ~27 ms per step that no batch size changed).
+[[ $steps != *" profile "* ]] || run_step profile "${GPU_DAY_BOX_PROFILE:-180}" \
+  distqa bench --nproc 1 --output "$out/profile" --profile --repeats 1 --steps 5 --timeout 150 "${common[@]}"
 
 # 4. The largest batch per set-up, on every GPU; each set-up gets its share of what is left.
 batches_end=$((SECONDS + ${GPU_DAY_BOX_BATCHES:-840}))

@@ -17,6 +17,7 @@ import torch
 import toy_task
 from conftest import ROOT, bench_result, free_port, subprocess_env
 from distqa.bench.launch import _reason, check_port, parse_nproc, print_table, rendezvous_args, worker_env
+from distqa.bench.profile import PROFILED_STEPS
 from distqa.bench.report import add_scaling, implausible, summarize
 from distqa.cli import build_parser, main
 from distqa.config import ModelConfig
@@ -276,6 +277,7 @@ def test_bench_launches_trainer_and_baseline_and_writes_json_and_png(tmp_path):
     process; the 1-process launch: test_bench_runs_a_forked_task_without_a_flops_shape.)"""
     out = tmp_path / "bench"
     args = ["--nproc", "2", "--output", str(out), "--warmup", "2", "--steps", "4", "--baseline", "--repeats", "1"]
+    args += ["--profile"]
     # At a port of our choosing (MASTER_PORT), as two users of one host would run it; the 1-process
     # launch of test_bench_runs_a_forked_task_without_a_flops_shape takes a free one (standalone).
     port = free_port()
@@ -297,6 +299,17 @@ def test_bench_launches_trainer_and_baseline_and_writes_json_and_png(tmp_path):
     assert (out / "runs" / "np2-baseline-0.json").is_file()
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "vs loop" in proc.stdout and "bench.json" in proc.stdout
+    # --profile: a launch of its own after the timed one (whose figures are above), each rank's
+    # trace of the PROFILED_STEPS steps after the warm-up, and rank 0's table of operators.
+    profiled = out / "profile-np2"
+    for rank in (0, 1):
+        trace = json.loads((profiled / f"trace-rank{rank}.json").read_text())
+        steps = {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
+        assert steps == {f"ProfilerStep#{n}" for n in range(2, 2 + PROFILED_STEPS)}, steps  # after steps 1-2
+    table = (profiled / "operators.txt").read_text()
+    assert table.startswith(f"{PROFILED_STEPS} steps after 2 warm-up steps") and "aten::addmm" in table
+    assert json.loads((out / "runs" / "np2-profile-0.json").read_text())["steps"] == PROFILED_STEPS
+    assert f"distqa bench: profile of 2 process(es) in {profiled}" in proc.stdout
 
 
 def test_bench_rejects_bad_input_before_launching(tmp_path, monkeypatch, capsys):

@@ -134,7 +134,8 @@ def test_one_gpu_day_runs_the_steps_in_order_and_a_step_past_its_box_times_out(t
     assert calls[0].startswith("gpu-check ")
     assert calls[1].startswith(f"distqa bench --nproc 1 --output {out}/bench ") and "--dp" not in calls[1]
     assert calls[2].startswith(f"distqa bench --nproc 1 --output {out}/compile ") and "train.compile=true" in calls[2]
-    assert all("/batches/" in c for c in calls[3:])
+    assert calls[3].startswith(f"distqa bench --nproc 1 --output {out}/profile --profile ")
+    assert all("/batches/" in c for c in calls[4:])
     assert _probes(calls, "bert-base-random-ddp-ac-false") == [base, base - base // 10]
     # From far above: down in steps of at most 25 %, until one fits (the last) below one that did not.
     down = _probes(calls, "bert-large-random-fsdp-ac-true")
@@ -145,7 +146,7 @@ def test_one_gpu_day_runs_the_steps_in_order_and_a_step_past_its_box_times_out(t
     report = json.loads((out / "gpu_day.json").read_text())
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert status["gpu-tests"] == status["bench"] == status["largest-batch/bert-large-random-fsdp-ac-true"] == "ok"
-    assert status["compile"] == "timed-out" and len(status) == 5
+    assert status["compile"] == "timed-out" and status["profile"] == "ok" and len(status) == 6
     assert report["gpu"] == {"count": 1, "name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB", "driver": "550.54"}
     found = {b["setup"]: b for b in report["largest_batches"]}
     assert found["bert-base-random-ddp-ac-false"]["largest_batch"] == base - base // 10
@@ -212,7 +213,7 @@ def test_two_gpus_add_dp_rows_and_a_failed_suite_does_not_stop_the_day(tmp_path)
     assert status["gpu-tests"] == "failed" and status["bench"] == "ok" and status["compile"] == "ok"
     # Nothing fits (out of memory down to a sixth of the formula's batch): the set-up failed, with the reason.
     assert status["largest-batch/bert-base-random-ddp-ac-false"] == "failed"
-    assert "out of memory" in report["steps"][3]["reason"]
+    assert "out of memory" in report["steps"][4]["reason"]
     probes = _probes(calls, "bert-base-random-ddp-ac-false")
     assert probes[0] == _formula("BERT-base", "ddp", False, gpus=2) and len(probes) == 8
     assert [(r["mode"], r["nproc"]) for r in report["bench"]["rows"]] == [("ddp", 1), ("ddp", 2), ("dp", 1), ("dp", 2)]

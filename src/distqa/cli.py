@@ -139,6 +139,12 @@ def _add_bench(commands: Any) -> None:
         "each row's processes, train.batch_size per GPU, as rows of their own",
     )
     bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed rounds, one more launch per process count profiles 3 steps after the warm-up "
+        "(torch.profiler): DIR/profile-npN/ holds a Chrome trace per rank and rank 0's operators.txt",
+    )
+    bench.add_argument(
         "--repeats",
         type=int,
         default=3,

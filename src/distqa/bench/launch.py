@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from distqa import rdzv_check
+from distqa.bench.profile import PROFILED_STEPS
 from distqa.bench.report import add_scaling, implausible, plot, summarize
 from distqa.config import Config
 from distqa.errors import ConfigError, DistqaError
@@ -140,10 +141,11 @@ def check_port(environ: Mapping[str, str]) -> None:
             raise DistqaError(str(err)) from None
 
 
-def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[str, Any]:
+def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path, profile: Path | None = None) -> dict[str, Any]:
     """One torchrun launch of `loop` (trainer, baseline, or dp: the trainer in one process over
-    `nproc` GPUs) and its result file; one line on failure or past --timeout."""
-    name = f"np{nproc}-{loop}-{repeat}"
+    `nproc` GPUs) and its result file; one line on failure or past --timeout. With `profile`, the
+    trainer's steps after the warm-up are profiled into that folder (`distqa.bench.profile`)."""
+    name = f"np{nproc}-{'profile' if profile else loop}-{repeat}"
     result, log = out / "runs" / f"{name}.json", out / "runs" / f"{name}.log"
     result.unlink(missing_ok=True)
     check_port(os.environ)  # before each launch: the port is this host's, and others may take it meanwhile
@@ -161,7 +163,8 @@ def _launch(nproc: int, loop: str, repeat: int, args: Any, out: Path) -> dict[st
         f"--result={result}",
         f"--output-dir={out / 'runs' / name}",
         f"--warmup={args.warmup}",
-        f"--steps={args.steps}",
+        f"--steps={PROFILED_STEPS if profile else args.steps}",
+        *([f"--profile-dir={profile}"] if profile else []),
         *([f"--config={args.config}"] if args.config else []),
         *args.overrides,
     ]
@@ -296,6 +299,9 @@ def run_bench(args: Any) -> dict[str, Any]:
     result = _result(args, cfg, nprocs, _rounds(nprocs, args, out))
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "bench.png")
+    for nproc in nprocs if getattr(args, "profile", False) else []:
+        _launch(nproc, "trainer", 0, args, out, profile=out / f"profile-np{nproc}")
+        print(f"distqa bench: profile of {nproc} process(es) in {out / f'profile-np{nproc}'}", flush=True)
     return result
 
 

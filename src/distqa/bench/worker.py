@@ -13,6 +13,7 @@ mean over ranks, and what MFU needs (FLOPs per token, the device's name).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from distqa.bench.baseline import run_baseline
+from distqa.bench.profile import ProfilingTimer
 from distqa.config import Config
 from distqa.console import quiet_libraries
 from distqa.dist import DistInfo, barrier, cleanup, gather_to_main, init_distributed, local_main_first
@@ -73,11 +75,18 @@ def _check_gpus(gpus: int) -> None:
         )
 
 
-def _measure(cfg: Config, task: Task, info: DistInfo, loop: str, warmup: int) -> tuple[dict, torch.nn.Module]:
+def _measure(
+    cfg: Config, task: Task, info: DistInfo, loop: str, warmup: int, profile_dir: str | None = None
+) -> tuple[dict, torch.nn.Module]:
     if loop == "trainer":
-        timer = StepTimer(info.device, warmup=warmup)
+        timer = (
+            ProfilingTimer(info.device, warmup, Path(profile_dir), info.rank)
+            if profile_dir
+            else StepTimer(info.device, warmup=warmup)
+        )
         trainer = Trainer(cfg, task, info, timer=timer, save_outputs=False)
-        trainer.fit()
+        with timer.profiling() if isinstance(timer, ProfilingTimer) else contextlib.nullcontext():
+            trainer.fit()
         summary = timer.summary()
         summary["state_bytes"] = state_bytes(trainer.raw_model, trainer.optimizer)
         return summary, trainer.raw_model
@@ -96,6 +105,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-dir", required=True, help="the run's output_dir")
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--profile-dir", help="profile the timed steps into this folder (`distqa bench --profile`)")
     parser.add_argument("--config")
     parser.add_argument("overrides", nargs="*")
     return parser.parse_args(argv)
@@ -144,7 +154,7 @@ def _measure_on_device(
     if info.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)
     try:
-        summary, model = _measure(cfg, task, info, args.loop, args.warmup)
+        summary, model = _measure(cfg, task, info, args.loop, args.warmup, args.profile_dir)
     except torch.OutOfMemoryError as err:  # scripts/bench_gpu.sh looks for the largest batch this way
         raise DistqaError(
             f"out of GPU memory at train.batch_size={cfg.train.batch_size}"
