@@ -32,6 +32,8 @@ from gpu_day_markdown import markdown  # a sibling: scripts/ is on sys.path when
 TIMED_OUT = (124, 137)
 # What a bench.json says of its set-up, kept beside its rows.
 BENCH_SETTINGS = ("device", "command", "model", "precision", "seq_len", "batch_size", "warmup_steps", "measured_steps")
+# A run out of memory, as gpu_day.sh's search tells it ("out of GPU memory at train.batch_size=...").
+OUT_OF_MEMORY = re.compile(r"out of .*memory", re.IGNORECASE)
 SETUP = re.compile(r"^(?P<model>.+)-(?P<parallel>ddp|fsdp)-ac-(?P<ac>true|false)$")
 PYTEST_LINE = re.compile(
     r"(?:(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+)?tests/test_gpu\.py::(\S+)(?:\s+(PASSED|FAILED|SKIPPED|ERROR))?"
@@ -59,11 +61,7 @@ def reason_of(log: Path) -> str:
 def _why_not(log: Path) -> str:
     """Why a batch did not fit, short: "out of memory" as a rule, else the failure's line."""
     line = reason_of(log)
-    return (
-        "CUDA out of memory"
-        if "out of memory" in line.lower()
-        else re.sub(r"^distqa( \[rank \d+\])?: error: ", "", line)
-    )
+    return "CUDA out of memory" if OUT_OF_MEMORY.search(line) else re.sub(r"^distqa( \[rank \d+\])?: error: ", "", line)
 
 
 def step_entry(name: str, rc: int, seconds: float, box: float, log: Path) -> dict[str, Any]:

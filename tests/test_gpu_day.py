@@ -263,7 +263,9 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     _bench_json(out / "batches" / "bert-large-random-ddp-ac-false" / "batch-16", [_row(1, 50.0)], 16)
     # A search going down whose box ran out: 400 out of memory, 360 stopped in flight.
     (out / "batches" / "bert-large-random-fsdp-ac-false").mkdir()
-    (out / "batches" / "bert-large-random-fsdp-ac-false" / "batch-400.log").write_text("CUDA out of memory.\n")
+    (out / "batches" / "bert-large-random-fsdp-ac-false" / "batch-400.log").write_text(
+        "distqa bench: error: out of GPU memory at train.batch_size=400, task.max_seq_len=512\n"  # the search's match
+    )
     (out / "batches" / "bert-large-random-fsdp-ac-false" / "batch-360.log").write_text("Traceback\nKeyboardInterrupt\n")
     steps = [
         gpu_day_report.step_entry("gpu-tests", 1, 61.0, 480, out / "logs" / "gpu-tests.log"),

@@ -31,7 +31,6 @@ class ProfilingTimer(StepTimer):
     def __init__(self, device: torch.device, warmup: int, folder: Path, rank: int) -> None:
         super().__init__(device, warmup=warmup)
         self.folder, self.rank = folder, rank
-        self.written: list[Path] = []
         self._profiler: profile | None = None
 
     @contextlib.contextmanager
@@ -51,7 +50,6 @@ class ProfilingTimer(StepTimer):
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / f"trace-rank{self.rank}.json"
         finished.export_chrome_trace(str(trace))
-        self.written.append(trace)
         if self.rank != 0:
             return
         key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
@@ -61,4 +59,3 @@ class ProfilingTimer(StepTimer):
             + finished.key_averages().table(sort_by=key, row_limit=TABLE_ROWS)
             + "\n"
         )
-        self.written.append(table)

@@ -79,13 +79,13 @@ def _measure(
     cfg: Config, task: Task, info: DistInfo, loop: str, warmup: int, profile_dir: str | None = None
 ) -> tuple[dict, torch.nn.Module]:
     if loop == "trainer":
-        timer = (
-            ProfilingTimer(info.device, warmup, Path(profile_dir), info.rank)
-            if profile_dir
-            else StepTimer(info.device, warmup=warmup)
-        )
+        timer = StepTimer(info.device, warmup=warmup)
+        profiling = contextlib.nullcontext()
+        if profile_dir:
+            timer = ProfilingTimer(info.device, warmup, Path(profile_dir), info.rank)
+            profiling = timer.profiling()
         trainer = Trainer(cfg, task, info, timer=timer, save_outputs=False)
-        with timer.profiling() if isinstance(timer, ProfilingTimer) else contextlib.nullcontext():
+        with profiling:
             trainer.fit()
         summary = timer.summary()
         summary["state_bytes"] = state_bytes(trainer.raw_model, trainer.optimizer)
