@@ -103,5 +103,5 @@ exit "$status"
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl transformers==5.23.0 datasets==5.2.0 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19 \
 #     regex==2026.11.19 fsspec==2026.9.0
-# (fsspec: datasets 5.2 wants <= 2026.9.0.) With these the suite ran on a lent H100 on 2026-11-27,
+# (fsspec: datasets 5.2 wants <= 2026.9.0.) With these the suite ran on an H100 on 2026-11-27,
 # beside that machine's torch 2.11.0, tokenizers 0.23.2, huggingface_hub 1.33.0 and pyarrow 25.0.1.
