@@ -316,9 +316,13 @@ done
 # in use, an address that does not resolve, or one that leads to another host (a second node 0) ends
 # in a long traceback after tens of seconds; this says which, at once. DNS names that a scheduler
 # publishes a little after the start are waited for up to 10 s.
+# On a multi-node run, a node 0 whose rank is only the default is likelier a worker that was not
+# given its NODE_RANK than a second node 0: the check's message then says so.
 if ((node_rank == 0)); then
+  rank_from=$node_rank_FROM
+  if [[ $nnodes == 1 ]]; then rank_from=NODE_RANK; fi
   "$python" -m distqa.rdzv_check --prog worker.sh --addr "$master_addr" --addr-from "$master_addr_FROM" \
-    --port "$master_port" --timeout "$((rdzv_timeout < 10 ? rdzv_timeout : 10))" || exit
+    --rank-from "$rank_from" --port "$master_port" --timeout "$((rdzv_timeout < 10 ? rdzv_timeout : 10))" || exit
 fi
 
 # ---- wait for node 0 (PITFALLS #2) -------------------------------------------------------------

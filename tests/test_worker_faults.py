@@ -225,16 +225,19 @@ def test_a_second_node_zero_or_a_wrong_address_is_one_line(two_hosts, tmp_path):
     )
     try:
         assert first.stdout.readline().strip() == "up"
-        for master, expected in [
-            (hosts[0]["addr"], "another host answers at port 29500 (is a node 0 already running at that address?)"),
-            (nobody, "nothing answers at port 29500 from this host"),
+        second_zero = "another host answers at port 29500 (is a node 0 already running at that address?)"
+        for master, rank, expected, remedy in [
+            (hosts[0]["addr"], {"NODE_RANK": "0"}, second_zero, "only one node may have NODE_RANK=0"),
+            (nobody, {"NODE_RANK": "0"}, "nothing answers at port 29500 from this host", "only one node may"),
+            # A worker started without its NODE_RANK takes 0: the message names the missing variable.
+            (hosts[0]["addr"], {}, second_zero, "NODE_RANK is not set on this node, so it took 0"),
         ]:
             start = time.monotonic()
             proc = in_namespace(
                 hosts[1],
                 str(WORKER),
+                **rank,
                 NNODES="2",
-                NODE_RANK="0",
                 MASTER_ADDR=master,
                 MASTER_PORT="29500",
                 RDZV_TIMEOUT="4",
@@ -247,7 +250,7 @@ def test_a_second_node_zero_or_a_wrong_address_is_one_line(two_hosts, tmp_path):
             assert len(errors) == 1 and errors[0].startswith("worker.sh: error: this is node 0, but MASTER_ADDR="), (
                 stderr
             )
-            assert master in errors[0] and expected in errors[0], errors[0]
+            assert master in errors[0] and expected in errors[0] and remedy in errors[0], errors[0]
             assert elapsed < 4 + 10 and not (tmp_path / "torchrun-started").exists()
     finally:
         first.kill()

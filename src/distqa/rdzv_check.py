@@ -1,6 +1,6 @@
 """Node 0's checks before torchrun starts: is the rendezvous port free, and does MASTER_ADDR lead here?
 
-    python -m distqa.rdzv_check --addr ADDR --port PORT [--addr-from VAR] [--timeout S] [--prog NAME]
+    python -m distqa.rdzv_check --addr ADDR --port PORT [--addr-from VAR] [--rank-from VAR] [--timeout S] [--prog NAME]
 
 torchrun's static rendezvous makes node 0 both the store's server (on every interface) and a client
 of MASTER_ADDR:MASTER_PORT. When the port is taken, the address does not resolve, or it leads to
@@ -137,7 +137,7 @@ def probe(family: int, sockaddr: tuple, nonce: bytes, timeout: float) -> str | N
 FOREIGN = "another host answers there (is a node 0 already running at that address?)"
 
 
-def check(addr: str, port: int, addr_from: str, timeout: float) -> None:
+def check(addr: str, port: int, addr_from: str, timeout: float, rank_from: str = "NODE_RANK") -> None:
     listener = listen_everywhere(port)
     nonce = secrets.token_bytes(NONCE_BYTES)
     stop = threading.Event()
@@ -166,8 +166,7 @@ def check(addr: str, port: int, addr_from: str, timeout: float) -> None:
                 shown = addr if ip == addr else f"{addr} ({ip})"
                 raise CheckFailed(
                     f"this is node 0, but MASTER_ADDR={shown} (from {addr_from}) does not lead to this host: "
-                    f"{found.replace('there', f'at port {port}', 1)}. On node 0, MASTER_ADDR must be this "
-                    f"host's own address (or `self`), and only one node may have NODE_RANK=0"
+                    f"{found.replace('there', f'at port {port}', 1)}. " + _remedy(rank_from)
                 )
             time.sleep(0.5)
     finally:
@@ -176,16 +175,29 @@ def check(addr: str, port: int, addr_from: str, timeout: float) -> None:
         server.join(timeout=2)
 
 
+def _remedy(rank_from: str) -> str:
+    if rank_from == "default":
+        # The likeliest cause on a multi-node run: a worker node started without its NODE_RANK
+        # took the default 0 and so believes it is node 0.
+        return "NODE_RANK is not set on this node, so it took 0: set NODE_RANK (1 to NNODES-1) on every node but node 0"
+    return (
+        f"On node 0, MASTER_ADDR must be this host's own address (or `self`), and only one node may have {rank_from}=0"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distqa.rdzv_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--addr", required=True, help="MASTER_ADDR as torchrun will get it")
     parser.add_argument("--port", required=True, type=int, help="MASTER_PORT")
     parser.add_argument("--addr-from", default="MASTER_ADDR", help="where the address came from, for messages")
+    parser.add_argument(
+        "--rank-from", default="NODE_RANK", help="where node rank 0 came from ('default': no variable set it)"
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for DNS and the network")
     parser.add_argument("--prog", default="distqa.rdzv_check", help="name to start error lines with")
     args = parser.parse_args(argv)
     try:
-        check(args.addr, args.port, args.addr_from, args.timeout)
+        check(args.addr, args.port, args.addr_from, args.timeout, args.rank_from)
     except CheckFailed as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr, flush=True)
         return 2
