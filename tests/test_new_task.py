@@ -96,6 +96,10 @@ def test_the_generated_task_is_clean_trains_evaluates_and_predicts(tmp_path, mon
         assert main(command) == 0
         label, text = capsys.readouterr().out.strip().splitlines()[-1].split("\t")
         assert label in ("negative", "positive") and text == "a good book"
+        # A task.* key the user gives wins over the trained one, with a line saying so (it was dropped).
+        assert main([*command, "task.max_words=1"]) == 0
+        said = capsys.readouterr().err
+        assert "task.max_words=1 was given but the model in model was trained with task.max_words=3" in said
         # A fork reorders its classes after training: the export's own names still say what the
         # model predicts (printing LABELS[index] renamed every prediction).
         task_module = sys.modules["nt_probe.task"]

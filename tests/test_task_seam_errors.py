@@ -12,11 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
+import toy_seam_tasks
 from conftest import ROOT, subprocess_env
 from distqa.errors import DistqaError
 from distqa.registry import load_config
 from distqa.trainer import train
+from toy_task import EvalProbeTask
 
 TOY = ["data.num_workers=0", "train.log_every=1", "task.size=64", "train.batch_size=8", "train.max_steps=2"]
 
@@ -79,3 +82,75 @@ def test_a_part_used_for_some_batches_under_a_static_graph_is_one_line_on_two_pr
     fixed = [*cmd, "train.static_graph=false", "train.find_unused_parameters=true"]
     done = subprocess.run(fixed, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "kind,expected",
+    [
+        ("train_key", "the task's metric 'loss' is not named eval_"),
+        ("step_key", "the task's metric 'step' is not named eval_"),
+        ("raises", "the task's compute_metrics raised ZeroDivisionError: division by zero"),
+    ],
+)
+def test_a_metric_named_as_a_training_figure_or_a_bug_in_it_stops_after_the_step_is_saved(
+    tmp_path, monkeypatch, kind, expected
+):
+    """`loss` or `step` from compute_metrics once overwrote the training figures of the metrics
+    line (and `step` the best checkpoint's step); an error in it, at the end of a run with
+    train.eval_every=0, cost every step since the last checkpoint. Now: one line, after the
+    step's checkpoint is written, and the same command resumes from it."""
+    out = tmp_path / "run"
+    args = ["task=toy_seam_tasks:MetricKindTask", f"task.metric_kind={kind}", "train.checkpoint_every=100"]
+    with pytest.raises(DistqaError, match=f"evaluation at step 2: {expected}.*step-2 written first") as caught:
+        run(out, *args)
+    assert "\n" not in str(caught.value)
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-2"]
+    assert not (out / "model").exists()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1] and "eval_count" not in rows[0]
+    # The fork fixes its code and runs the same command: the run is complete at step 2, and exports.
+    monkeypatch.setattr(toy_seam_tasks.MetricKindTask, "compute_metrics", EvalProbeTask.compute_metrics)
+    run(out, *args)
+    assert (out / "model").is_dir() and sorted(load_file(out / "model" / "model.safetensors")) != []
+
+
+@pytest.mark.parametrize(
+    "kind,expected",
+    [
+        ("dict", "eval_step returned a dict, not a list with one item per example of the batch"),
+        ("scalar", "eval_step returned a Tensor, not a list with one item per example"),
+        ("short", "eval_step returned 7 items for a batch of 8 examples"),
+        ("meta", "eval_step returned tensors on the GPU"),
+    ],
+)
+def test_an_eval_step_result_that_is_not_one_cpu_item_per_example_is_one_line(tmp_path, kind, expected):
+    """A dict was gathered as its keys ('pred', 'labels', ...) and scored without a word."""
+    with pytest.raises(DistqaError, match=expected) as caught:
+        run(tmp_path / "run", "task=toy_seam_tasks:EvalStepKindTask", f"task.eval_kind={kind}")
+    assert "\n" not in str(caught.value)
+
+
+def test_evaluation_batches_with_the_task_s_collate_fn(tmp_path):
+    """A task that overrides collate_fn() alone (items of different lengths) trained, then its
+    final evaluation failed in default_collate, losing the run."""
+    out = run(tmp_path / "run", "task=toy_seam_tasks:CollateFnOnlyTask")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["eval_items_in_order"] == 1.0 and (out / "model").is_dir()
+
+
+def test_a_training_set_that_is_a_stream_is_one_line(tmp_path):
+    with pytest.raises(DistqaError, match=r"build_train_dataset\(\) returned a Stream, not a map-style dataset"):
+        run(tmp_path / "run", "task=toy_seam_tasks:StreamTask")
+
+
+@pytest.mark.safety
+def test_an_eval_step_error_on_one_rank_stops_both_ranks_in_one_line_after_the_save(tmp_path):
+    """Rank 1 alone fails in eval_step: before, rank 0 waited in the gather for a rank that had left."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "distqa", "train"]
+    cmd += [f"output_dir={out}", "task=toy_seam_tasks:EvalStepKindTask", "task.eval_kind=raises_on_rank_1", *TOY]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    line = "evaluation at step 2: the task's eval_step raised KeyError: 'label_ids'"
+    assert proc.stderr.count(line) == 1, proc.stderr[-3000:]  # the same line on both ranks: said once per node
+    assert "Traceback" in proc.stderr and (out / "checkpoints" / "step-2").is_dir()

@@ -13,7 +13,7 @@ from torch import nn
 
 from distqa.config import setting
 from distqa.task import Batch
-from toy_task import CLASSES, FEATURES, EvalProbeTask, ToyClassificationTask, ToyClassifier, ToySettings
+from toy_task import CLASSES, FEATURES, EvalProbeTask, IndexedBlobs, ToyClassificationTask, ToyClassifier, ToySettings
 
 
 @dataclass
@@ -44,7 +44,8 @@ class BrokenLossTask(ToyClassificationTask):
 
 @dataclass
 class MetricSettings(ToySettings):
-    metric_kind: str = setting("numbers", "numbers | text | nested")
+    # (resume="applied": a resume with the metric code fixed stands for the fork's fixed code)
+    metric_kind: str = setting("numbers", "numbers | text | nested | train_key | step_key | raises", resume="applied")
 
 
 class MetricKindTask(EvalProbeTask):
@@ -59,6 +60,10 @@ class MetricKindTask(EvalProbeTask):
             return {"eval_verdict": "good"}
         if kind == "nested":
             return {"eval_per_class": {"a": 0.5}}
+        if kind in ("train_key", "step_key"):  # names the training figures' own: they were overwritten
+            return {"eval_count": len(outputs), "loss" if kind == "train_key" else "step": 123}
+        if kind == "raises":
+            return {"eval_rate": len(outputs) / 0}  # a bug in the fork's metric code
         return {"eval_tensor": torch.tensor(0.5), "eval_numpy": np.float32(0.25), "eval_count": len(outputs)}
 
 
@@ -81,3 +86,80 @@ class SometimesUnusedTask(ToyClassificationTask):
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return F.cross_entropy(model(batch["features"], bool(batch["label"][0] == 0)), batch["label"])
+
+
+@dataclass
+class EvalStepSettings(ToySettings):
+    eval_kind: str = setting("list", "list | dict | scalar | short | meta | raises_on_rank_1")
+
+
+class EvalStepKindTask(EvalProbeTask):
+    """eval_step results as forks write them: a dict of tensors (Hugging Face style), a 0-d
+    tensor, one item too few, tensors off the CPU (a meta tensor stands in for a GPU's), or an
+    error on one rank only."""
+
+    Config = EvalStepSettings
+
+    def eval_step(self, model: nn.Module, batch: Batch) -> list:
+        kind = self.cfg.task.eval_kind
+        if kind == "dict":
+            return {"pred": model(batch["features"]).argmax(-1), "labels": batch["label"]}  # type: ignore[return-value]
+        if kind == "scalar":
+            return model(batch["features"]).sum()  # type: ignore[return-value]
+        if kind == "short":
+            return super().eval_step(model, batch)[:-1]
+        if kind == "meta":
+            return [torch.empty(2, device="meta") for _ in batch["index"]]
+        if kind == "raises_on_rank_1" and torch.distributed.get_rank() == 1:
+            raise KeyError("label_ids")
+        return super().eval_step(model, batch)
+
+
+def padded(items: list) -> Batch:
+    """A collate default_collate cannot do: items of different lengths, padded to the longest."""
+    width = max(len(item["features"]) for item in items)
+    return {
+        "features": torch.stack([F.pad(item["features"], (0, width - len(item["features"]))) for item in items]),
+        "label": torch.stack([item["label"] for item in items]),
+        "index": torch.stack([item["index"] for item in items]),
+    }
+
+
+class RaggedBlobs(torch.utils.data.Dataset):
+    """IndexedBlobs whose odd items lack their last feature (padded back by `padded`)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.blobs = IndexedBlobs(size, seed)
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def __getitem__(self, index: int) -> dict:
+        item = self.blobs[index]
+        return {**item, "features": item["features"][: FEATURES - index % 2]}
+
+
+class CollateFnOnlyTask(EvalProbeTask):
+    """Overrides collate_fn() alone, as docs/fork.md suggests: evaluation must batch with it too."""
+
+    def build_train_dataset(self):
+        return RaggedBlobs(self.cfg.task.size, self.cfg.seed)
+
+    def build_eval_dataset(self):
+        return RaggedBlobs(11, 7)
+
+    def collate_fn(self):
+        return padded
+
+
+class StreamTask(ToyClassificationTask):
+    """A training set that is a stream (no __len__, no indexing)."""
+
+    def build_train_dataset(self):
+        blobs = super().build_train_dataset()
+
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return (blobs[i] for i in range(len(blobs)))
+
+        return Stream()

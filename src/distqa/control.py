@@ -43,6 +43,13 @@ class AfterStep:
         checkpoint of it (kept as checkpoints/best), its optimizer state checked if not planned."""
         return replace(self, save=True, check_optimizer=self.check_optimizer or not self.save)
 
+    def on_failed_evaluation(self, save_outputs: bool) -> AfterStep:
+        """The plan once the task's evaluation raised (before the weights check, which then covers
+        the optimizer state too): no metrics line; the step is saved unless the run saves no outputs.
+        A bug in the task's metric code then costs no trained step (with train.eval_every=0 that
+        code first runs after the last step)."""
+        return replace(self, log=False, save=self.save or save_outputs)
+
 
 def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs: bool = True) -> AfterStep:
     """The plan after `step` (1-based) of `total_steps`. `save_outputs=False` (speed runs) skips

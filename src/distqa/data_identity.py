@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from distqa.dist import DistInfo, all_gather_objects
 from distqa.errors import DistqaError
@@ -217,6 +217,14 @@ def agreed_identity(
     node one read instead of one per GPU, and a node whose copy differs still shows it. Without
     torchrun's node rank (`GROUP_RANK`) every rank hashes its own view.
     """
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        # (Every rank builds the same kind of dataset: each says so before the first collective.)
+        hook = "build_train_dataset" if key == "data.train" else "build_eval_dataset"
+        raise DistqaError(
+            f"the task's {hook}() returned a {type(dataset).__name__}, not a map-style dataset (with __len__ and "
+            "__getitem__): the trainer shards, orders and resumes it by index; wrap a stream in a list or a "
+            "datasets.Dataset"
+        )
     node = os.environ.get("GROUP_RANK")
     hashes = node is None or info.local_rank == 0
     digest, problem = None, None

@@ -32,3 +32,8 @@ class PeerLost(DistqaError):
 
 class ConfigError(DistqaError):
     """An unknown configuration key, a value of the wrong type, or a value out of range."""
+
+
+class EvaluationFailed(DistqaError):
+    """The task's evaluation raised (on any rank): every rank stops with this line, after the
+    step's checkpoint is written, so no trained step is lost to a bug in the metric code."""

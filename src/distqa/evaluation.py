@@ -8,8 +8,12 @@ and prints one line with the metrics and the time taken (`run_evaluation`).
 does what every task would otherwise write again: each rank takes a contiguous share of the
 validation set (no sampler padding, so nothing is counted twice; shares may differ in length,
 and with a sharded model the shorter ones run extra forward passes whose outputs are dropped,
-because its forward is collective), batches it with the task's `collate`, calls the
-task's `eval_step` per batch, and rank 0 gets every output in dataset order for `compute_metrics`.
+because its forward is collective), batches it with the task's `collate_fn()` (the training
+loader's), calls the task's `eval_step` per batch, and rank 0 gets every output in dataset order
+for `compute_metrics`.
+
+An error in the task's evaluation code, on any rank, stops every rank with one line
+(`EvaluationFailed`); the trainer writes the step's checkpoint first.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import sys
 import time
+import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,9 +33,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from distqa.dist import DistInfo, gather_to_main, print0
-from distqa.errors import DistqaError
+from distqa.errors import DistqaError, EvaluationFailed
 from distqa.parallel import is_sharded
-from distqa.rank0 import raise_on_every_rank
+from distqa.rank0 import raise_on_any_rank, reason
 from distqa.rng_state import capture_rng_state, restore_rng_state
 
 
@@ -43,20 +49,74 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
     n = len(dataset)  # type: ignore[arg-type]
     share = Subset(dataset, range(n * info.rank // info.world_size, n * (info.rank + 1) // info.world_size))
     size = task.cfg.train.batch_size
-    loader = DataLoader(share, batch_size=size, collate_fn=task.collate)
+    # The training loader's collate: a task that overrides only collate_fn() batches alike in both.
+    collate = task.collate_fn()
     outputs: list[Any] = []
-    for batch in loader:
-        outputs.extend(task.eval_step(model, to_device(batch, info.device)))
-    if is_sharded(model) and n:
-        # A sharded model's forward is collective (each block all-gathers its weights), so every
-        # rank runs as many as the largest share needs: the smaller shares repeat the data's
-        # first batch and drop what it yields.
-        spare = task.collate([dataset[i] for i in range(min(size, n))])
-        for _ in range(math.ceil(math.ceil(n / info.world_size) / size) - len(loader)):
-            task.eval_step(model, to_device(spare, info.device))
+    problem: DistqaError | None = None
+    try:
+        for i, batch in enumerate(DataLoader(share, batch_size=size, collate_fn=collate)):
+            out = task.eval_step(model, to_device(batch, info.device))
+            outputs.extend(per_example(out, min(size, len(share) - i * size)))
+        if is_sharded(model) and n:
+            # A sharded model's forward is collective (each block all-gathers its weights), so every
+            # rank runs as many as the largest share needs: the smaller shares repeat the data's
+            # first batch and drop what it yields.
+            spare = collate([dataset[i] for i in range(min(size, n))])
+            for _ in range(math.ceil(math.ceil(n / info.world_size) / size) - math.ceil(len(share) / size)):
+                task.eval_step(model, to_device(spare, info.device))
+    except Exception as err:  # noqa: BLE001 - the task's code: one line on every rank (see hook_failed)
+        problem = hook_failed("eval_step", err)
+    raise_on_any_rank(problem, info)  # before the gather, which a failed rank would never reach
     gathered = [item for part in gather_to_main(outputs, info) for item in part]
+    if not info.is_main:
+        return {}
     # Rank 0 alone scores (its one-line error reaches every rank: `run_evaluation`).
-    return task.compute_metrics(gathered, step) if info.is_main else {}
+    try:
+        return task.compute_metrics(gathered, step)
+    except Exception as err:  # noqa: BLE001
+        raise hook_failed("compute_metrics", err) from err
+
+
+def per_example(out: Any, examples: int) -> Any:
+    """`eval_step`'s result, checked: a sequence (or a tensor or array) of one item per example of
+    the batch, CPU items. A dict, a scalar or a miscount would be gathered as something else (a
+    dict's keys, say) and scored without a word."""
+    sized = isinstance(out, (list, tuple)) or (isinstance(out, (torch.Tensor, np.ndarray)) and out.ndim >= 1)
+    if not sized:
+        raise DistqaError(
+            f"the task's eval_step returned a {type(out).__name__}, not a list with one item per example of the "
+            f"batch ({examples} here)"
+        )
+    if len(out) != examples:
+        raise DistqaError(
+            f"the task's eval_step returned {len(out)} items for a batch of {examples} examples: it must return "
+            "one per example, in the batch's order"
+        )
+    on_device = torch.is_tensor(out) and out.device.type != "cpu"
+    for item in out if isinstance(out, (list, tuple)) else ():
+        on_device = on_device or any(
+            torch.is_tensor(t) and t.device.type != "cpu" for t in (item if isinstance(item, (list, tuple)) else [item])
+        )
+    if on_device:
+        raise DistqaError(
+            "the task's eval_step returned tensors on the GPU: return CPU items (`.tolist()` or `.cpu()`); they are "
+            "pickled to rank 0, which would put them back on another rank's GPU"
+        )
+    return out
+
+
+def hook_failed(hook: str, err: BaseException) -> DistqaError:
+    """A task hook's own error as one line for every rank; its traceback printed here, on the rank
+    it happened on (where the task's code went wrong), and kept as the line's cause."""
+    if isinstance(err, DistqaError):
+        return err
+    traceback.print_exception(err, file=sys.stderr)
+    problem = EvaluationFailed(
+        f"the task's {hook} raised {type(err).__name__}: {reason(err)} (its traceback is above, from the rank it "
+        "happened on)"
+    )
+    problem.__cause__ = err
+    return problem
 
 
 def checked_metrics(metrics: Any) -> dict[str, Any]:
@@ -68,9 +128,16 @@ def checked_metrics(metrics: Any) -> dict[str, Any]:
         raise DistqaError(f"the task's evaluation returned a {type(metrics).__name__}, not a dict of metric numbers")
     checked: dict[str, Any] = {}
     for key, value in metrics.items():
+        if not isinstance(key, str) or not key.startswith("eval_"):
+            # They share the metrics line with the training figures: `loss`, `lr` or `step` would
+            # overwrite them, and metrics.png and TensorBoard tell evaluation apart by the prefix.
+            raise DistqaError(
+                f"the task's metric {key!r} is not named eval_*: compute_metrics (or evaluate) must name every "
+                "metric eval_<name> (it shares the metrics line with step, loss, lr, ...)"
+            )
         if (torch.is_tensor(value) and value.numel() == 1) or isinstance(value, np.generic):
             value = value.item()
-        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise DistqaError(
                 f"the task's metric {key!r} is {type(value).__name__} {value!r:.60}, not a number: compute_metrics "
                 "(or evaluate) must return a dict of names to numbers"
@@ -113,14 +180,16 @@ def run_evaluation(
         with eval_mode(model, info.device.type, autocast_dtype):
             try:
                 metrics = checked_metrics(task.evaluate(model, info, **extra))
-            except DistqaError as err:
-                problem = err
+            except Exception as err:  # noqa: BLE001 - the task's code: one line on every rank
+                problem = hook_failed("evaluate", err)
     finally:
         restore_rng_state(rng, info.device)
     # Rank 0 alone scores. Its one-line error (a stale validation cache, a metric that is no
-    # number) stops every rank with that line, rather than rank 0 alone while the others wait in
-    # the next step's collective until its absence is noticed.
-    raise_on_every_rank(problem)
+    # number, a bug in the metric) stops every rank with that line, rather than rank 0 alone while
+    # the others wait in the next step's collective until its absence is noticed.
+    if type(problem) is DistqaError:
+        problem = EvaluationFailed(str(problem))  # (a checkpoint is still written: Trainer._after_step)
+    raise_on_any_rank(problem, info)
     if metrics:  # rank 0's; none at all means the task has nothing to evaluate (no data.valid)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
         print0(f"eval at step {step}: {shown} ({time.perf_counter() - start:.1f} s)")

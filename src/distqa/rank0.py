@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from distqa.dist import DistInfo, broadcast_object
+from distqa.dist import DistInfo, all_gather_objects, broadcast_object
 from distqa.errors import DistqaError
 
 T = TypeVar("T")
@@ -31,6 +31,17 @@ def raise_on_every_rank(problem: str | DistqaError | None) -> None:
         raise problem
     if problem:
         raise DistqaError(str(problem))
+
+
+def raise_on_any_rank(problem: DistqaError | None, info: DistInfo) -> None:
+    """Each rank's own outcome to every rank: if any rank has a problem, every rank raises one
+    (its own, or the lowest failing rank's), so none goes on alone into a collective."""
+    found = all_gather_objects(problem, info)
+    if problem is not None:
+        raise problem  # this rank's own: it keeps its cause
+    first = next((p for p in found if p is not None), None)
+    if first is not None:
+        raise first
 
 
 def on_rank0(

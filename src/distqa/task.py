@@ -94,7 +94,7 @@ class Task(ABC):
         return default_collate(items)
 
     def collate_fn(self) -> Callable[[list[Any]], Batch]:
-        """The training DataLoader's collate. Its workers start from a fork server
+        """The collate of training's DataLoader and of evaluation. Its workers start from a fork server
         (`distqa.loader_server`) and receive it pickled, once per worker and epoch: `collate`
         itself by default, which pickles the whole task. A task whose collate needs only a few
         settings returns a small function of them (NQ: `pad_collate` with its pad id)."""
@@ -163,9 +163,10 @@ class Task(ABC):
         return None
 
     def eval_step(self, model: nn.Module, batch: Batch) -> list[Any]:
-        """What one validation batch yields, one small CPU item per example or window (they are
-        gathered to rank 0). The trainer calls it with the unwrapped model in eval mode, under
-        `torch.no_grad()` and the run's autocast, with the batch's tensors on the device."""
+        """What one validation batch yields: a list of one small CPU item per example or window
+        (they are gathered to rank 0; anything else stops the run in one line). The trainer calls
+        it with the unwrapped model in eval mode, under `torch.no_grad()` and the run's autocast,
+        with the batch's tensors on the device."""
         raise NotImplementedError(f"{type(self).__name__} has a validation set but no eval_step")
 
     def compute_metrics(self, outputs: list[Any], step: int) -> dict[str, float]:

@@ -2,10 +2,9 @@
 of Natural Questions: see `distqa.task.Task`.
 
 In named parts: set-up (settings agreed, output_dir claimed, model and data built, parts wrapped
-and registered with the checkpoint manager), restore, the loop (`distqa.train_step` does one step;
-`distqa.control` decides what follows it: log, evaluate, save, check, stop), and the finish (the
-plot and the exported model). Every rank runs the same code; rank 0 alone prints, writes metrics
-and the final model, and all but sharded checkpoints.
+and registered with the checkpoint manager), restore, the loop (`distqa.train_step` does a step,
+`distqa.control` plans what follows: log, evaluate, save, check, stop), and the finish (plot and
+export). Every rank runs the same code; rank 0 alone prints and writes all but sharded checkpoints.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from distqa.console import TrainProgress, dataset_size, quiet_libraries
 from distqa.control import FIRST_LOSS_NOT_FINITE, AfterStep, after_step, diverged_hint
 from distqa.data_identity import agreed_identity
 from distqa.dist import DistInfo, autocast_dtype, barrier, cleanup, init_distributed, local_main_first, print0
-from distqa.errors import DistqaError, Preempted
+from distqa.errors import DistqaError, EvaluationFailed, Preempted
 from distqa.evaluation import run_evaluation
 from distqa.finish import export_final, is_exported, plot_run, summary
 from distqa.metrics import MetricsWriter, ThroughputMeter
@@ -267,7 +266,11 @@ class Trainer:
         assert stop is not None and state is not None
         step = state.step
         plan = after_step(step, self.total_steps, self.cfg.train, save_outputs=self.save_outputs)
-        record = self._record(plan, step, lr) if plan.log else None
+        failed: EvaluationFailed | None = None
+        try:
+            record = self._record(plan, step, lr) if plan.log else None
+        except EvaluationFailed as err:  # the task's metric code: save the step, then stop
+            failed, record, plan = err, None, plan.on_failed_evaluation(self.save_outputs)
         weights = self.parts.checked_tensors(with_optimizer=plan.save) if plan.check_weights else None
         plan = plan.on_stop_request(stop.should_stop(step, weights, self.hint))
         train, info, root = self.cfg.train, self.info, self.ckpt_root
@@ -287,6 +290,9 @@ class Trainer:
             stop.check_finite(step, self.parts.checked_tensors(with_optimizer=True), self.hint)
         if plan.save:
             self.hint = diverged_hint(self.cfg.train, self.checkpoints.save())
+        if failed is not None:
+            saved = f"; checkpoint {self.ckpt_root}/step-{step} written first" if plan.save else ""
+            raise EvaluationFailed(f"evaluation at step {step}: {failed}{saved}") from failed
         if plan.stop:
             checkpoint, grace = self.ckpt_root / f"step-{step}", self.cfg.train.term_grace_s
             raise stop.preempted(step, self.total_steps, checkpoint, grace, resume=self.cfg.train.resume)
