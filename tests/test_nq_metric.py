@@ -112,6 +112,26 @@ def test_malformed_line_names_file_and_line(tmp_path):
         read_gold(repeated)
 
 
+def test_unusable_gold_lines_are_one_line_naming_file_and_line(tmp_path):
+    """What `distqa prepare` refuses, `distqa score` refuses too: deep nesting and a huge integer
+    were tracebacks; a negative span other than (-1, -1) read as "no answer", so an empty
+    prediction scored as correct."""
+    line = json.loads(TRAIN_SAMPLE.read_text(encoding="utf-8").splitlines()[0])
+    short = line["annotations"][0]["short_answers"]
+    assert short, "the fixture's first example has a short answer"
+    damaged = {**line, "annotations": [{**line["annotations"][0], "short_answers": [{**short[0], "start_token": -5}]}]}
+    for text, message in [
+        ("[" * 100_000 + "]" * 100_000, r"not usable JSON \(RecursionError"),
+        ('{"example_id": ' + "9" * 5000 + "}", r"not usable JSON \(ValueError"),
+        (json.dumps(damaged), r"annotations\[0\]\.short_answers\[0\] \[-5, \d+\) has a negative token index"),
+        (json.dumps({**line, "example_id": "a\ud800"}), "example_id holds an unpaired surrogate"),
+    ]:
+        gold = tmp_path / "gold.jsonl"
+        gold.write_text(text + "\n", encoding="utf-8")
+        with pytest.raises(DistqaError, match=rf"{re.escape(str(gold))}, line 1: {message}"):
+            read_gold(gold)
+
+
 def test_read_real_submission():
     rows = read_submission(SUBMISSION)
     assert len(rows) == 692
@@ -132,6 +152,8 @@ def test_read_real_submission():
         ("example_id,PredictionString\n1_long,YES\n", 2, "short answer only"),
         ("example_id,PredictionString\n1_long,\n1_short,\n1_long,2:3\n", 4, "appears a second time"),
         ("example_id,PredictionString\n1_long,2:3,x\n", 2, "3 fields"),
+        # int() of more than 4300 digits raises ValueError: it was a traceback
+        ("example_id,PredictionString\n1_long,1:" + "9" * 5000 + "\n", 2, "expected start:end"),
     ],
 )
 def test_bad_submission_names_file_and_line(tmp_path, content, line, message):

@@ -827,11 +827,18 @@ def test_null_short_answer_span_is_ignored():
     assert select_target(parse_example(json.dumps(obj))) == (1, 1, SHORT)  # was (-1, -2, SHORT)
 
 
-@pytest.mark.parametrize("field", ["question_text", "document_text"])
-def test_lone_surrogate_is_a_bad_line(tokenizer, field):
+@pytest.mark.parametrize("field", ["question_text", "document_text", "example_id"])
+def test_lone_surrogate_is_a_bad_line(tokenizer, field, tmp_path):
     obj = {"example_id": 1, "question_text": "q", "document_text": "a b"}
     with pytest.raises(BadLine, match="unpaired surrogate"):  # was a TypeError in the feature builder
         parse_example(json.dumps({**obj, field: "a \ud800"}))  # ensure_ascii: the escape is plain ASCII
+    # ... and one that task.skip_bad_lines skips (in an id it was an error naming no line, skipped or not).
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({**obj, field: "a \ud800"}) + "\n" + json.dumps(obj) + "\n", encoding="utf-8")
+    reader = NQReader(str(path), skip_bad_lines=True)
+    assert [e.example_id for e in reader] == ["1"] and [line for line, _ in reader.bad_lines] == [1]
+    if field == "example_id":
+        return
     # A paired surrogate (an emoji, escaped the same way) is text like any other.
     example = parse_example(json.dumps({**obj, field: "a \U0001f600"}))
     (feature,) = FeatureBuilder(tokenizer, FeatureSettings(max_seq_len=32, doc_stride=8, keep_unknown=1.0))(example)

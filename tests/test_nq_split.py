@@ -251,7 +251,8 @@ def json_object_lines(draw) -> str:
 def test_example_id_of_agrees_with_json_loads(line):
     obj = json.loads(line)
     value = obj.get("example_id", None)
-    if "example_id" in obj and isinstance(value, (str, int)) and not isinstance(value, bool):
+    surrogate = isinstance(value, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in value)  # refused, as by prepare
+    if "example_id" in obj and isinstance(value, (str, int)) and not isinstance(value, bool) and not surrogate:
         assert split.example_id_of(line.encode()) == str(value)
     else:
         with pytest.raises(BadLine):

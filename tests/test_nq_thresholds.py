@@ -113,6 +113,7 @@ def test_files_old_and_new_read(tmp_path):
         ('{"long": 1, "short": 2, "step": -1}', "step is -1, not a step number"),
         ("[1, 2]", "a JSON list, not an object"),
         ("not json", "Expecting value"),
+        ("[" * 100_000 + "]" * 100_000, "maximum recursion depth"),  # was a RecursionError traceback
     ],
 )
 def test_a_damaged_file_is_one_line_naming_it(tmp_path, text, problem):

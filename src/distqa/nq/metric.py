@@ -37,14 +37,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from distqa.errors import DistqaError
-from distqa.nq.reader import BadLine, checked_example_id
+from distqa.nq.reader import BadLine, checked_example_id, load_object
 
 Gold = dict[str, tuple[set[str], set[str]]]  # example id -> (gold long strings, gold short strings)
 
 HEADER = ["example_id", "PredictionString"]
 ROW_KINDS = ("long", "short")
 # A prediction value as Kaggle accepts it; YES/NO are allowed on `_short` rows only (checked apart).
-_VALUE = re.compile(r"([0-9]+):([0-9]+)|YES|NO|")
+# At most 9 digits a token index: a document has far fewer tokens, and int() of thousands of digits raises.
+_VALUE = re.compile(r"([0-9]{1,9}):([0-9]{1,9})|YES|NO|")
 # Annotators that must give a non-null answer before an example with several annotations "has" one.
 MIN_VOTES = 2
 
@@ -60,8 +61,12 @@ def _span_string(obj: Any, what: str) -> str | None:
     start, end = obj.get("start_token"), obj.get("end_token")
     if type(start) is not int or type(end) is not int:
         raise BadGold(f"{what} has no integer start_token/end_token")
-    if start < 0 or end < 0:
+    if (start, end) == (-1, -1):
         return None
+    if start < 0:
+        # Only (-1, -1) is NQ's null span: [-213, 215) is a damaged one, which read as "no answer"
+        # made an empty prediction count as correct (prepare's reader refuses the same line).
+        raise BadGold(f"{what} [{start}, {end}) has a negative token index, and is not the null span (-1, -1)")
     if start >= end:
         raise BadGold(f"{what} is the empty span [{start}, {end})")
     return f"{start}:{end}"
@@ -140,15 +145,13 @@ def read_gold(path: str | Path) -> Gold:
     try:
         for line_no, line in _jsonl(path):
             try:
-                example = json.loads(line)
-                if not isinstance(example, dict) or "example_id" not in example:
+                example = load_object(line)  # also a nesting too deep, an integer of thousands of digits
+                if "example_id" not in example:
                     raise BadGold("not a JSON object with an example_id")
                 example_id = checked_example_id(example["example_id"])  # null would be the id "None"
                 if example_id in gold:
                     raise BadGold(f"example_id {example_id} appears a second time")
                 gold[example_id] = gold_answers(example)
-            except json.JSONDecodeError as err:
-                raise DistqaError(f"{path}, line {line_no}: not valid JSON ({err.msg} at column {err.colno})") from None
             except (BadGold, BadLine) as err:
                 raise DistqaError(f"{path}, line {line_no}: {err}") from None
     except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as err:  # zlib: damaged compressed data

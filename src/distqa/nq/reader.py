@@ -58,6 +58,9 @@ def checked_example_id(value: object) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         kind = "null" if value is None else type(value).__name__
         raise BadLine(f"example_id is {kind}, not a string or an integer")
+    if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
+        # JSON's "\ud800": no submission row can name it (the file is UTF-8), and hashing it failed.
+        raise BadLine("example_id holds an unpaired surrogate (an invalid \\uD8xx escape)")
     return str(value)
 
 

@@ -85,7 +85,10 @@ def read_chosen(path: Path) -> tuple[dict[str, float], int | None]:
     before it did (`Infinity`, no step): (thresholds, the step they were chosen at or None)."""
     try:
         return from_json_values(json.loads(path.read_text(encoding="utf-8")))
-    except ValueError as err:  # not JSON (JSONDecodeError, UnicodeDecodeError), or not thresholds
+    except (
+        ValueError,
+        RecursionError,
+    ) as err:  # not JSON (JSONDecodeError, UnicodeDecodeError, too deep), or not thresholds
         raise DistqaError(
             f"{path} is not a thresholds file ({str(err).splitlines()[0]}): export the model again, or remove "
             "it to give every example its best answer"
