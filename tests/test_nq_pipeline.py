@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import distqa.nq.predict as predict_module
 from conftest import ROOT, SMALL, TESTS, run_train, subprocess_env
 from distqa.cli import main
 from distqa.errors import DistqaError
@@ -42,7 +43,7 @@ def strict_json(text: str) -> Any:
 
 
 @pytest.mark.slow
-def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
+def test_train_validate_predict_score(tmp_path, minilm_dir, capsys, monkeypatch):
     out, cache = tmp_path / "run", tmp_path / "cache"
     common = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=128", f"task.cache_dir={cache}"]
     proc = run_train(
@@ -64,7 +65,7 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     evals = [r for r in records if "eval_micro_f1" in r]
     assert [r["step"] for r in evals] == [10, 20]
     thresholds = strict_json((out / "model" / "distqa_thresholds.json").read_text())
-    assert set(thresholds) == {"long", "short", "step"}
+    assert set(thresholds) == {"long", "short", "step", "precision"} and thresholds["precision"] == "fp32"
     # In a log: no progress bars (datasets' preparation, training), a line per logged step, and the
     # last lines name the model, metrics.jsonl and metrics.png.
     assert "\r" not in proc.stdout + proc.stderr and "Generating train split" not in proc.stderr
@@ -100,6 +101,23 @@ def test_train_validate_predict_score(tmp_path, minilm_dir, capsys):
     assert scored["short_f1"] == pytest.approx(evals[-1]["eval_short_f1"])
     # Not 0 == 0: at 20 steps the model answers some questions right (0.235 measured; 0.0 at 4 steps).
     assert scored["micro_f1"] > 0.1 and scored["long_f1"] > 0 and scored["short_f1"] > 0
+
+    # Thresholds chosen on bf16 scores are compared with bf16 scores: predict's forward pass runs in
+    # the precision the file records (on the CPU too, as the training's evaluation did), whatever
+    # its own train.precision; it ran in predict's own (fp32 by default) on the CPU and on GPUs.
+    used: list[torch.dtype | None] = []
+    real = predict_module.window_bests
+    monkeypatch.setattr(
+        predict_module, "window_bests", lambda *a, **k: used.append(k["autocast_dtype"]) or real(*a, **k)
+    )
+    path = out / "model" / "distqa_thresholds.json"
+    path.write_text(json.dumps({**thresholds, "precision": "bf16"}))
+    capsys.readouterr()
+    assert main([*argv, f"model.tokenizer={minilm_dir}", f"task.cache_dir={cache}"]) == 0
+    assert "scores in bf16, the precision the thresholds were chosen in" in capsys.readouterr().out
+    path.write_text(json.dumps(thresholds))  # fp32, as trained: predict's own bf16 gives way to it
+    assert main([*argv, f"model.tokenizer={minilm_dir}", f"task.cache_dir={cache}", "train.precision=bf16"]) == 0
+    assert used == [torch.bfloat16, None]
 
 
 def test_thresholds_file_is_strict_json_and_old_infinity_files_still_read(tmp_path):

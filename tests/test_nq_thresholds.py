@@ -93,9 +93,12 @@ def test_files_old_and_new_read(tmp_path):
     path = tmp_path / THRESHOLDS_FILE
     path.write_text(thresholds_json({"long": math.inf, "short": -1.5}, step=10))
     assert json.loads(path.read_text()) == {"long": None, "short": -1.5, "step": 10}
-    assert read_chosen(path) == ({"long": math.inf, "short": -1.5}, 10)
-    path.write_text('{"long": Infinity, "short": 2}')  # before null, and before the step
-    assert read_chosen(path) == ({"long": math.inf, "short": 2.0}, None)
+    assert read_chosen(path) == ({"long": math.inf, "short": -1.5}, 10, None)
+    path.write_text(thresholds_json({"long": 1.0, "short": 2.0}, step=3, precision="bf16"))
+    assert json.loads(path.read_text())["precision"] == "bf16"
+    assert read_chosen(path) == ({"long": 1.0, "short": 2.0}, 3, "bf16")
+    path.write_text('{"long": Infinity, "short": 2}')  # before null, and before the step and the precision
+    assert read_chosen(path) == ({"long": math.inf, "short": 2.0}, None, None)
     assert read_chosen(path)[0] == {"long": math.inf, "short": 2.0}
 
 
@@ -111,6 +114,7 @@ def test_files_old_and_new_read(tmp_path):
         ('{"long": "1.5", "short": 1}', 'long is "1.5", not a number or null'),
         ('{"long": 1, "short": 2, "step": 1.5}', "step is 1.5, not a step number"),
         ('{"long": 1, "short": 2, "step": -1}', "step is -1, not a step number"),
+        ('{"long": 1, "short": 2, "precision": "fp8"}', 'precision is "fp8", not one of fp32, bf16, fp16'),
         ("[1, 2]", "a JSON list, not an object"),
         ("not json", "Expecting value"),
         ("[" * 100_000 + "]" * 100_000, "maximum recursion depth"),  # was a RecursionError traceback
@@ -150,6 +154,7 @@ def test_the_step_travels_in_the_checkpoint_s_strict_json():
     resumed = nq_task()
     resumed.load_state_dict(json.loads(text))
     assert (resumed.thresholds, resumed.thresholds_step) == ({"long": 9.5, "short": math.inf}, 10)
+    assert resumed.thresholds_precision == "fp32"  # the run's train.precision, with which they were chosen
     resumed.load_state_dict({})  # a checkpoint written before any evaluation: they stay as they are
     assert resumed.thresholds_step == 10
     resumed.load_state_dict({"thresholds": {"long": 1.0, "short": None}})  # an older distqa's: no step
@@ -164,7 +169,7 @@ def test_thresholds_are_written_only_with_the_weights_they_were_chosen_on(tmp_pa
     evaluate_at(task, 10)
     task.weights_step = 10
     task.save_model(model, tmp_path / "same")
-    assert read_chosen(tmp_path / "same" / THRESHOLDS_FILE) == ({"long": 9.5, "short": math.inf}, 10)
+    assert read_chosen(tmp_path / "same" / THRESHOLDS_FILE) == ({"long": 9.5, "short": math.inf}, 10, "fp32")
     capsys.readouterr()
     task.weights_step = 15
     task.save_model(model, tmp_path / "later")
@@ -173,7 +178,7 @@ def test_thresholds_are_written_only_with_the_weights_they_were_chosen_on(tmp_pa
     assert "thresholds were chosen at step 10, these weights are step 15" in line and "\n" not in line
     task.load_state_dict({"thresholds": {"long": 1.0, "short": 2.0}})  # an older checkpoint: no step
     task.save_model(model, tmp_path / "older")  # written as before, with one line
-    assert read_chosen(tmp_path / "older" / THRESHOLDS_FILE) == ({"long": 1.0, "short": 2.0}, None)
+    assert read_chosen(tmp_path / "older" / THRESHOLDS_FILE) == ({"long": 1.0, "short": 2.0}, None, None)
     assert "records no step" in capsys.readouterr().out
 
 
@@ -200,9 +205,9 @@ def evaluated_run(tmp_path_factory):
 
 
 def test_export_writes_thresholds_only_for_an_evaluated_step(evaluated_run, tmp_path, capsys):
-    assert read_chosen(evaluated_run / "model" / THRESHOLDS_FILE) == ({"long": 3.5, "short": math.inf}, 4)
+    assert read_chosen(evaluated_run / "model" / THRESHOLDS_FILE) == ({"long": 3.5, "short": math.inf}, 4, "fp32")
     two = export_checkpoint(str(evaluated_run / "checkpoints" / "step-2"), str(tmp_path / "two"))
-    assert read_chosen(two / THRESHOLDS_FILE) == ({"long": 1.5, "short": math.inf}, 2)
+    assert read_chosen(two / THRESHOLDS_FILE) == ({"long": 1.5, "short": math.inf}, 2, "fp32")
     capsys.readouterr()
     # step-3 carries step 2's thresholds (the latest evaluation): not step 3's weights' own.
     three = export_checkpoint(str(evaluated_run / "checkpoints" / "step-3"), str(tmp_path / "three"))

@@ -20,7 +20,7 @@ from distqa.nq.model import BertJointQA
 from distqa.nq.postprocess import group_by_example
 from distqa.nq.reader import NQExample, NQReader
 from distqa.nq.submission import check_output_path, write_submission
-from distqa.nq.thresholds import THRESHOLDS_FILE, read_chosen
+from distqa.nq.thresholds import THRESHOLDS_FILE, Chosen, read_chosen
 from distqa.task_settings import read_task_settings, with_trained_settings
 
 
@@ -112,10 +112,11 @@ def model_tokenizer(cfg: Config, folder: Path) -> Any:
     return tokenizer
 
 
-def chosen_thresholds(path: Path, folder: Path) -> dict[str, float]:
+def chosen_thresholds(path: Path, folder: Path) -> Chosen:
     """The thresholds saved with the model; refused when they say they were chosen at another step
     than the weights' (`distqa_source.json`): a file copied beside other weights."""
-    thresholds, chosen_at = read_chosen(path)
+    chosen = read_chosen(path)
+    chosen_at = chosen.step
     weights_at = (recorded_source(folder) or {}).get("step")
     if chosen_at is not None and isinstance(weights_at, int) and chosen_at != weights_at:
         raise DistqaError(
@@ -123,7 +124,18 @@ def chosen_thresholds(path: Path, folder: Path) -> dict[str, float]:
             f"({SOURCE_FILE}): export the model again from one checkpoint, or remove the thresholds file to give "
             "every example its best answer"
         )
-    return thresholds
+    return chosen
+
+
+def scores_precision(chosen: Chosen, given: str) -> str:
+    """The precision of predict's forward pass, on any device: the one the thresholds were chosen
+    in (the training's evaluation ran in train.precision, under autocast on the CPU too), so that
+    they compare scores computed alike; train.precision (given, or the default fp32) when no
+    thresholds say which. bf16 and fp32 scores of one window differ by a tenth or more."""
+    if chosen.precision is None or chosen.precision == given:
+        return given
+    print(f"scores in {chosen.precision}, the precision the thresholds were chosen in (not train.precision={given})")
+    return chosen.precision
 
 
 def predict(
@@ -152,7 +164,8 @@ def predict(
     check_model_fits(model, cfg.model, max_seq_len=cfg.task.max_seq_len, tokenizer=tokenizer, exported=True)
     thresholds_path = folder / THRESHOLDS_FILE
     # Without thresholds (a run with no data.valid) every example gets its best answer.
-    thresholds = chosen_thresholds(thresholds_path, folder) if thresholds_path.is_file() else {}
+    chosen = chosen_thresholds(thresholds_path, folder) if thresholds_path.is_file() else Chosen({})
+    thresholds = chosen.thresholds
     if thresholds:
         # (A threshold no score passes, null in the file, is "never": that kind is never answered.)
         shown = {
@@ -177,7 +190,7 @@ def predict(
         batch_size=cfg.train.batch_size,
         pad_id=tokenizer.pad_token_id or 0,
         max_len=cfg.task.max_seq_len,
-        autocast_dtype=autocast_dtype(cfg.train.precision) if device.type == "cuda" else None,
+        autocast_dtype=autocast_dtype(scores_precision(chosen, cfg.train.precision)),
     )
     answers = final_answers(group_by_example(bests), examples, thresholds)
     write_submission(output, answers)

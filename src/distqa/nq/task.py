@@ -54,6 +54,8 @@ class NQTask(Task):
         self.thresholds: dict[str, float] | None = None
         # The step whose weights the thresholds were chosen on (None: a checkpoint of an older distqa).
         self.thresholds_step: int | None = None
+        # The train.precision of the scores they were chosen on: predict computes its scores in it too.
+        self.thresholds_precision: str | None = None
         # The step of the weights `save_model` exports, set by the exporter (the trainer at the end
         # of a run, `distqa export`): thresholds of another step are not written with them.
         self.weights_step: int | None = None
@@ -137,7 +139,7 @@ class NQTask(Task):
         if self._gold is None:  # rank 0 read it at start (build_train_dataset); a task used without that reads it now
             self._gold = self._read_gold()
         metrics, self.thresholds = score_predictions(group_by_example(outputs), self._gold)
-        self.thresholds_step = step
+        self.thresholds_step, self.thresholds_precision = step, self.cfg.train.precision
         return metrics
 
     def _read_gold(self) -> GoldIndex:
@@ -155,14 +157,14 @@ class NQTask(Task):
         the weights of that step only. JSON: +inf ("never answer") as null, as in the thresholds file."""
         if self.thresholds is None:
             return {}
-        return {"thresholds": to_json_values(self.thresholds, self.thresholds_step)}
+        return {"thresholds": to_json_values(self.thresholds, self.thresholds_step, self.thresholds_precision)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("thresholds")
         if saved is None:  # nothing evaluated before that checkpoint
             return
         try:
-            self.thresholds, self.thresholds_step = from_json_values(saved)
+            self.thresholds, self.thresholds_step, self.thresholds_precision = from_json_values(saved)
         except ValueError as err:
             raise DistqaError(
                 f"the checkpoint's task state holds thresholds distqa cannot read ({err}): resume from, "
@@ -196,4 +198,5 @@ class NQTask(Task):
             self.tokenizer.save_pretrained(str(directory))
         thresholds = self._thresholds_to_write()
         if thresholds is not None:  # chosen on data.valid with these weights; `distqa predict` applies them
-            (directory / THRESHOLDS_FILE).write_text(thresholds_json(thresholds, self.thresholds_step))
+            text = thresholds_json(thresholds, self.thresholds_step, self.thresholds_precision)
+            (directory / THRESHOLDS_FILE).write_text(text)
