@@ -132,6 +132,15 @@ def test_unusable_gold_lines_are_one_line_naming_file_and_line(tmp_path):
             read_gold(gold)
 
 
+def test_gold_lines_end_at_newlines_only(tmp_path):
+    """A raw carriage return is JSON whitespace: prepare's reader reads such a line whole, and so
+    must the scorer (universal newlines split it into two unreadable lines). CRLF still reads."""
+    lines = TRAIN_SAMPLE.read_text(encoding="utf-8").splitlines()[:2]
+    gold = tmp_path / "gold.jsonl"
+    gold.write_bytes((lines[0].replace(', "', ',\r"', 1) + "\r\n" + lines[1] + "\n").encode())
+    assert len(read_gold(gold)) == 2
+
+
 def test_read_real_submission():
     rows = read_submission(SUBMISSION)
     assert len(rows) == 692

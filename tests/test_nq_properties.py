@@ -244,7 +244,7 @@ def bad_line(draw) -> bytes:
     how = draw(
         st.sampled_from(
             ["truncated", "not_object", "missing", "mistyped", "bad_span", "bad_span", "ann_not_object", "yes_no"]
-            + ["utf8", "cands_not_list", "anns_not_list", "token_not_str", "surrogate"]
+            + ["utf8", "cands_not_list", "anns_not_list", "token_not_str", "surrogate", "top_level"]
         )
     )
     if how == "truncated":
@@ -281,6 +281,10 @@ def bad_line(draw) -> bytes:
         anns = obj.get("annotations") or [{"long_answer": dict(NULL_LONG), "short_answers": []}]
         anns[0]["yes_no_answer"] = draw(json_values.filter(lambda v: v not in ("YES", "NO", "NONE")))
         obj["annotations"] = anns
+    elif how == "top_level":  # the string "false" counted as true in postprocessing
+        cands = obj.setdefault("long_answer_candidates", [])
+        bad = draw(json_values.filter(lambda v: not isinstance(v, bool)))
+        cands.insert(draw(st.integers(0, len(cands))), {"start_token": -1, "end_token": -1, "top_level": bad})
     elif how == "cands_not_list":
         obj["long_answer_candidates"] = draw(json_values.filter(lambda v: not isinstance(v, list)))
     elif how == "anns_not_list":  # a falsy value (null, {}, "") reads as no annotations: the test format

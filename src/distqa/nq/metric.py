@@ -118,10 +118,12 @@ def gold_answers(example: dict) -> tuple[set[str], set[str]]:
 
 
 def _open_text(path: Path) -> IO[str]:
-    # The NQ dev set ships gzipped; read it without unpacking 1 GB first.
+    # The NQ dev set ships gzipped; read it without unpacking 1 GB first. Lines end at "\n" only, as
+    # the reader's (distqa.nq.reader) do: a raw "\r" is JSON whitespace, which universal newlines
+    # took for a line's end, splitting a line that prepare reads whole.
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open("r", encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8", newline="\n")
+    return path.open("r", encoding="utf-8", newline="\n")
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, str]]:

@@ -131,6 +131,11 @@ def parse_example(line: str) -> NQExample:
         raise BadLine("long_answer_candidates is not a list")
     for i, cand in enumerate(candidates):
         _span(cand, f"long_answer_candidates[{i}]", n)
+        # Postprocessing prefers top-level candidates: the string "false" would count as true.
+        if not isinstance(cand.get("top_level", True), bool):
+            raise BadLine(
+                f"long_answer_candidates[{i}].top_level is {json.dumps(cand['top_level'])}, not true or false"
+            )
     annotations = raw.get("annotations", []) or []
     if not isinstance(annotations, list):
         raise BadLine("annotations is not a list")
