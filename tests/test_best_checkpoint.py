@@ -100,7 +100,7 @@ def test_min_mode_and_a_new_best_moves_the_pointer(tmp_path):
     assert "step-2" not in names(root)  # the old best is pruned once nothing names it
 
 
-def test_best_metric_mistakes_are_one_line(tmp_path):
+def test_best_metric_mistakes_are_one_line(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"train.best_metric='score' must name an evaluation metric, eval_KEY"):
         load_config(None, ["train.best_metric=score"])
     with pytest.raises(ConfigError, match=r"train.best_mode='up' is not one of max, min"):
@@ -108,6 +108,10 @@ def test_best_metric_mistakes_are_one_line(tmp_path):
     toy = ["task.name=toy_task:ToyClassificationTask", "task.size=64", "data.num_workers=0", "train.max_steps=2"]
     with pytest.raises(ConfigError, match=r"needs an evaluation, and this task evaluates nothing: set data.valid"):
         train(load_config(None, [*toy, f"output_dir={tmp_path / 'a'}", "train.best_metric=eval_f1"]))
+    # train.eval_every with nothing to evaluate was silently ignored: it is said, and the run trains.
+    capsys.readouterr()
+    train(load_config(None, [*toy, f"output_dir={tmp_path / 'e'}", "train.eval_every=1"]))
+    assert "warning: train.eval_every=1, but this task evaluates nothing (no data.valid)" in capsys.readouterr().out
     with pytest.raises(
         DistqaError, match=r"'eval_f1' is not a metric of this task's evaluation: it reported eval_other"
     ):

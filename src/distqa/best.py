@@ -55,16 +55,21 @@ def new_best(record: dict[str, Any], metric: str, mode: str, best: dict[str, Any
     return {"metric": metric, "mode": mode, "value": value, "step": int(record["step"])}
 
 
-def require_evaluation(task: Task, metric: str | None) -> None:
+def require_evaluation(task: Task, train: TrainConfig) -> None:
     """At set-up: train.best_metric needs an evaluation, the task's own `evaluate` or its validation
-    data. (Whether the task reports that metric is known at its first evaluation: `new_best`.)"""
+    data (whether the task reports that metric is known at its first evaluation: `new_best`); and
+    train.eval_every without one is said, not silently ignored."""
     from distqa.task import Task
 
-    if metric and type(task).evaluate is Task.evaluate and task.eval_dataset() is None:
+    if type(task).evaluate is not Task.evaluate or task.eval_dataset() is not None:
+        return
+    if train.best_metric:
         raise ConfigError(
-            f"train.best_metric={metric!r} needs an evaluation, and this task evaluates nothing: set "
+            f"train.best_metric={train.best_metric!r} needs an evaluation, and this task evaluates nothing: set "
             "data.valid (or leave train.best_metric unset)"
         )
+    if train.eval_every > 0:
+        print0(f"warning: train.eval_every={train.eval_every}, but this task evaluates nothing (no data.valid)")
 
 
 def best_after_evaluation(

@@ -157,7 +157,7 @@ class Trainer:
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
             self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
-        require_evaluation(self.task, cfg.train.best_metric)
+        require_evaluation(self.task, cfg.train)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
         valid = self.task.eval_dataset()  # its shares are scored as one set: every node's must be the same
         self.valid_identity = (
