@@ -20,6 +20,7 @@ from distqa.best import pointed
 from distqa.checkpoint import load_checkpoint, read_trainer_state
 from distqa.dist import DistInfo
 from distqa.errors import ConfigError, Preempted
+from distqa.export import export_checkpoint
 from distqa.registry import load_config
 from distqa.resume import check_continuation
 from distqa.set_aside import set_aside_other_line
@@ -113,6 +114,29 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_line_aside(tmp_path,
     assert "lr: 0.01\n" in (out / "config-history" / "2.yaml").read_text()
     assert not (out / "config-history" / "4.yaml").exists()
     assert pointed(root) == root / "step-4" and read_trainer_state(root / "step-4")["config"]["train"]["lr"] == 3e-2
+
+
+def test_an_export_goes_with_its_line_and_a_finished_resume_cuts_the_records(tmp_path, capsys):
+    """`distqa export`'s default folder (model-step-N, in output_dir) stayed there when its
+    checkpoint's line was set aside or the run moved by `never`: predict read another line's
+    weights under the name of this one's step. And a resume from an earlier step that is the
+    last (nothing to train, only the export) left the set-aside line's steps in metrics.jsonl."""
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run(out, "train.max_steps=6", "train.keep_checkpoints=0")
+    for step in (2, 6):
+        assert export_checkpoint(str(root / f"step-{step}")) == out / f"model-step-{step}"
+    capsys.readouterr()
+    run(out, "train.max_steps=4", f"train.resume={root / 'step-4'}")  # finished at 4: export only
+    moved = next((out / "earlier-runs").iterdir())
+    assert "their exports" in capsys.readouterr().out
+    assert (moved / "model-step-6").is_dir() and not (out / "model-step-6").exists()
+    assert (out / "model-step-2").is_dir()  # step 2 is this line's too
+    assert [step for step, _ in records(out / "metrics.jsonl")] == [1, 2, 3, 4]  # 5, 6 were the other line's
+    assert [step for step, _ in records(moved / "metrics.jsonl")] == list(range(1, 7))
+    assert (out / "model").is_dir()
+    run(out, "train.max_steps=2", "train.resume=never")
+    whole = next(p for p in (out / "earlier-runs").iterdir() if "-after-step-" not in p.name)
+    assert (whole / "model-step-2").is_dir() and not (out / "model-step-2").exists()
 
 
 def test_a_checkpoint_from_elsewhere_moves_the_run_in_output_dir_aside(tmp_path):

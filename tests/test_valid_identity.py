@@ -87,8 +87,10 @@ def test_a_refusal_of_rank_0_s_scoring_stops_every_rank_with_its_line(tmp_path, 
     monkeypatch.setenv("DISTQA_ERROR_FILE", str(said))
     args = [*TOY, f"data.valid={refusing}", "train.eval_every=2", "train.max_steps=6"]
     proc = run_train([*args, f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=120, check=False)
-    # printed once, by the rank that said it first
-    assert proc.returncode != 0 and proc.stderr.count("]: error: the cache at X is stale: delete X") == 1, proc.stderr
+    # printed once, by the rank that said it first; after the step's checkpoint (Trainer._after_step)
+    line = "]: error: evaluation at step 2: the cache at X is stale: delete X; checkpoint "
+    assert proc.returncode != 0 and proc.stderr.count(line) == 1, proc.stderr
     lines = said.read_text().splitlines()
-    assert "distqa [rank 1]: error: the cache at X is stale: delete X" in lines, lines
+    assert any(x.startswith("distqa [rank 1" + line) for x in lines), lines
+    assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()
     assert outcome.read(said).error_ranks == {0, 1} and "lost a peer" not in said.read_text(), lines

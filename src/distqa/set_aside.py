@@ -12,7 +12,8 @@ A line is set aside in an order that loses nothing whatever stops it (a full dis
    trainer cuts metrics.jsonl back to step N as soon as the set-aside is done), and the settings
    config.yaml is to become. Nothing has moved yet, so a failure here removes the staging folder
    and a second try starts over; a staging folder left by a kill holds copies only.
-2. then renames only, which need no space: model/, metrics.png, the config history past step N,
+2. then renames only, which need no space: model/, metrics.png, the exports of later checkpoints
+   (`distqa export`'s default `model-step-M`), the config history past step N,
    config.yaml, `best`, and the later checkpoints last. A later checkpoint still in place is what
    makes the next try set the line aside, so a kill before the end leaves one to find, and that
    try moves the rest (its copies of the records are whole: nothing was trained in between). An
@@ -50,6 +51,16 @@ _STAGING = ".tmp-"  # a line's set-aside in the making: copies only
 _MOVING = ".moving-"  # a whole run's move in the making: the run's own files
 
 
+# `distqa export`'s default folder for checkpoint step-N, beside checkpoints/: it goes with its line.
+_EXPORT_NAME = re.compile(r"^model-step-(\d+)$")
+
+
+def step_exports(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the default exports in output_dir (`model-step-N`)."""
+    found = (_EXPORT_NAME.match(path.name) for path in output_dir.iterdir()) if output_dir.is_dir() else ()
+    return sorted((int(match.group(1)), output_dir / match.group(0)) for match in found if match)
+
+
 def earlier_run_present(output_dir: Path) -> bool:
     """Whether output_dir holds an earlier run: a step folder, or its records."""
     return bool(step_folders(output_dir / "checkpoints")) or any((output_dir / n).exists() for n in RECORDS)
@@ -61,6 +72,7 @@ def set_aside_earlier_run(output_dir: Path) -> Path | None:
     if not earlier_run_present(output_dir):
         return None
     present = [name for name in RUN_FILES if os.path.lexists(output_dir / name)]
+    present += [path.name for _, path in step_exports(output_dir)]  # exports of its checkpoints
     staging = _new_folder(output_dir, "", prefix=_MOVING)
     try:
         for name in present:
@@ -161,7 +173,7 @@ def _set_aside(output_dir: Path, resume_from: Path, mode: str) -> Path | None:
     print(
         f"train.resume={mode} is earlier than the newest checkpoint in {root}: "
         f"{', '.join(p.name for p in later)} (another continuation of step {step}) moved to {target} with what "
-        "belongs to them (best, model/, records), so that train.resume=auto goes on with this run",
+        "belongs to them (best, model/, their exports, records), so that train.resume=auto goes on with this run",
         flush=True,
     )
     return target
@@ -210,6 +222,7 @@ def _move_line(output_dir: Path, step: int, later: list[Path], target: Path) -> 
     root, config = output_dir / "checkpoints", output_dir / CONFIG_FILE
     best = pointed(root)
     moves = [(output_dir / name, target / name) for name in ("model", "metrics.png") if (output_dir / name).exists()]
+    moves += [(path, target / path.name) for at, path in step_exports(output_dir) if at > step]  # distqa export's
     if (target / _NEXT_CONFIG).exists():  # before the history it comes from: a retry finds that again
         moves.append((target / _NEXT_CONFIG, config))
     moves += [(path, target / HISTORY_DIR / path.name) for at, _, path in _history_from(output_dir, step) if at > step]

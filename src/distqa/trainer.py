@@ -70,8 +70,7 @@ class Trainer:
         self.keep_sigterm_handler = keep_sigterm_handler
         self.stop: StopSignal | None = None
         self.state: TrainerState | None = None
-        self.out = Path(cfg.output_dir)
-        self.ckpt_root = self.out / "checkpoints"
+        self.out, self.ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
         self.sharded = cfg.train.parallel == "fsdp"
         # FSDP casts the gathered weights itself (its mixed-precision policy): no autocast on top.
         self.autocast_dtype = None if self.sharded else autocast_dtype(cfg.train.precision)
@@ -118,10 +117,9 @@ class Trainer:
             data=self.data_identity,
             task_identity=self.task_identity,
         )
-        # (finished is the same on every rank: the same checkpoint, settings and agreed data.)
-        # train.resume=PATH: output_dir then holds PATH's line alone (later checkpoints, or another
-        # run there, set aside), finished or not: an export must not land beside another run's files.
-        set_aside_other_line(self.out, resume_from, self.cfg.train.resume, self.info)
+        # (finished: the same on every rank.) train.resume=PATH: output_dir then holds PATH's line
+        # alone (later ones, or another run, set aside), finished or not: nothing lands beside another's.
+        aside = set_aside_other_line(self.out, resume_from, self.cfg.train.resume, self.info)
         if finished and (not self.save_outputs or is_exported(self.out, resume_from, self.info)):  # type: ignore[arg-type]
             print0(
                 f"the run in {self.out} already finished at step {self.total_steps}: nothing to train, "
@@ -134,6 +132,8 @@ class Trainer:
         self.stop = StopSignal(self.info, self.lock)
         if step < self.total_steps:
             self._run_steps(dataset, resume_from)
+        elif aside is not None:  # finished at PATH: the set-aside line's records cut back, as a resume's
+            MetricsWriter(self.out, self.info, resume_step=step).close()
         self._finish(finished, resume_from if finished else self.ckpt_root / f"step-{self.total_steps}")  # type: ignore[arg-type]
         barrier()
         return self.out / "model"
