@@ -66,6 +66,10 @@ def test_a_bf16_run_on_the_cpu_says_so_before_and_after_its_first_step(tmp_path,
         r" to go faster try train.precision=fp32, or a GPU",
         estimate[0],
     ), estimate[0]
+    # Resumed at step 2 (of 3): the lines name the step that runs first, not "step 1".
+    train(load_config(None, [task, *TOY, "train.precision=bf16", "train.max_steps=3", f"output_dir={tmp_path / 'a'}"]))
+    resumed = capsys.readouterr().out
+    assert "steps may take minutes; step 3 is running" in resumed and "warning: step 3: " in resumed, resumed
     # fp32: nothing to warn about, and the first step (no log step) is still reported at once.
     train(load_config(None, [task, *TOY, f"output_dir={tmp_path / 'b'}"]))
     out = capsys.readouterr().out

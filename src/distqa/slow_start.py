@@ -68,9 +68,10 @@ def step_flops(task: Any, model: nn.Module, samples: float, tokens: float) -> fl
     return float(shape.flops_per_token(round(tokens / samples)) * tokens)
 
 
-def before_line(reasons: list[str]) -> str:
+def before_line(reasons: list[str], step: int = 1) -> str:
+    """`step`: the step about to run, 1 unless the run resumed."""
     return (
-        f"warning: training on the CPU with {', '.join(reasons)}: steps may take minutes; step 1 is "
+        f"warning: training on the CPU with {', '.join(reasons)}: steps may take minutes; step {step} is "
         "running, and its time and the time to expect per step follow when it ends"
     )
 
@@ -80,11 +81,18 @@ def _amount(flops: float) -> str:
 
 
 def estimate_line(
-    reasons: list[str], seconds: float, flops: float | None, steps_left: int, cfg: Config, uses: Any = None
+    reasons: list[str],
+    seconds: float,
+    flops: float | None,
+    steps_left: int,
+    cfg: Config,
+    uses: Any = None,
+    step: int = 1,
 ) -> str:
-    """One line: the first step's FLOPs and time, what the rest will take, and what to try instead."""
+    """One line: the first step's FLOPs and time (`step`: its number, 1 unless the run resumed),
+    what the rest will take, and what to try instead."""
     work = f"{_amount(flops)} in {seconds:.1f} s ({flops / seconds / 1e9:.3g} GFLOP/s)" if flops else ""
-    first = f"step 1 took {seconds:.1f} s" if not work else f"step 1: {work}"
+    first = f"step {step} took {seconds:.1f} s" if not work else f"step {step}: {work}"
     # The first step pays one-time costs too (allocations, the loader's start): an upper bound.
     return (
         f"warning: {first} on the CPU with {', '.join(reasons)}: expect up to {seconds:.3g} s per step, "
@@ -96,13 +104,16 @@ def estimate_line(
 class FirstStep:
     """This process's first step: the slow set-up's line before it, and its report once it ends."""
 
-    def __init__(self, cfg: Config, task: Any, model: nn.Module, info: DistInfo, total_steps: int) -> None:
+    def __init__(
+        self, cfg: Config, task: Any, model: nn.Module, info: DistInfo, total_steps: int, done: int = 0
+    ) -> None:
+        """`done`: the steps already trained (a resumed run's first step is done + 1)."""
         self.cfg, self.task, self.model, self.info, self.total_steps = cfg, task, model, info, total_steps
         self.began: float | None = time.perf_counter()  # what the user waits for: the loader's start too
         n_params = sum(p.numel() for p in model.parameters())
         self.reasons = slow_reasons(info.device.type, cfg.train.precision, n_params)
         if self.reasons:
-            print0(before_line(self.reasons))
+            print0(before_line(self.reasons, done + 1))
 
     def after(self, step: int, progress: TrainProgress, meter: ThroughputMeter) -> None:
         """After every step, before anything else of it is done; reports the first one only."""
@@ -118,4 +129,4 @@ class FirstStep:
             ranks = self.info.world_size  # every rank's share of the batch is alike
             flops = step_flops(self.task, self.model, samples * ranks, tokens * ranks)
             uses = getattr(self.task, "core_settings", None)
-            print0(estimate_line(self.reasons, seconds, flops, self.total_steps - step, self.cfg, uses))
+            print0(estimate_line(self.reasons, seconds, flops, self.total_steps - step, self.cfg, uses, step))

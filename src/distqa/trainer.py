@@ -239,7 +239,7 @@ class Trainer:
         # A bar on a terminal, else a line per record.
         self.progress = TrainProgress(self.total_steps, state.step, enabled=info.is_main)
         # On a slow set-up a line now, and one when the first step ends: its time, what the rest takes.
-        first_step = FirstStep(cfg, self.task, self.raw_model, info, self.total_steps)
+        first_step = FirstStep(cfg, self.task, self.raw_model, info, self.total_steps, state.step)
         self.meter.restart_clock()  # throughput counts training time, not the set-up
         self.model.train()
         try:
