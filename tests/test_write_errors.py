@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,36 @@ def test_a_claim_whose_write_fails_removes_its_own_file(tmp_path, monkeypatch):
     with pytest.raises(DistqaError, match="cannot be written: No space left on device$"):
         claim(tmp_path, ONE)
     assert os.listdir(tmp_path) == []
+
+
+def test_two_exports_to_one_folder_at_once_each_finish_whole(tmp_path):
+    """Both staged in .tmp-model: the second removed the first's folder while it was written, and
+    the first then renamed the second's half-written one into place. Now the second waits."""
+    started, errors = threading.Event(), []
+
+    def save(tag: str) -> Callable[[Path], None]:
+        def write(folder: Path) -> None:
+            folder.mkdir()
+            (folder / "a").write_text(tag)
+            started.set()
+            time.sleep(0.5)
+            (folder / "b").write_text(tag)
+
+        return write
+
+    def export(tag: str) -> None:
+        try:
+            export_atomically(save(tag), tmp_path / "model", ONE, "{fix}")
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    first = threading.Thread(target=export, args=("first",))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=export, args=("second",))
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert errors == []
+    assert [(tmp_path / "model" / name).read_text() for name in ("a", "b")] == ["second", "second"]
+    assert os.listdir(tmp_path) == ["model"]

@@ -65,11 +65,15 @@ def file_in_the_way(folder: Path) -> Path | None:
 
 @contextlib.contextmanager
 def held_exclusively(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[None]:
-    """Hold an exclusive flock on `lock_file` (created if missing, never through a link) for the
-    body; when another process holds it, call `on_wait` once, then wait for it. The lock goes
-    with the process (a killed holder leaves no stale lock), and the file is never removed:
-    a waiter would otherwise lock a file nobody else sees. Raises OSError."""
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    """Hold an exclusive flock on `lock_file` (created if missing, never through a link; a folder
+    is locked itself, with no file) for the body; when another process holds it, call `on_wait`
+    once, then wait for it. The lock goes with the process (a killed holder leaves no stale lock),
+    and the file is never removed: a waiter would otherwise lock a file nobody else sees. Raises
+    OSError."""
+    if lock_file.is_dir():
+        fd = os.open(lock_file, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    else:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 
 from distqa.checkpoint_verify import SOURCE_FILE, export_files, source_of
 from distqa.dist import DistInfo
-from distqa.durable import fsync_path, read_no_link, write_atomically
+from distqa.durable import fsync_path, held_exclusively, read_no_link, write_atomically
 from distqa.errors import DistqaError
 from distqa.rank0 import fix_for, on_rank0, reason
 from distqa.runlock import LOCK_NAME, RunLock
@@ -140,6 +140,12 @@ def export_atomically(
     old = directory.with_name(f".old-{directory.name}")
 
     def export() -> None:
+        # Two exports to one folder at once (`distqa export` twice, or beside the trainer's) share
+        # the hidden names: one removed the other's folder while it was written. The second waits.
+        with held_exclusively(directory.parent, lambda: print(f"waiting for another export to {directory}")):
+            _export()
+
+    def _export() -> None:
         try:
             _remove(tmp)
             _remove(old)
