@@ -199,3 +199,6 @@ def test_two_exports_to_one_folder_at_once_each_finish_whole(tmp_path):
     assert errors == []
     assert [(tmp_path / "model" / name).read_text() for name in ("a", "b")] == ["second", "second"]
     assert os.listdir(tmp_path) == ["model"]
+    # A folder that does not exist yet (distqa export --output new/dir/model) is made, as before the lock.
+    export_atomically(save("third"), tmp_path / "new" / "dir" / "model", ONE, "{fix}")
+    assert (tmp_path / "new" / "dir" / "model" / "b").read_text() == "third"

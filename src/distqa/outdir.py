@@ -12,6 +12,7 @@ following one (`distqa.durable`), for a link planted after that check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -140,10 +141,19 @@ def export_atomically(
     old = directory.with_name(f".old-{directory.name}")
 
     def export() -> None:
-        # Two exports to one folder at once (`distqa export` twice, or beside the trainer's) share
-        # the hidden names: one removed the other's folder while it was written. The second waits.
-        with held_exclusively(directory.parent, lambda: print(f"waiting for another export to {directory}")):
+        with contextlib.ExitStack() as held:
+            try:
+                directory.parent.mkdir(parents=True, exist_ok=True)
+                # Two exports to one folder at once (`distqa export` twice, or beside the trainer's)
+                # share the hidden names: one removed the other's while it was written. One waits.
+                waiting = f"waiting for another export to {directory}"
+                held.enter_context(held_exclusively(directory.parent, lambda: print(waiting, flush=True)))
+            except OSError as err:
+                raise DistqaError(f"cannot write {directory} ({reason(err)}): {note_for(err)}") from err
             _export()
+
+    def note_for(err: BaseException) -> str:
+        return note.replace("{fix}", fix_for(err, str(directory.parent)))  # (not format: a path may hold braces)
 
     def _export() -> None:
         try:
@@ -165,7 +175,6 @@ def export_atomically(
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not directory.exists():
                 old.rename(directory)
-            what = note.replace("{fix}", fix_for(err, str(directory.parent)))  # (not format: a path may hold braces)
-            raise DistqaError(f"cannot write {directory} ({reason(err)}): {what}") from err
+            raise DistqaError(f"cannot write {directory} ({reason(err)}): {note_for(err)}") from err
 
     on_rank0(info, export)
