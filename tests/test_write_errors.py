@@ -168,17 +168,19 @@ def test_a_claim_whose_write_fails_removes_its_own_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_two_exports_to_one_folder_at_once_each_finish_whole(tmp_path):
+def test_two_exports_to_one_folder_at_once_each_finish_whole(tmp_path, capsys):
     """Both staged in .tmp-model: the second removed the first's folder while it was written, and
     the first then renamed the second's half-written one into place. Now the second waits."""
-    started, errors = threading.Event(), []
+    started, second_called, errors = threading.Event(), threading.Event(), []
 
     def save(tag: str) -> Callable[[Path], None]:
         def write(folder: Path) -> None:
             folder.mkdir()
             (folder / "a").write_text(tag)
-            started.set()
-            time.sleep(0.5)
+            if tag == "first":
+                started.set()
+                assert second_called.wait(10)
+                time.sleep(0.5)  # the second is in export_atomically by now: it waits, or (unlocked) clobbers
             (folder / "b").write_text(tag)
 
         return write
@@ -192,11 +194,12 @@ def test_two_exports_to_one_folder_at_once_each_finish_whole(tmp_path):
     first = threading.Thread(target=export, args=("first",))
     first.start()
     assert started.wait(10)
-    second = threading.Thread(target=export, args=("second",))
+    second = threading.Thread(target=lambda: (second_called.set(), export("second")))
     second.start()
     first.join(30)
     second.join(30)
     assert errors == []
+    assert f"waiting for another export to {tmp_path / 'model'}" in capsys.readouterr().out
     assert [(tmp_path / "model" / name).read_text() for name in ("a", "b")] == ["second", "second"]
     assert os.listdir(tmp_path) == ["model"]
     # A folder that does not exist yet (distqa export --output new/dir/model) is made, as before the lock.

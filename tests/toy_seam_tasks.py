@@ -90,13 +90,13 @@ class SometimesUnusedTask(ToyClassificationTask):
 
 @dataclass
 class EvalStepSettings(ToySettings):
-    eval_kind: str = setting("list", "list | dict | scalar | short | meta | raises_on_rank_1")
+    eval_kind: str = setting("list", "list | dict | scalar | short | meta | meta_in_dicts | raises_on_rank_1")
 
 
 class EvalStepKindTask(EvalProbeTask):
     """eval_step results as forks write them: a dict of tensors (Hugging Face style), a 0-d
-    tensor, one item too few, tensors off the CPU (a meta tensor stands in for a GPU's), or an
-    error on one rank only."""
+    tensor, one item fewer than the batch (NQ skips empty windows: allowed), tensors off the CPU
+    (a meta tensor stands in for a GPU's), or an error on one rank only."""
 
     Config = EvalStepSettings
 
@@ -110,6 +110,8 @@ class EvalStepKindTask(EvalProbeTask):
             return super().eval_step(model, batch)[:-1]
         if kind == "meta":
             return [torch.empty(2, device="meta") for _ in batch["index"]]
+        if kind == "meta_in_dicts":  # Hugging Face style: a dict of tensors per example
+            return [{"logits": torch.empty(2, device="meta")} for _ in batch["index"]]
         if kind == "raises_on_rank_1" and torch.distributed.get_rank() == 1:
             raise KeyError("label_ids")
         return super().eval_step(model, batch)

@@ -45,10 +45,11 @@ class AfterStep:
 
     def on_failed_evaluation(self, save_outputs: bool) -> AfterStep:
         """The plan once the task's evaluation raised (before the weights check, which then covers
-        the optimizer state too): no metrics line; the step is saved unless the run saves no outputs.
-        A bug in the task's metric code then costs no trained step (with train.eval_every=0 that
-        code first runs after the last step)."""
-        return replace(self, log=False, save=self.save or save_outputs)
+        the optimizer state too): the training figures are logged, no best is chosen, and the step
+        is saved unless the run saves no outputs. A bug in the task's metric code then costs no
+        trained step (with train.eval_every=0 that code first runs after the last step); the
+        evaluation of that step is not run again by a resume."""
+        return replace(self, evaluate=False, save=self.save or save_outputs)
 
 
 def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs: bool = True) -> AfterStep:

@@ -13,7 +13,9 @@ loader's), calls the task's `eval_step` per batch, and rank 0 gets every output 
 for `compute_metrics`.
 
 An error in the task's evaluation code, on any rank, stops every rank with one line
-(`EvaluationFailed`); the trainer writes the step's checkpoint first.
+(`EvaluationFailed`); the trainer writes the step's checkpoint first. (With a sharded model an
+error in `eval_step` ends its rank as before, and the others stop as having lost a peer: they
+may be inside a forward pass's collectives, which it can no longer join.)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from distqa.errors import DistqaError, EvaluationFailed
 from distqa.parallel import is_sharded
 from distqa.rank0 import raise_on_any_rank, reason
 from distqa.rng_state import capture_rng_state, restore_rng_state
+from distqa.rounds import as_peer_loss
 
 
 def to_device(batch: Any, device: torch.device) -> dict[str, Any]:
@@ -54,9 +57,8 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
     outputs: list[Any] = []
     problem: DistqaError | None = None
     try:
-        for i, batch in enumerate(DataLoader(share, batch_size=size, collate_fn=collate)):
-            out = task.eval_step(model, to_device(batch, info.device))
-            outputs.extend(per_example(out, min(size, len(share) - i * size)))
+        for batch in DataLoader(share, batch_size=size, collate_fn=collate):
+            outputs.extend(checked_outputs(task.eval_step(model, to_device(batch, info.device))))
         if is_sharded(model) and n:
             # A sharded model's forward is collective (each block all-gathers its weights), so every
             # rank runs as many as the largest share needs: the smaller shares repeat the data's
@@ -65,6 +67,10 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
             for _ in range(math.ceil(math.ceil(n / info.world_size) / size) - math.ceil(len(share) / size)):
                 task.eval_step(model, to_device(spare, info.device))
     except Exception as err:  # noqa: BLE001 - the task's code: one line on every rank (see hook_failed)
+        if is_sharded(model) or (info.is_distributed and as_peer_loss(err, step) is not None):
+            # The other ranks may be inside a sharded forward's collectives, which this rank would
+            # no longer join: it ends as before, and they learn of it as a lost peer.
+            raise
         problem = hook_failed("eval_step", err)
     raise_on_any_rank(problem, info)  # before the gather, which a failed rank would never reach
     gathered = [item for part in gather_to_main(outputs, info) for item in part]
@@ -77,27 +83,16 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
         raise hook_failed("compute_metrics", err) from err
 
 
-def per_example(out: Any, examples: int) -> Any:
-    """`eval_step`'s result, checked: a sequence (or a tensor or array) of one item per example of
-    the batch, CPU items. A dict, a scalar or a miscount would be gathered as something else (a
-    dict's keys, say) and scored without a word."""
-    sized = isinstance(out, (list, tuple)) or (isinstance(out, (torch.Tensor, np.ndarray)) and out.ndim >= 1)
-    if not sized:
+def checked_outputs(out: Any) -> Any:
+    """`eval_step`'s result, checked: a list (or tuple, tensor, array) of CPU items, one per example
+    or window. A dict or a scalar would be gathered as something else (a dict's keys, say) and
+    scored without a word; tensors on a GPU would be unpickled on rank 0 onto another rank's GPU."""
+    if not (isinstance(out, (list, tuple)) or (isinstance(out, (torch.Tensor, np.ndarray)) and out.ndim >= 1)):
         raise DistqaError(
-            f"the task's eval_step returned a {type(out).__name__}, not a list with one item per example of the "
-            f"batch ({examples} here)"
+            f"the task's eval_step returned a {type(out).__name__}, not a list of one item per example (or window) "
+            "of the batch"
         )
-    if len(out) != examples:
-        raise DistqaError(
-            f"the task's eval_step returned {len(out)} items for a batch of {examples} examples: it must return "
-            "one per example, in the batch's order"
-        )
-    on_device = torch.is_tensor(out) and out.device.type != "cpu"
-    for item in out if isinstance(out, (list, tuple)) else ():
-        on_device = on_device or any(
-            torch.is_tensor(t) and t.device.type != "cpu" for t in (item if isinstance(item, (list, tuple)) else [item])
-        )
-    if on_device:
+    if _on_a_device(out):
         raise DistqaError(
             "the task's eval_step returned tensors on the GPU: return CPU items (`.tolist()` or `.cpu()`); they are "
             "pickled to rank 0, which would put them back on another rank's GPU"
@@ -105,16 +100,30 @@ def per_example(out: Any, examples: int) -> Any:
     return out
 
 
-def hook_failed(hook: str, err: BaseException) -> DistqaError:
-    """A task hook's own error as one line for every rank; its traceback printed here, on the rank
-    it happened on (where the task's code went wrong), and kept as the line's cause."""
-    if isinstance(err, DistqaError):
+def _on_a_device(value: Any, depth: int = 3) -> bool:
+    """Whether `value` holds a tensor off the CPU, looking `depth` levels into lists, tuples and dicts."""
+    if torch.is_tensor(value):
+        return value.device.type != "cpu"
+    if depth == 0:
+        return False
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    return any(_on_a_device(item, depth - 1) for item in items)
+
+
+def hook_failed(hook: str, err: BaseException) -> EvaluationFailed:
+    """A task hook's error as one line for every rank (an EvaluationFailed, which pickles to the
+    other ranks whatever the task's own class); an error of the task's code has its traceback
+    printed here, on the rank it happened on, and kept as the line's cause."""
+    if isinstance(err, EvaluationFailed):
         return err
-    traceback.print_exception(err, file=sys.stderr)
-    problem = EvaluationFailed(
-        f"the task's {hook} raised {type(err).__name__}: {reason(err)} (its traceback is above, from the rank it "
-        "happened on)"
-    )
+    if isinstance(err, DistqaError):  # the task's own one line (a stale cache, a metric that is no number)
+        problem = EvaluationFailed(str(err))
+    else:
+        traceback.print_exception(err, file=sys.stderr)
+        problem = EvaluationFailed(
+            f"the task's {hook} raised {type(err).__name__}: {reason(err)} (its traceback is above, from the rank "
+            "it happened on)"
+        )
     problem.__cause__ = err
     return problem
 
@@ -181,14 +190,15 @@ def run_evaluation(
             try:
                 metrics = checked_metrics(task.evaluate(model, info, **extra))
             except Exception as err:  # noqa: BLE001 - the task's code: one line on every rank
+                if info.is_distributed and as_peer_loss(err, step) is not None:
+                    raise  # a lost peer, not the task's error: no collective left to agree on it
                 problem = hook_failed("evaluate", err)
     finally:
         restore_rng_state(rng, info.device)
     # Rank 0 alone scores. Its one-line error (a stale validation cache, a metric that is no
     # number, a bug in the metric) stops every rank with that line, rather than rank 0 alone while
-    # the others wait in the next step's collective until its absence is noticed.
-    if type(problem) is DistqaError:
-        problem = EvaluationFailed(str(problem))  # (a checkpoint is still written: Trainer._after_step)
+    # the others wait in the next step's collective until its absence is noticed; the trainer
+    # writes the step's checkpoint first (Trainer._after_step).
     raise_on_any_rank(problem, info)
     if metrics:  # rank 0's; none at all means the task has nothing to evaluate (no data.valid)
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())

@@ -159,12 +159,12 @@ class Task(ABC):
 
     def build_eval_dataset(self) -> Dataset | None:
         """Validation data (map-style), or None for no evaluation (the default). Each rank takes a
-        contiguous share of it, batched with `collate`."""
+        contiguous share of it, batched with `collate_fn()`, as training is."""
         return None
 
     def eval_step(self, model: nn.Module, batch: Batch) -> list[Any]:
-        """What one validation batch yields: a list of one small CPU item per example or window
-        (they are gathered to rank 0; anything else stops the run in one line). The trainer calls
+        """What one validation batch yields: a list of small CPU items, one per example or window
+        (they are gathered to rank 0; a dict, a scalar or GPU tensors stop the run in one line). The trainer calls
         it with the unwrapped model in eval mode, under `torch.no_grad()` and the run's autocast,
         with the batch's tensors on the device."""
         raise NotImplementedError(f"{type(self).__name__} has a validation set but no eval_step")

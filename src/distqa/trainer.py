@@ -23,7 +23,7 @@ from distqa.build_identity import check_same_build
 from distqa.checkpoint_manager import CheckpointManager, Parts, TrainerState
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, dataset_size, quiet_libraries
-from distqa.control import FIRST_LOSS_NOT_FINITE, AfterStep, after_step, diverged_hint
+from distqa.control import FIRST_LOSS_NOT_FINITE, after_step, diverged_hint
 from distqa.data_identity import agreed_identity
 from distqa.dist import DistInfo, autocast_dtype, barrier, cleanup, init_distributed, local_main_first, print0
 from distqa.errors import DistqaError, EvaluationFailed, Preempted
@@ -266,11 +266,15 @@ class Trainer:
         assert stop is not None and state is not None
         step = state.step
         plan = after_step(step, self.total_steps, self.cfg.train, save_outputs=self.save_outputs)
-        failed: EvaluationFailed | None = None
-        try:
-            record = self._record(plan, step, lr) if plan.log else None
-        except EvaluationFailed as err:  # the task's metric code: save the step, then stop
-            failed, record, plan = err, None, plan.on_failed_evaluation(self.save_outputs)
+        record, failed = self._record(step, lr) if plan.log else None, None
+        if plan.evaluate and record is not None:
+            try:
+                record.update(
+                    run_evaluation(self.task, self.raw_model, self.info, step=step, autocast_dtype=self.autocast_dtype)
+                )
+                self.meter.restart_clock()  # evaluation time is not training throughput
+            except EvaluationFailed as err:  # the task's metric code: log and save the step, then stop
+                failed, plan = err, plan.on_failed_evaluation(self.save_outputs)
         weights = self.parts.checked_tensors(with_optimizer=plan.save) if plan.check_weights else None
         plan = plan.on_stop_request(stop.should_stop(step, weights, self.hint))
         train, info, root = self.cfg.train, self.info, self.ckpt_root
@@ -291,23 +295,18 @@ class Trainer:
         if plan.save:
             self.hint = diverged_hint(self.cfg.train, self.checkpoints.save())
         if failed is not None:
-            saved = f"; checkpoint {self.ckpt_root}/step-{step} written first" if plan.save else ""
+            saved = f"; checkpoint {self.ckpt_root}/step-{step} written first, without it" if plan.save else ""
             raise EvaluationFailed(f"evaluation at step {step}: {failed}{saved}") from failed
         if plan.stop:
             checkpoint, grace = self.ckpt_root / f"step-{step}", self.cfg.train.term_grace_s
             raise stop.preempted(step, self.total_steps, checkpoint, grace, resume=self.cfg.train.resume)
 
-    def _record(self, plan: AfterStep, step: int, lr: float) -> dict[str, Any]:
-        """The metrics line of this step: the log window's figures, and the evaluation's."""
+    def _record(self, step: int, lr: float) -> dict[str, Any]:
+        """The metrics line of this step: the log window's figures (the evaluation's are added)."""
         record = {"step": step, "epoch": round(step / self.epoch_steps, 4), "lr": lr, **self.meter.reduce_and_reset()}
         if not math.isfinite(record["loss"]):
             why = self.hint if step > 1 else FIRST_LOSS_NOT_FINITE  # step 1: the initial weights' loss
             raise DistqaError(f"loss is {record['loss']} at step {step}: {why}")
-        if plan.evaluate:
-            record.update(
-                run_evaluation(self.task, self.raw_model, self.info, step=step, autocast_dtype=self.autocast_dtype)
-            )
-            self.meter.restart_clock()  # evaluation time is not training throughput
         return record
 
     # ----------------------------------------------------------------------------- finish
