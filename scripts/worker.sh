@@ -109,9 +109,12 @@ gpu_count() {
 # ---- resolve the rendezvous --------------------------------------------------------------------
 
 # Kubeflow's WORLD_SIZE/RANK count pods only when the operator set them for us: only then are they
-# a node count (torchrun sets the same names for its children, which never run this script).
+# a node count (torchrun sets the same names for its children, which never run this script). Under
+# Slurm or SkyPilot they are a script's own (torch recipes export MASTER_ADDR and WORLD_SIZE as the
+# process count): their node variables count the nodes.
 kf_nnodes="" kf_rank=""
-if [[ -n ${WORLD_SIZE:-} && -n ${MASTER_ADDR:-}${PET_MASTER_ADDR:-} ]]; then
+if [[ -n ${WORLD_SIZE:-} && -n ${MASTER_ADDR:-}${PET_MASTER_ADDR:-} &&
+  -z ${SLURM_JOB_ID:-}${SLURM_NNODES:-}${SKYPILOT_NUM_NODES:-} ]]; then
   kf_nnodes=$WORLD_SIZE
   kf_rank=${RANK:-}
 fi
@@ -181,8 +184,12 @@ in_range "$max_restarts" 0 || die "MAX_RESTARTS=$max_restarts is not a non-negat
 # Decimal from here on: bash reads 010 as octal 8 and 09 as an error in $((...)), which skipped the
 # checks and the wait for node 0 below (and torchrun, which reads 10, would disagree).
 master_port=$((10#$master_port)) rdzv_timeout=$((10#$rdzv_timeout)) max_restarts=$((10#$max_restarts))
-if ! in_range "$nproc" 1 && [[ $nproc != auto && $nproc != gpu && $nproc != cpu ]]; then
+if in_range "$nproc" 1; then
+  nproc=$((10#$nproc)) # (010 is ten processes, and the threads per process below divide by it)
+elif [[ $nproc != auto && $nproc != gpu && $nproc != cpu ]]; then
   die "NPROC_PER_NODE=$nproc (from $nproc_FROM) is not a positive integer or auto/gpu/cpu"
+elif [[ $nproc == gpu ]] && (($(gpu_count) == 0)); then
+  die "NPROC_PER_NODE=gpu (from $nproc_FROM), but no GPU is visible here: give a process count, or cpu"
 fi
 
 if [[ -z $master_addr || $master_addr == self ]]; then

@@ -112,6 +112,18 @@ def test_settings_compared_across_ranks_leave_out_per_node_keys():
     assert line == "train.lr (rank 0: 3e-05, rank 1: 0.5); train.max_steps (rank 0: -1, rank 1: 4)"
 
 
+def test_nodes_started_with_other_node_counts_differ(monkeypatch):
+    """NNODES=2 on one node and 3 on another: a static rendezvous takes each node's own count, and
+    the two could train as a group with exit 0 while a third waited in vain (or hang at the end)."""
+    cfg = load_config(None, [])
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    two = compared_settings(cfg)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
+    three = compared_settings(cfg)
+    assert settings_hash(two) != settings_hash(three)
+    assert differences([two, three]) == "NNODES (torchrun --nnodes) (rank 0: '2', rank 1: '3')"
+
+
 def _state(cfg, step: int) -> dict:
     return {"step": step, "config": dataclasses.asdict(cfg), "data": None}
 

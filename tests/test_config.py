@@ -397,6 +397,27 @@ def test_a_text_setting_on_the_command_line_is_the_text_as_typed(value):
 
 
 @pytest.mark.parametrize(
+    "value, read",
+    [("010", "the octal number 8: write 10 without the leading zero"), ("1:30", "a base-60 number")],
+)
+def test_a_number_yaml_reads_in_another_base_is_refused(tmp_path, value, read):
+    """train.max_steps=010 trained 8 steps with exit 0 (YAML 1.1: a leading zero is octal, 1:30 is 90)."""
+    with pytest.raises(ConfigError, match=f"train.max_steps={value} in the command line: YAML reads it as {read}"):
+        load_config(None, [f"train.max_steps={value}"])
+    path = tmp_path / "run.yaml"
+    path.write_text(f"seed: 3\ntrain:\n  max_steps: {value}\n")
+    with pytest.raises(ConfigError, match=f"train.max_steps={value} in config file {re.escape(str(path))}"):
+        load_config(str(path))
+    # What reads as the decimal it looks like stays allowed: 08 (no octal), 007, 0, 1_000.
+    assert [load_config(None, [f"seed={v}"]).seed for v in ("08", "007", "0", "1_000")] == [8, 7, 0, 1000]
+
+
+def test_an_interpolation_in_a_text_setting_on_the_command_line_resolves():
+    """It was refused ('Interpolation key model.name not found'), resolved against the one override."""
+    assert load_config(None, ["output_dir=results/${model.name}", "model.name=tiny"]).output_dir == "results/tiny"
+
+
+@pytest.mark.parametrize(
     "text", ["output_dir: 010", "output_dir: 1.10", "model:\n  name: yes", "model:\n  tokenizer: 7"]
 )
 def test_a_text_setting_that_yaml_read_as_a_number_is_refused_in_a_file(tmp_path, text):

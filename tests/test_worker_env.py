@@ -162,6 +162,11 @@ def test_pet_variables_do_not_reach_torchrun(tmp_path):
 def test_slurm(tmp_path):
     r = resolved(tmp_path, SLURM_NNODES="4", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu[01-04,07],cpu1")
     assert (r["--nnodes"], r["--node-rank"], r["--master-addr"]) == ("4", "2", "gpu01")
+    # A torch-on-Slurm script's own exports (WORLD_SIZE: its process count) are no Kubeflow pod count:
+    # --nnodes was 16 here.
+    both = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"}
+    r = resolved(tmp_path, **both, MASTER_ADDR="10.0.0.1", WORLD_SIZE="16", RANK="9")
+    assert (r["--nnodes"], r["--node-rank"], r["--master-addr"]) == ("2", "1", "10.0.0.1")
 
 
 @pytest.mark.parametrize(
@@ -252,6 +257,7 @@ def test_an_elastic_node_count_uses_the_c10d_rendezvous_on_node_zero(tmp_path):
         ({"NODE_RANK": "-1"}, "NODE_RANK=-1"),
         ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
         ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0"),
+        ({"NPROC_PER_NODE": "gpu"}, "NPROC_PER_NODE=gpu (from NPROC_PER_NODE), but no GPU is visible here"),
         ({"RDZV_TIMEOUT": "soon"}, "RDZV_TIMEOUT=soon"),
         ({"MAX_RESTARTS": "-3"}, "MAX_RESTARTS=-3"),
     ],
@@ -552,6 +558,9 @@ def test_threads_share_the_cpus_this_node_may_use(tmp_path):
     assert threads(tmp_path, NPROC_PER_NODE="1") == f"worker.sh: OMP_NUM_THREADS={cpus} ({cpus} CPU(s) / 1 process(es))"
     per = max(1, cpus // 2)
     assert threads(tmp_path, NPROC_PER_NODE="2") == f"worker.sh: OMP_NUM_THREADS={per} ({cpus} CPU(s) / 2 process(es))"
+    # 010 is ten processes (bash read it as octal 8, and 08 as an error that left the threads unset).
+    assert threads(tmp_path, NPROC_PER_NODE="010").endswith(" / 10 process(es))")
+    assert threads(tmp_path, NPROC_PER_NODE="08").endswith(" / 8 process(es))")
     # More processes than CPUs: still one thread each, never zero.
     assert threads(tmp_path, NPROC_PER_NODE=str(cpus + 1)).startswith("worker.sh: OMP_NUM_THREADS=1 (")
     # An explicit value wins.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from distqa.dist import DistInfo, all_gather_objects
@@ -47,9 +48,18 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# torchrun's node count as this node's torchrun has it (--nnodes; worker.sh's NNODES): a static
+# rendezvous takes each node's own, so nodes started with different counts could form a group
+# (and train with exit 0) while another node waited in vain, or hang after the export.
+NODE_COUNT = "NNODES (torchrun --nnodes)"
+
+
 def compared_settings(cfg: Config) -> dict[str, Any]:
-    """The resolved settings every rank must share: all keys except `PER_NODE`."""
-    return {k: v for k, v in flatten(dataclasses.asdict(cfg)).items() if k not in PER_NODE}
+    """The resolved settings every rank must share: all keys except `PER_NODE`, and the node count."""
+    settings = {k: v for k, v in flatten(dataclasses.asdict(cfg)).items() if k not in PER_NODE}
+    if os.environ.get("GROUP_WORLD_SIZE"):
+        settings[NODE_COUNT] = os.environ["GROUP_WORLD_SIZE"]
+    return settings
 
 
 def settings_hash(settings: dict[str, Any]) -> str:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
+import yaml
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from distqa.errors import ConfigError
@@ -81,6 +83,36 @@ def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
         if optional is not None:
             keys[key] = optional
     return keys
+
+
+# YAML 1.1, which OmegaConf reads, takes an unquoted 010 for octal (8) and 1:30 for base 60 (90).
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")
+_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+
+
+def check_yaml_number(key: str, raw: str, source: str) -> None:
+    """An unquoted value that YAML reads in another base than the decimal it looks like:
+    train.max_steps=010 trained 8 steps, without a word."""
+    raw, digits = raw.strip(), raw.strip().replace("_", "")
+    if _OCTAL.fullmatch(raw) and int(digits, 8) != int(digits):
+        read, fix = f"the octal number {int(digits, 8)}", f"write {int(digits)} without the leading zero"
+    elif _BASE_60.fullmatch(raw):
+        read, fix = "a base-60 number (1:30 is 90)", "write the number itself"
+    else:
+        return
+    raise ConfigError(f"{key}={raw} in {source}: YAML reads it as {read}: {fix}")
+
+
+def plain_scalars(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, raw text) of every unquoted scalar of a composed YAML mapping (`yaml.compose`)."""
+    if not isinstance(node, yaml.MappingNode):
+        return
+    for key_node, value in node.value:
+        key = f"{prefix}{key_node.value}"
+        if isinstance(value, yaml.ScalarNode) and value.style is None:
+            yield key, value.value
+        elif isinstance(value, yaml.MappingNode):
+            yield from plain_scalars(value, f"{key}.")
 
 
 def check_text(key: str, value: Any, optional: bool, source: str) -> None:

@@ -8,6 +8,7 @@ lookup of a task's settings class (`distqa.registry.load_config` does).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ from distqa.config_checks import (
     check_not_a_section,
     check_sections,
     check_text,
+    check_yaml_number,
+    plain_scalars,
     raise_config_error,
     suggest,
     text_keys,
@@ -107,6 +110,10 @@ def load_config(
         check_sections(values, defaults, str(path))
         for key, optional in text.items():
             check_text(key, _lookup(values, key), optional, f"config file {path}")
+        with contextlib.suppress(yaml.YAMLError, OSError, UnicodeDecodeError):  # OmegaConf read it: so does yaml
+            for key, raw in plain_scalars(yaml.compose(Path(str(path)).read_text(encoding="utf-8"))):
+                if key not in text:
+                    check_yaml_number(key, raw, f"config file {path}")
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
@@ -114,9 +121,13 @@ def load_config(
     for item in items:
         key, _, value = item.partition("=")
         check_not_a_section(key, known)
+        if key not in text:  # (a text key's value is taken as typed: output_dir=010 is the folder 010)
+            check_yaml_number(key, value, "the command line")
         try:
             override = OmegaConf.from_dotlist([item])
-            if key in text:  # the text as typed, not what YAML makes of it (output_dir=010 is not 8)
+            # The text as typed, not what YAML makes of it (output_dir=010 is not 8); an interpolation
+            # (output_dir=results/${model.name}) is resolved against the whole configuration, later.
+            if key in text and "${" not in value:
                 parsed = OmegaConf.select(override, key)
                 if not (parsed is None or isinstance(parsed, str)):
                     OmegaConf.update(override, key, value, merge=False)
