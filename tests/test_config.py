@@ -412,6 +412,14 @@ def test_a_number_yaml_reads_in_another_base_is_refused(tmp_path, value, read):
     assert [load_config(None, [f"seed={v}"]).seed for v in ("08", "007", "0", "1_000")] == [8, 7, 0, 1000]
 
 
+def test_an_empty_output_dir_is_refused(tmp_path):
+    """`output_dir: ""` in a file trained into the current folder with exit 0."""
+    path = tmp_path / "run.yaml"
+    path.write_text('output_dir: ""\n')
+    with pytest.raises(ConfigError, match="output_dir is empty: name the folder for the run"):
+        load_config(str(path))
+
+
 def test_an_interpolation_in_a_text_setting_on_the_command_line_resolves():
     """It was refused ('Interpolation key model.name not found'), resolved against the one override."""
     assert load_config(None, ["output_dir=results/${model.name}", "model.name=tiny"]).output_dir == "results/tiny"

@@ -286,6 +286,8 @@ class Config:
     def __post_init__(self) -> None:
         if not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"seed={self.seed} must be an integer in [0, {MAX_SEED}]")
+        if not self.output_dir.strip():  # (an empty one wrote the run into the current folder)
+            raise ConfigError("output_dir is empty: name the folder for the run (e.g. output_dir=results/run)")
 
 
 def describe_keys(schema: Any = Config, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
