@@ -189,9 +189,15 @@ def run_evaluation(
         with eval_mode(model, info.device.type, autocast_dtype):
             try:
                 metrics = checked_metrics(task.evaluate(model, info, **extra))
+            except EvaluationFailed as err:  # compute_metrics', or the checks': every rank is here
+                problem = err
+            except DistqaError as err:
+                problem = hook_failed("evaluate", err)
             except Exception as err:  # noqa: BLE001 - the task's code: one line on every rank
-                if info.is_distributed and as_peer_loss(err, step) is not None:
-                    raise  # a lost peer, not the task's error: no collective left to agree on it
+                # Not a lost peer (no collective is left to agree on it), nor an error where the
+                # other ranks may be inside a sharded forward's collectives (evaluate_dataset).
+                if is_sharded(model) or (info.is_distributed and as_peer_loss(err, step) is not None):
+                    raise
                 problem = hook_failed("evaluate", err)
     finally:
         restore_rng_state(rng, info.device)
