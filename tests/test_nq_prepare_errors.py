@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -307,3 +308,20 @@ def test_a_second_prepare_into_the_same_folder_waits_for_the_first_and_reuses_it
     second = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert second.returncode == 0, second.stderr
     assert "reused" in second.stdout and "waiting" not in second.stdout, second.stdout
+
+
+def test_a_preparation_process_that_dies_is_said_not_taken_for_a_blank_file(tmp_path, monkeypatch, minilm_dir):
+    """A worker that crashed (seen: a segfault in a forked worker) wrote no counts, and the file was
+    called blank ("holds no examples: it is blank")."""
+    real = prepare._generate
+
+    def dying(shards):
+        if any(shard["range"][0] > 0 for shard in shards):  # the second half's process
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield from real(shards)
+
+    monkeypatch.setattr(prepare, "_generate", dying)
+    out = tmp_path / "out"
+    with pytest.raises(DistqaError, match=r"a process preparing \S+ ended before finishing .*run again"):
+        prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS, num_proc=2)
+    assert not (out / FINGERPRINT_FILE).exists()

@@ -170,12 +170,18 @@ def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, sta
             num_proc=min(len(shards), num_proc) if num_proc > 1 else None,
             cache_dir=str(staging / "cache"),
         )
-    except Exception:
+    except Exception as err:
         # A worker's own error explains more than the wrapper `datasets` raises around it.
         stats = _shard_stats(shards)
         errors = [s["error"] for s in stats if "error" in s]
         if errors:
             raise DistqaError(errors[0]) from None
+        if len(stats) < len(shards):  # a worker that wrote no counts died (a crash, or out of memory)
+            raise DistqaError(
+                f"a process preparing {source} ended before finishing "
+                f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): killed (out of memory?) "
+                "or crashed; nothing was kept: run again"
+            ) from err
         if sum(s["features"] for s in stats) == 0:
             raise DistqaError(_no_features(source, stats, training=shards[0]["settings"]["training"])) from None
         raise
