@@ -67,9 +67,7 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
             for _ in range(math.ceil(math.ceil(n / info.world_size) / size) - math.ceil(len(share) / size)):
                 task.eval_step(model, to_device(spare, info.device))
     except Exception as err:  # noqa: BLE001 - the task's code: one line on every rank (see hook_failed)
-        if is_sharded(model) or (info.is_distributed and as_peer_loss(err, step) is not None):
-            # The other ranks may be inside a sharded forward's collectives, which this rank would
-            # no longer join: it ends as before, and they learn of it as a lost peer.
+        if _passes_through(err, model, info, step):
             raise
         problem = hook_failed("eval_step", err)
     raise_on_any_rank(problem, info)  # before the gather, which a failed rank would never reach
@@ -81,6 +79,14 @@ def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistIn
         return task.compute_metrics(gathered, step)
     except Exception as err:  # noqa: BLE001
         raise hook_failed("compute_metrics", err) from err
+
+
+def _passes_through(err: BaseException, model: nn.Module, info: DistInfo, step: int) -> bool:
+    """An error this rank ends with as it is, rather than agreeing on it with the others: a lost
+    peer (no collective is left to agree on it), or any error with a sharded model (the other ranks
+    may be inside a forward's collectives, which this rank would no longer join: they learn of it
+    as a lost peer)."""
+    return is_sharded(model) or (info.is_distributed and as_peer_loss(err, step) is not None)
 
 
 def checked_outputs(out: Any) -> Any:
@@ -189,14 +195,9 @@ def run_evaluation(
         with eval_mode(model, info.device.type, autocast_dtype):
             try:
                 metrics = checked_metrics(task.evaluate(model, info, **extra))
-            except EvaluationFailed as err:  # compute_metrics', or the checks': every rank is here
-                problem = err
-            except DistqaError as err:
-                problem = hook_failed("evaluate", err)
             except Exception as err:  # noqa: BLE001 - the task's code: one line on every rank
-                # Not a lost peer (no collective is left to agree on it), nor an error where the
-                # other ranks may be inside a sharded forward's collectives (evaluate_dataset).
-                if is_sharded(model) or (info.is_distributed and as_peer_loss(err, step) is not None):
+                # A DistqaError (compute_metrics', the metric checks') is one every rank reaches.
+                if not isinstance(err, DistqaError) and _passes_through(err, model, info, step):
                     raise
                 problem = hook_failed("evaluate", err)
     finally:

@@ -26,6 +26,7 @@ from distqa.models import load_error
 from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer, open_staging, read_stamp
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, refuse_unreadable_start, shown_lines
+from distqa.rank0 import reason
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
 FEATURES_VERSION = 2
@@ -179,7 +180,7 @@ def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, sta
         if len(stats) < len(shards):  # a worker that wrote no counts died (a crash, or out of memory)
             raise DistqaError(
                 f"a process preparing {source} ended before finishing "
-                f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): killed (out of memory?) "
+                f"({reason(err)}): killed (out of memory?) "
                 "or crashed; nothing was kept: run again"
             ) from err
         if sum(s["features"] for s in stats) == 0:

@@ -102,10 +102,8 @@ def read_chosen(path: Path) -> Chosen:
     before it did (`Infinity`, no step, no precision)."""
     try:
         return from_json_values(json.loads(path.read_text(encoding="utf-8")))
-    except (
-        ValueError,
-        RecursionError,
-    ) as err:  # not JSON (JSONDecodeError, UnicodeDecodeError, too deep), or not thresholds
+    # Not JSON (JSONDecodeError, UnicodeDecodeError; RecursionError: nested too deep), or not thresholds.
+    except (ValueError, RecursionError) as err:
         raise DistqaError(
             f"{path} is not a thresholds file ({str(err).splitlines()[0]}): export the model again, or remove "
             "it to give every example its best answer"
