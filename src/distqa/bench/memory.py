@@ -7,14 +7,19 @@ Per GPU = training state + activations + what FSDP gathers for the block it is c
 - State (AdamW, fp32 weights whether or not compute is bf16): weights 4 + gradients 4 + two moments
   8 = 16 bytes per parameter. DDP holds all of it on every GPU; FSDP 1/N of it. `distqa bench`
   measures the same figure (`state_mib_per_rank`), which this formula matches on the CPU.
-- Activations of one block: 48 * s * b * h bytes (`ACTIVATION_BYTES`), measured: peak memory
-  on an H100 (docs/benchmarks.md, 2026-11-27) grew by that much per sequence added, for BERT-base
-  and BERT-large alike. Korthikanti et al. (2022, "Reducing Activation Recomputation in Large
-  Transformer Models", eq. 2, without the attention matrix, which SDPA's fused kernels do not
-  keep) count 34 for pure bf16; under autocast the residual stream and the layer norms stay
-  fp32, and backward's temporaries add to the peak. With activation checkpointing, only each
-  block's input stays (fp32 under autocast: 4 * s * b * h), plus one block's activations while
-  it is recomputed (not yet measured on a GPU).
+- Activations of one block, per sequence position per hidden unit (`Activations`), measured on an
+  H100 (docs/benchmarks.md, 2026-11-27): DDP under bf16 autocast keeps 48 bytes (peak memory grew
+  that much per sequence added, for BERT-base and BERT-large alike); Korthikanti et al. (2022,
+  "Reducing Activation Recomputation in Large Transformer Models", eq. 2, without the attention
+  matrix, which SDPA's fused kernels do not keep) count 34 for pure bf16. Under autocast the
+  residual stream and the layer norms stay fp32, and backward's temporaries add to the peak. FSDP
+  computes in bf16 itself (its policy casts the weights, no autocast): 36.
+- With activation checkpointing, only each block's input stays (under autocast the fp32 output of
+  a layer norm: 4 bytes), and the peak comes in the backward pass: one block's activations while it
+  is recomputed, and what no block holds (the embeddings' output, the stream's gradient), 65
+  together (measured: 110.5 bytes per position and hidden unit for BERT-base's 12 blocks, 156.1
+  for BERT-large's 24). FSDP with checkpointing is not measured: its figures are the autocast
+  ones scaled to bf16 (2 and 49).
 - FSDP's gathered copies: the block being computed and the one prefetched, bf16 weights and fp32
   gradients before their reduce-scatter, and the root unit (embeddings and heads), which stays
   gathered from its forward to the end of its backward.
@@ -33,13 +38,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 GIB = 2**30
-OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation: set aside from each GPU
+# Set aside from each GPU: the CUDA context, NCCL's buffers, and the allocator's blocks reserved but
+# not allocated. On an H100 (79.65 GiB, of which torch sees 79.18) the largest runs that fit peaked
+# at 75.85 GiB allocated, and the out-of-memory errors at batches of 1,000 to 2,000 left 2.7 to
+# 3.9 GiB reserved but unallocated (their failed requests were 2.8 to 6.3 GiB).
+OVERHEAD_GIB = 4.0
 STATE_BYTES_PER_PARAMETER = 16  # fp32 weights 4 + gradients 4 + AdamW's two moments 8
-# Bytes per sequence position per hidden unit per block. Measured on one H100 (torch 2.11, bf16
-# autocast, SDPA, dropout 0.1, seq 512): peak memory rose 0.2140 GiB per sequence for BERT-base
-# (batch 128 -> 256), 48.7 per s*h per block, and 0.5593 GiB for BERT-large (64 -> 128), 47.7.
-ACTIVATION_BYTES = 48
-CHECKPOINTED_INPUT_BYTES = 4  # a block's input under autocast: the fp32 output of a layer norm
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes per sequence position per hidden unit, by how a set-up computes."""
+
+    block: float  # one block's, all kept for the backward pass
+    block_input: float  # checkpointed: each block's input, the only thing it keeps
+    recompute: float  # checkpointed: one block's while recomputed, and what is outside the blocks
+
+
+# DDP, bf16 autocast, SDPA, dropout 0.1, seq 512, torch 2.11, one H100. Without checkpointing, peak
+# memory rose 0.2140 GiB per sequence for BERT-base (batch 128 -> 256), 48.7 per s*h per block,
+# and 0.5593 GiB for BERT-large (64 -> 128), 47.7. With it, (peak - state) / batch was 0.04048 GiB
+# for BERT-base at batch 1460 and 0.07621 for BERT-large at 930: 110.5 and 156.1 per s*h, 4 per
+# block (3.8 fitted) and 65 besides.
+AUTOCAST = Activations(block=48, block_input=4, recompute=65)
+# FSDP2, its MixedPrecisionPolicy in bf16: BERT-base rose 0.1589 GiB per sequence (batch 359 -> 394),
+# 36.2 per s*h per block. Checkpointed: AUTOCAST's scaled by 36/48 (a bf16 input), not measured.
+BF16_COMPUTE = Activations(block=36, block_input=2, recompute=49)
 
 
 @dataclass(frozen=True)
@@ -75,11 +99,13 @@ def state_bytes_per_rank(parameters: float, world: int, sharded: bool) -> float:
     return STATE_BYTES_PER_PARAMETER * parameters / (world if sharded else 1)
 
 
-def activation_bytes(model: Encoder, seq: int, batch: int, checkpointed: bool) -> float:
-    per_block = ACTIVATION_BYTES * seq * batch * model.hidden
+def activation_bytes(model: Encoder, seq: int, batch: int, *, sharded: bool, checkpointed: bool) -> float:
+    """What one micro-batch keeps for its backward pass, at its peak. FSDP computes in bf16."""
+    per = BF16_COMPUTE if sharded else AUTOCAST
+    positions = seq * batch * model.hidden
     if checkpointed:
-        return model.layers * CHECKPOINTED_INPUT_BYTES * seq * batch * model.hidden + per_block
-    return model.layers * per_block
+        return (model.layers * per.block_input + per.recompute) * positions
+    return model.layers * per.block * positions
 
 
 def gathered_bytes(model: Encoder) -> float:
@@ -90,7 +116,9 @@ def gathered_bytes(model: Encoder) -> float:
 def per_gpu_bytes(
     model: Encoder, *, gpus: int, seq: int, batch: int, sharded: bool, checkpointed: bool, accumulating: bool = False
 ) -> float:
-    total = state_bytes_per_rank(model.parameters, gpus, sharded) + activation_bytes(model, seq, batch, checkpointed)
+    total = state_bytes_per_rank(model.parameters, gpus, sharded) + activation_bytes(
+        model, seq, batch, sharded=sharded, checkpointed=checkpointed
+    )
     if sharded:
         total += gathered_bytes(model) + (4 * model.parameters if accumulating else 0.0)
     return total
@@ -102,7 +130,7 @@ SETUPS = (("DDP", False, False), ("DDP + AC", False, True), ("FSDP", True, False
 def largest_batch(model: Encoder, *, gpus: int, seq: int, gib: float, sharded: bool, checkpointed: bool) -> int:
     """The most sequences per GPU per micro-batch that fit in `gib` (0: not even one)."""
     fixed = per_gpu_bytes(model, gpus=gpus, seq=seq, batch=0, sharded=sharded, checkpointed=checkpointed)
-    per_sequence = activation_bytes(model, seq, 1, checkpointed)
+    per_sequence = activation_bytes(model, seq, 1, sharded=sharded, checkpointed=checkpointed)
     return max(0, int(((gib - OVERHEAD_GIB) * GIB - fixed) // per_sequence))
 
 
