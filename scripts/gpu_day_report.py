@@ -185,6 +185,8 @@ def versions(out: Path) -> dict[str, Any]:
     """What ran: the GPU suite's record of the environment, else this interpreter's packages."""
     found: dict[str, Any] = dict((_read_json(out / "tests" / "gpu_figures.json") or {}).get("environment") or {})
     found.setdefault("python", platform.python_version())
+    if "torch" not in found:  # the package's metadata says "2.11.0", its build says "2.11.0+cu130" and CUDA's
+        found.update(torch_build())
     for name in ("torch", "transformers"):
         if name not in found:
             import importlib.metadata  # 40 ms, paid only when the suite left no record
@@ -193,6 +195,27 @@ def versions(out: Path) -> dict[str, Any]:
                 found[name] = importlib.metadata.version(name)
             except importlib.metadata.PackageNotFoundError:
                 found[name] = None
+    return found
+
+
+def torch_build(site: Path | None = None) -> dict[str, str]:
+    """torch's version and its CUDA from torch/version.py, read, not imported (that takes seconds)."""
+    if site is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return {}
+        site = Path(next(iter(spec.submodule_search_locations))).parent
+    try:
+        text = (site / "torch" / "version.py").read_text()
+    except OSError:
+        return {}
+    found = {}
+    for key, name in (("__version__", "torch"), ("cuda", "cuda")):
+        match = re.search(rf"^{key}(?:: [^=]+)? = '([^']+)'", text, re.MULTILINE)
+        if match:
+            found[name] = match.group(1)
     return found
 
 

@@ -346,3 +346,22 @@ def test_some_steps_at_a_time_gather_into_one_report(tmp_path):
     ):
         bad = _run(env, out, GPU_DAY_SETUPS=setups)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, bad.stderr
+
+
+def test_without_the_suite_s_record_the_report_names_torch_s_build_and_cuda(tmp_path, monkeypatch):
+    """A day of `GPU_DAY_STEPS=profile` alone: the versions come from torch/version.py, not from the
+    package's metadata, which has neither the build ("+cu130") nor CUDA (the H100 day's heading
+    said "torch 2.11.0 (CUDA ?)")."""
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("raise ImportError('read, not imported')\n")
+    (site / "torch" / "version.py").write_text(
+        "from typing import Optional\n__version__ = '2.11.0+cu130'\ndebug = False\ncuda: Optional[str] = '13.0'\n"
+    )
+    assert gpu_day_report.torch_build(site) == {"torch": "2.11.0+cu130", "cuda": "13.0"}
+    real = gpu_day_report.torch_build
+    monkeypatch.setattr(gpu_day_report, "torch_build", lambda: real(site))  # torch is imported in this process
+    found = gpu_day_report.versions(tmp_path / "day")
+    assert (found["torch"], found["cuda"]) == ("2.11.0+cu130", "13.0")
+    (site / "torch" / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n")
+    assert real(site) == {"torch": "2.13.0+cpu"}  # a CPU build: no CUDA to name
