@@ -118,14 +118,14 @@ bench-network: install
 	PYTHON=$(CURDIR)/$(BIN)/python scripts/bench_network.sh --rates none,1gbit,100mbit --hooks none,fp16,bf16,powersgd \
 		--steps 20 --warmup 10 --repeats $(NETWORK_REPEATS) --output $(NETWORK_OUT) -- model.name=tiny task.max_seq_len=64 train.batch_size=8
 
-# The GPU acceptance suite (tests/test_gpu.py and test_gpu_dp.py, marker gpu): about 2 minutes on one GPU, its groups
+# The GPU acceptance suite (tests/test_gpu.py, test_gpu_dp.py and test_gpu_nq.py, marker gpu): about 2 minutes on one GPU, its groups
 # of launches side by side (xdist groups). Without CUDA every test is skipped, one line each with
 # the reason (-v; no xdist workers then, whose lines leave the reason out), and the target exits 0.
 # On a lent GPU without this .venv: scripts/gpu_check.sh.
 .PHONY: test-gpu
 GPU_WORKERS ?= $(shell nvidia-smi -L > /dev/null 2>&1 && echo 5 || echo 0)
 test-gpu: install-dev
-	$(BIN)/python -m pytest -m gpu -v -rs -n $(GPU_WORKERS) --dist loadgroup tests/test_gpu.py tests/test_gpu_dp.py
+	$(BIN)/python -m pytest -m gpu -v -rs -n $(GPU_WORKERS) --dist loadgroup tests/test_gpu.py tests/test_gpu_dp.py tests/test_gpu_nq.py
 
 # make test again on the oldest torch distqa supports (pyproject's floor; the GPU machines run it),
 # in a venv of its own with every other pin unchanged: torch's internals that distqa leans on

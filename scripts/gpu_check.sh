@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU acceptance suite (tests/test_gpu.py, test_gpu_dp.py; marker gpu) on a machine that has a GPU, torch and
+# The GPU acceptance suite (tests/test_gpu.py, test_gpu_dp.py, test_gpu_nq.py; marker gpu) on a machine that has a GPU, torch and
 # pytest but not this repository's .venv, and no package index: a lent GPU machine. Run it from
 # anywhere in the checkout:
 #
@@ -61,7 +61,7 @@ if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG" || true
 fi
 
-args=(-m gpu -p no:cacheprovider -rA -v --junitxml="$RAW/junit.xml" tests/test_gpu.py tests/test_gpu_dp.py "$@")
+args=(-m gpu -p no:cacheprovider -rA -v --junitxml="$RAW/junit.xml" tests/test_gpu.py tests/test_gpu_dp.py tests/test_gpu_nq.py "$@")
 if "$PYTHON" -c 'import pytest_timeout' 2> /dev/null; then
   args+=(--timeout "${TIMEOUT:-300}")
 fi
