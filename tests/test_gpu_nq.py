@@ -61,10 +61,10 @@ def distqa(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_nq_trains_evaluates_and_predicts_on_cuda_and_the_submission_scores_as_evaluated(
-    tmp_path, tokenizer_dir, precision
+    request, tmp_path, tokenizer_dir, precision
 ):
-    if GPUS < 1:
-        pytest.skip(f"{precision}: needs 1 CUDA GPU (torch.cuda.is_available() is False)")
+    if GPUS < 1:  # the test's name in the reason: pytest's summary then gives each skip a line of its own
+        pytest.skip(f"{request.node.name}: needs 1 CUDA GPU (torch.cuda.is_available() is False)")
     out, cache = tmp_path / "run", tmp_path / "cache"
     common = [f"model.tokenizer={tokenizer_dir}", "task.max_seq_len=128", f"task.cache_dir={cache}"]
     # As scripts/demo_nq.sh trains, with DataLoader workers on (the default). 40 steps: with this
