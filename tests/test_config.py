@@ -412,6 +412,27 @@ def test_a_number_yaml_reads_in_another_base_is_refused(tmp_path, value, read):
     assert [load_config(None, [f"seed={v}"]).seed for v in ("08", "007", "0", "1_000")] == [8, 7, 0, 1000]
 
 
+@pytest.mark.parametrize("value", ["2", "-1", "10"])
+def test_a_switch_given_a_number_other_than_0_or_1_is_refused(tmp_path, value):
+    """OmegaConf reads any whole number as a bool: train.compile=2 compiled, task.skip_bad_lines=-1
+    skipped bad lines, with exit 0."""
+    for key in ("train.compile", "task.skip_bad_lines", "train.deterministic"):
+        with pytest.raises(
+            ConfigError, match=f"{key}={value} in the command line: {key} is a switch: give true or false"
+        ):
+            load_config(None, [f"{key}={value}"])
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train:\n  compile: {value}\n")
+    with pytest.raises(
+        ConfigError, match=f"train.compile={value} in config file {re.escape(str(path))}: train.compile"
+    ):
+        load_config(str(path))
+    # What a switch is often written as stays allowed, and an interpolation resolves.
+    assert [load_config(None, [f"train.compile={v}"]).train.compile for v in ("1", "0", "true", "no")] == [
+        True, False, True, False]  # fmt: skip
+    assert load_config(None, ["train.deterministic=true", "train.compile=${train.deterministic}"]).train.compile
+
+
 def test_an_empty_output_dir_is_refused(tmp_path):
     """`output_dir: ""` in a file trained into the current folder with exit 0."""
     path = tmp_path / "run.yaml"

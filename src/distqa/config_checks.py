@@ -85,6 +85,29 @@ def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
     return keys
 
 
+def bool_keys(schema: Any, prefix: str = "") -> set[str]:
+    """Every setting typed `bool`: full keys."""
+    try:
+        hints: dict[str, Any] = typing.get_type_hints(type(schema))
+    except Exception:  # noqa: BLE001 (as in text_keys)
+        hints = {}
+    keys: set[str] = set()
+    for f in dataclasses.fields(schema):
+        sub, key = getattr(schema, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(sub):
+            keys |= bool_keys(sub, f"{key}.")
+        elif hints.get(f.name, f.type) in (bool, "bool"):
+            keys.add(key)
+    return keys
+
+
+def check_bool(key: str, value: Any, source: str) -> None:
+    """OmegaConf takes any whole number for a bool: train.compile=2 or task.skip_bad_lines=-1 turned
+    the switch on, without a word. 1 and 0 stay (what true and false are often written as)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value not in (0, 1):
+        raise ConfigError(f"{key}={value} in {source}: {key} is a switch: give true or false")
+
+
 # YAML 1.1, which OmegaConf reads, takes an unquoted 010 for octal (8) and 1:30 for base 60 (90).
 _OCTAL = re.compile(r"[-+]?0[0-7_]+")
 _BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")

@@ -20,6 +20,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from distqa.config import Config, TaskSettings, default_config, describe_keys
 from distqa.config_checks import (
+    bool_keys,
+    check_bool,
     check_floats,
     check_not_a_section,
     check_sections,
@@ -104,12 +106,14 @@ def load_config(
     known = [k for k, _, _ in describe_keys(defaults)]
     renamed = renamed_keys(defaults)
     merged = OmegaConf.structured(defaults)
-    text = text_keys(defaults)
+    text, switches = text_keys(defaults), bool_keys(defaults)
     if layer is not None:
         values = OmegaConf.to_container(layer)
         check_sections(values, defaults, str(path))
         for key, optional in text.items():
             check_text(key, _lookup(values, key), optional, f"config file {path}")
+        for key in switches:
+            check_bool(key, _lookup(values, key), f"config file {path}")
         with contextlib.suppress(yaml.YAMLError, OSError, UnicodeDecodeError):  # OmegaConf read it: so does yaml
             for key, raw in plain_scalars(yaml.compose(Path(str(path)).read_text(encoding="utf-8"))):
                 if key not in text:
@@ -132,6 +136,8 @@ def load_config(
                 if not (parsed is None or isinstance(parsed, str)):
                     OmegaConf.update(override, key, value, merge=False)
                 check_text(key, OmegaConf.select(override, key), text[key], "the command line")
+            if key in switches and "${" not in value:  # an interpolation resolves later
+                check_bool(key, OmegaConf.select(override, key), "the command line")
             merged = OmegaConf.merge(merged, override)
         except ConfigKeyError as err:
             # OmegaConf names only the first unknown part (`trian`); the key as typed says more.
