@@ -74,6 +74,9 @@ def test_the_generated_task_is_clean_trains_evaluates_and_predicts(tmp_path, mon
 
     monkeypatch.syspath_prepend(str(tmp_path / "src"))
     try:
+        # A tokenizer the task would not use is refused (it was ignored without a word).
+        with pytest.raises(DistqaError, match=r"model.tokenizer=bert-base-uncased: the nt_probe task encodes"):
+            load_task(load_config("configs/nt_probe.yaml", ["model.tokenizer=bert-base-uncased"]))
         cfg = load_config("configs/nt_probe.yaml", ["train.max_steps=1", "task.max_words=3"])
         task = load_task(cfg)
         model = task.build_model()
