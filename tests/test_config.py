@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -254,6 +255,17 @@ def test_a_config_that_is_a_folder_is_called_one(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_config(str(tmp_path))
     assert str(caught.value).startswith(f"config file {tmp_path} is a folder: give --config a YAML file")
+
+
+def test_a_config_that_is_a_pipe_is_called_one_not_missing(tmp_path):
+    """`--config /dev/stdin` (or `<(...)`) was 'does not exist'; it exists, and cannot be read by each process."""
+    fifo = tmp_path / "settings.fifo"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/null"):
+        with pytest.raises(ConfigError, match=f"config file {re.escape(path)} is not a regular file: every process"):
+            load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
 
 
 def test_the_global_batch_derives_grad_accum_for_each_process_count():

@@ -39,6 +39,11 @@ from distqa.errors import ConfigError
 def _read_yaml(path: str) -> DictConfig:
     if Path(path).is_dir():
         raise ConfigError(f"config file {path} is a folder: give --config a YAML file (e.g. configs/quickstart.yaml)")
+    if Path(path).exists() and not Path(path).is_file():  # /dev/stdin, a pipe: read once, by one process
+        raise ConfigError(
+            f"config file {path} is not a regular file: every process reads the file (and it is read twice), "
+            "so a pipe or a device would give them different settings: write the settings to a file"
+        )
     if not Path(path).is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
