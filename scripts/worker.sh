@@ -96,14 +96,34 @@ first_slurm_host() {
 }
 
 gpu_count() {
-  # A scheduler that hands out GPUs says which in CUDA_VISIBLE_DEVICES; count those.
+  # A scheduler that hands out GPUs says which in CUDA_VISIBLE_DEVICES; count those as CUDA does:
+  # the entries before the first that names no device (",0", "-1", "none": none visible).
   if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
-    local ids
+    local ids id n=0
     IFS=, read -ra ids <<<"$CUDA_VISIBLE_DEVICES"
-    if [[ ${#ids[@]} -eq 0 || ${ids[0]} == -1 || ${ids[0]} == none ]]; then echo 0; else echo "${#ids[@]}"; fi
+    for id in "${ids[@]}"; do
+      id=${id//[[:space:]]/}
+      [[ $id =~ ^[0-9]+$|^(GPU|MIG)- ]] || break
+      n=$((n + 1))
+    done
+    echo "$n"
     return
   fi
   nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+}
+
+usable_cpus() {
+  # nproc counts the CPUs this process may run on (taskset, cpusets); a cgroup CPU quota
+  # (docker --cpus, Kubernetes limits) caps them further. (torchrun's own count, os.cpu_count(),
+  # is every CPU of the host.)
+  local cpus limit quota period
+  cpus=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+  if [[ -r /sys/fs/cgroup/cpu.max ]] && read -r quota period </sys/fs/cgroup/cpu.max && [[ $quota =~ ^[0-9]+$ ]] &&
+    ((period > 0)); then
+    limit=$(((quota + period - 1) / period))
+    if ((limit < cpus)); then cpus=$limit; fi
+  fi
+  echo "$cpus"
 }
 
 # ---- resolve the rendezvous --------------------------------------------------------------------
@@ -190,6 +210,10 @@ elif [[ $nproc != auto && $nproc != gpu && $nproc != cpu ]]; then
   die "NPROC_PER_NODE=$nproc (from $nproc_FROM) is not a positive integer or auto/gpu/cpu"
 elif [[ $nproc == gpu ]] && (($(gpu_count) == 0)); then
   die "NPROC_PER_NODE=gpu (from $nproc_FROM), but no GPU is visible here: give a process count, or cpu"
+elif [[ $nproc == cpu ]] || { [[ $nproc == auto ]] && (($(gpu_count) == 0)); }; then
+  # torchrun would start os.cpu_count() processes: every CPU of the host, not those of this
+  # container or cpuset (64 processes on a 4-CPU container). One per CPU this node may use.
+  nproc_FROM="NPROC_PER_NODE=$nproc, one per CPU this node may use" nproc=$(usable_cpus)
 fi
 
 if [[ -z $master_addr || $master_addr == self ]]; then
@@ -213,14 +237,7 @@ fi
 # other float results, and one thread each wastes a large CPU node. Share this node's CPUs instead.
 threads_note=""
 if [[ -z ${OMP_NUM_THREADS:-} ]] && in_range "$nproc" 1; then
-  # nproc counts the CPUs this process may run on (taskset, cpusets); a cgroup CPU quota
-  # (docker --cpus, Kubernetes limits) caps them further.
-  cpus=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-  if [[ -r /sys/fs/cgroup/cpu.max ]] && read -r quota period </sys/fs/cgroup/cpu.max && [[ $quota =~ ^[0-9]+$ ]] &&
-    ((period > 0)); then
-    limit=$(((quota + period - 1) / period))
-    if ((limit < cpus)); then cpus=$limit; fi
-  fi
+  cpus=$(usable_cpus)
   threads=$((cpus / nproc))
   if ((threads < 1)); then threads=1; fi
   export OMP_NUM_THREADS=$threads

@@ -78,6 +78,27 @@ def test_one_process_per_gpu(tmp_path):
     # A scheduler's CUDA_VISIBLE_DEVICES is what this node may use, whatever nvidia-smi lists.
     assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES="2,5")["--nproc-per-node"] == "2"
     assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES="")["--nproc-per-node"] == "1"
+    # Counted as CUDA reads the list: up to the first entry that names no device (",0" counted 2).
+    for visible, count in ((",0", "1"), ("0,,1", "1"), ("-1,0", "1"), ("GPU-8a1f,MIG-2b3c", "2"), (" 1, 3", "2")):
+        assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES=visible)["--nproc-per-node"] == count, visible
+
+
+@pytest.mark.parametrize("value", ["cpu", "auto"])
+def test_cpu_processes_are_one_per_cpu_this_node_may_use_not_per_host_cpu(tmp_path, value):
+    """torchrun's cpu (and auto without a GPU) starts os.cpu_count() processes: the host's every CPU,
+    not the container's or cpuset's. worker.sh counts those it may use, as for the threads."""
+    cpus = len(os.sched_getaffinity(0))
+    assert resolved(tmp_path, NPROC_PER_NODE=value)["--nproc-per-node"] == str(cpus)
+    if shutil.which("taskset") is None:
+        pytest.skip("util-linux's taskset is not installed")
+    proc = subprocess.run(
+        ["taskset", "-c", "0", str(WORKER)], env=base_env(tmp_path, NPROC_PER_NODE=value), capture_output=True,
+        text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 0 and " --nproc-per-node 1 " in proc.stdout, proc.stdout + proc.stderr
+    # With GPUs, auto is torchrun's: one process per GPU.
+    if value == "auto":
+        assert resolved(tmp_path, NPROC_PER_NODE=value, FAKE_GPUS="4")["--nproc-per-node"] == "auto"
 
 
 def test_explicit_variables(tmp_path):
