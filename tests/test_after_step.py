@@ -30,6 +30,9 @@ def test_after_step_plan():
     # Every step that writes anything is checked first; the others are not (a pass over the weights).
     assert [s for s, p in plans.items() if p.check_weights] == [3, 4, 5, 6, 8, 9, 10]
     assert not after_step(10, 10, train, save_outputs=False).save  # speed runs write no final checkpoint
+    # nor evaluate (a task's own validation set was timed as the last step), and still log the last step
+    speed = {step: after_step(step, 10, train, save_outputs=False) for step in range(1, 11)}
+    assert not any(p.evaluate for p in speed.values()) and [s for s, p in speed.items() if p.log] == [5, 10]
     every = load_config(None, ["train.check_finite=true", "train.log_every=5"]).train
     assert all(after_step(step, 10, every).check_weights for step in range(1, 11))
 

@@ -291,6 +291,14 @@ class SleepyTask(ToyClassificationTask):
         time.sleep(self.LOSS_MS / 1000)
         return super().loss(model, batch)
 
+    # A validation set of its own (not data.valid): `distqa bench` must not evaluate it, or the
+    # evaluation's time would count as the last step's. Evaluating stops the run here.
+    def build_eval_dataset(self) -> Dataset:
+        return IndexedBlobs(11, seed=7)
+
+    def eval_step(self, model: nn.Module, batch: Batch) -> list:
+        raise RuntimeError("SleepyTask was evaluated: a speed run must not evaluate")
+
 
 class StepCounterTask(ToyClassificationTask):
     """Counts `loss` calls: with train.grad_accum=1 and no evaluation, call N is optimizer step N."""

@@ -54,10 +54,11 @@ class AfterStep:
 
 def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs: bool = True) -> AfterStep:
     """The plan after `step` (1-based) of `total_steps`. `save_outputs=False` (speed runs) skips
-    the final checkpoint, which only exists to be exported and resumed from."""
+    the final checkpoint, which only exists to be exported and resumed from, and every evaluation:
+    a task's own validation set (data.valid=None does not remove it) would be timed as a step."""
     last = step == total_steps
-    evaluate = last or (train.eval_every > 0 and step % train.eval_every == 0)
-    log = evaluate or step % train.log_every == 0
+    evaluate = save_outputs and (last or (train.eval_every > 0 and step % train.eval_every == 0))
+    log = last or evaluate or step % train.log_every == 0
     save = step % train.checkpoint_every == 0 or (last and save_outputs)
     # Every step that writes (metrics, a checkpoint; the last one, which logs, before the export) is
     # checked, so non-finite weights are never saved; train.check_finite checks every step, to name the first.
