@@ -54,6 +54,12 @@ def _bench_config(args: argparse.Namespace) -> Config:
     cfg.train.max_steps = args.warmup + args.steps
     cfg.train.resume = "never"
     cfg.train.checkpoint_every = cfg.train.max_steps + 1
+    if cfg.train.ddp_comm_hook == "powersgd" and cfg.train.powersgd_start_step > max(2, args.warmup):
+        # Its first powersgd_start_step steps all-reduce uncompressed: timed, they would mix the two.
+        cfg.train.powersgd_start_step = max(2, args.warmup)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"distqa bench: PowerSGD starts after the {args.warmup} warm-up steps (train.powersgd_start_step="
+                  f"{cfg.train.powersgd_start_step}), so that every timed step is compressed", flush=True)  # fmt: skip
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.resolve_global_batch(world_size)  # as the trainer does; the baseline loop reads grad_accum too
     grow = getattr(cfg.task, "ensure_dummy_examples", None)  # a task with a synthetic dataset
