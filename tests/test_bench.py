@@ -321,6 +321,9 @@ def test_bench_rejects_bad_input_before_launching(tmp_path, monkeypatch, capsys)
         (["--nproc", "1,0"], "--nproc '1,0': every process count must be >= 1"),
         (["--nproc", "1", "--warmup", "1"], "--warmup=1 must be >= 2"),
         (["--nproc", "1", "--repeats", "0"], "--repeats=0 must be >= 1"),
+        (["--nproc", "1", "--peak-tflops", "nan"], "--peak-tflops=nan must be a number > 0"),
+        (["--nproc", "1", "--peak-tflops", "inf"], "--peak-tflops=inf must be a number > 0"),
+        (["--nproc", "1", "--peak-tflops", "0"], "--peak-tflops=0.0 must be a number > 0"),
     ):
         assert main(["bench", "--output", out, *args]) == 2
         err = capsys.readouterr().err

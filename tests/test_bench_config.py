@@ -28,3 +28,20 @@ def test_powersgd_compresses_every_timed_step(tmp_path, capsys, warmup, start):
     kept = _bench_config(bench_args(tmp_path, "train.ddp_comm_hook=powersgd", "train.powersgd_start_step=3"))
     assert kept.train.powersgd_start_step == 3
     assert _bench_config(bench_args(tmp_path, "train.ddp_comm_hook=fp16")).train.powersgd_start_step == 10
+
+
+def test_mfu_of_fp32_without_tf32_is_not_taken_against_the_tf32_peak():
+    """train.deterministic leaves TF32 off (full fp32 matmuls, 67 TFLOP/s on an H100 against 494.7):
+    MFU against the TF32 peak read 7 times too low. Without an fp32 peak in the table it is left out."""
+    from conftest import bench_result
+    from distqa.bench.report import summarize
+
+    tf32 = summarize(1, [bench_result(1.0, precision="fp32", fp32_matmul="high")], [], None)
+    assert tf32["peak_tflops_per_process"] == 494.7 and tf32["mfu"] > 0
+    full = summarize(1, [bench_result(1.0, precision="fp32", fp32_matmul="highest")], [], None)
+    assert full["peak_tflops_per_process"] is None and full["mfu"] is None
+    v100 = bench_result(1.0, precision="fp32", fp32_matmul="highest", device="Tesla V100-SXM2")
+    assert summarize(1, [v100], [], None)["peak_tflops_per_process"] == 15.7
+    # bf16 runs are not affected by the fp32 setting; an older result without the field reads as TF32.
+    assert summarize(1, [bench_result(1.0, fp32_matmul="highest")], [], None)["peak_tflops_per_process"] == 989.4
+    assert summarize(1, [bench_result(1.0, precision="fp32")], [], None)["peak_tflops_per_process"] == 494.7

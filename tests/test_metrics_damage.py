@@ -39,6 +39,7 @@ NAMED_DAMAGE = [
     '{"step": 1}'.encode("utf-16"),  # json.loads of bytes would decode it; metrics.jsonl is UTF-8
     b'{"step": 2, "lo',  # cut short mid-write
     b"[" * 100_000,  # deep enough to exhaust the JSON parser's recursion
+    b'{"step": 1' + b"0" * 400 + b"}",  # a step too large for a float (it was a traceback)
 ]
 
 
@@ -49,7 +50,9 @@ def is_record(raw: bytes) -> bool:
     except (ValueError, RecursionError):
         return False
     step = record.get("step") if isinstance(record, dict) else None
-    return isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        return False
+    return abs(step) < 2**63 if isinstance(step, int) else math.isfinite(step)
 
 
 def good_line(step: int, loss: float) -> bytes:
@@ -149,12 +152,13 @@ def test_resume_over_garbage_in_metrics_completes_with_every_step_once(tmp_path,
     # Resume from step 2, so that the lines of steps 3 and 4 must go, and after them garbage.
     shutil.rmtree(out / "checkpoints" / "step-4")
     garbage = [b"[]", b"5", b'"x"', b"null", b'{"step": "3"}', b'{"step": true}', b"\xff\xfe\x00\x9c"]
+    garbage.append(b'{"step": 1' + b"0" * 400 + b"}")
     with metrics.open("ab") as f:
         f.write(b"\n".join(garbage) + b'\n{"step": 9, "lo')
     capsys.readouterr()
     in_process(out, "train.max_steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=0")
     printed = capsys.readouterr().out
     assert "resumed from" in printed and "step-2" in printed
-    assert f"warning: {metrics}: skipped 8 damaged line(s) (lines 5, 6, 7, 8, 9, 10, 11, 12)" in printed
+    assert f"warning: {metrics}: skipped 9 damaged line(s) (lines 5, 6, 7, 8, 9, 10, 11, 12, 13)" in printed
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
     assert (out / "metrics.png").is_file() and (out / "model").is_dir()

@@ -67,7 +67,8 @@ def model_shape(model: nn.Module) -> ModelShape:
 
 # Dense (no sparsity) tensor-core peaks in TFLOP/s, from NVIDIA's product datasheets. The key is
 # matched against torch.cuda.get_device_name(); longer keys first, so "H100 PCIe" wins over "H100".
-# "tf32" is what fp32 matmuls run at with TF32 enabled (the trainer enables it for fp32 on CUDA).
+# "tf32" is what fp32 matmuls run at with TF32 enabled (the trainer enables it for fp32 on CUDA,
+# unless train.deterministic).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0},
     "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5},
@@ -90,11 +91,15 @@ def _table_precision(precision: str) -> str:
     return "tf32" if precision == "fp32" else precision
 
 
-def peak_tflops(device_name: str, precision: str) -> float | None:
-    """The datasheet peak of `device_name` at `train.precision`, or None when unknown."""
+def peak_tflops(device_name: str, precision: str, *, tf32: bool = True) -> float | None:
+    """The datasheet peak of `device_name` at `train.precision`, or None when unknown. `tf32=False`:
+    fp32 matmuls ran in full fp32 (train.deterministic leaves TF32 off), about a seventh of the TF32
+    peak on an H100; the table has that peak for V100 only, and None elsewhere leaves MFU out."""
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
         if key in device_name:
             table = PEAK_TFLOPS[key]
+            if precision == "fp32" and not tf32:
+                return table.get("fp32")
             return table.get(_table_precision(precision), table.get(precision))
     return None
 

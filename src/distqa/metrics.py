@@ -107,7 +107,8 @@ class ThroughputMeter:
 
 def _record(raw: bytes) -> dict[str, Any] | None:
     """The object on one line of metrics.jsonl, or None when the line is damaged: not UTF-8, not
-    JSON, not an object, or without a finite number as its step (a bool is not a step)."""
+    JSON, not an object, or without a finite number as its step (a bool is not a step, nor an int of
+    hundreds of digits, which no run reaches and math.isfinite cannot take)."""
     try:
         record = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -115,7 +116,9 @@ def _record(raw: bytes) -> dict[str, Any] | None:
     if not isinstance(record, dict):
         return None
     step = record.get("step")
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        return None
+    if abs(step) >= 2**63 if isinstance(step, int) else not math.isfinite(step):
         return None
     return record
 

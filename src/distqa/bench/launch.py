@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import re
 import shlex
@@ -200,8 +201,8 @@ def _checked(args: Any) -> tuple[list[int], Config]:
     for option, low in (("warmup", 2), ("steps", 1), ("repeats", 1), ("timeout", 1)):
         if getattr(args, option) < low:
             raise ConfigError(f"--{option}={getattr(args, option)} must be >= {low}")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        raise ConfigError(f"--peak-tflops={args.peak_tflops} must be > 0")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise ConfigError(f"--peak-tflops={args.peak_tflops} must be a number > 0")  # nan gave MFU nan, bad JSON
     cfg = load_config(args.config, args.overrides)  # a bad key fails here, before any launch
     rendezvous_args(os.environ)  # and a bad MASTER_PORT
     if args.baseline and cfg.train.parallel != "ddp":

@@ -36,7 +36,7 @@ def summarize(
     phase_ms = {k: statistics.fmean(r["phase_ms"][k] for r in trainer_runs) for k in PHASES}
     step_ms = sum(phase_ms.values())
     if peak is None and not first["device"].startswith("cpu"):  # no table for CPUs: MFU needs --peak-tflops
-        peak = peak_tflops(first["device"], first["precision"])
+        peak = peak_tflops(first["device"], first["precision"], tf32=first.get("fp32_matmul") != "highest")
     # T of the attention term: the tokens a sequence really has (padding is not useful work;
     # with padding to each batch's longest sequence it is a small part of it).
     context = first["tokens"] / first["samples"]

@@ -127,6 +127,7 @@ def _record(args: argparse.Namespace, cfg: Config, info: DistInfo, parts: list[d
         "host": platform.node(),
         "threads_per_process": torch.get_num_threads(),
         "precision": cfg.train.precision,
+        "fp32_matmul": torch.get_float32_matmul_precision(),  # "highest": no TF32, and another peak for MFU
         "parallel": cfg.train.parallel,
         "dp_gpus": args.dp_gpus or None,  # train.parallel=dp: the GPUs of its one process
         "activation_checkpointing": cfg.train.activation_checkpointing,
