@@ -51,7 +51,7 @@ def default_cache_dir() -> Path:
 def feature_cache_entry(cfg: Config, path: str | Path, tokenizer: Any, *, training: bool) -> Path:
     """Where `resolve_features` keeps the features of JSONL `path`: task.cache_dir (default
     HF_HOME/distqa/features) / a key of the file, the tokenizer's contents and the settings."""
-    from distqa.nq.prepare import fingerprint, fingerprint_key  # see resolve_features
+    from distqa.nq.feature_stamp import fingerprint, fingerprint_key  # see resolve_features
 
     cache_root = Path(cfg.task.cache_dir) if cfg.task.cache_dir else default_cache_dir()
     return cache_root / fingerprint_key(fingerprint(Path(path), tokenizer, feature_settings(cfg, training=training)))
@@ -62,12 +62,22 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
     prepared now if missing. Call on one process per node first (see `dist.local_main_first`)."""
     # Imported here, not at the top: `prepare` pulls in `datasets` (pandas, pyarrow: about 0.5 s
     # per process), which runs on the DummyDataset never use.
+    from distqa.nq.feature_stamp import made_otherwise
     from distqa.nq.prepare import FINGERPRINT_FILE, prepare_features, recorded_result
 
     source = Path(path)
     if source.is_dir():
         if not (source / FINGERPRINT_FILE).is_file():
             raise DistqaError(f"{source} is a folder but not one `distqa prepare` wrote")
+        # Used as it is: features of another tokenizer, length or mode would train while config.yaml
+        # and the export said otherwise.
+        if differ := made_otherwise(source, tokenizer, feature_settings(cfg, training=training)):
+            mode = "train" if training else "eval"
+            raise DistqaError(
+                f"the features at {source} were prepared otherwise than this run reads them: {'; '.join(differ)}: "
+                f"give the settings they were prepared with, or prepare them again (distqa prepare --mode {mode} "
+                f"--output {source} ...)"
+            )
         if note := recorded_result(source).skipped_note():
             print0(f"the features at {source} lack the lines their input's preparation skipped: {note}")
         return source

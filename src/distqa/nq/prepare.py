@@ -10,7 +10,6 @@ How the folder is staged, committed and written by one process at a time: `distq
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -24,12 +23,11 @@ from transformers import AutoTokenizer
 from distqa.errors import DistqaError
 from distqa.models import load_error
 from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer, open_staging, read_stamp
+from distqa.nq.feature_stamp import fingerprint, load_features
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, refuse_unreadable_start, shown_lines
 from distqa.rank0 import reason
 
-# Bump when the feature layout or the targets change: old caches must not be reused.
-FEATURES_VERSION = 2
 # Skipped lines whose numbers and reasons the fingerprint file keeps, so that a run reusing the
 # features says which lines its data lacks, as the run that prepared them did.
 BAD_LINES_KEPT = LINES_SHOWN
@@ -46,31 +44,6 @@ FEATURES = datasets.Features(
         "token_map": datasets.Sequence(datasets.Value("int32")),
     }
 )
-
-
-def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
-    """What the features depend on. The tokenizer enters by content, not name: a local folder
-    edited in place must not reuse features made with its old vocabulary. Evaluation features keep
-    every window, so the subsampling settings (keep_unknown, seed) are left out of theirs: `predict`
-    then reuses the folder that validation during training prepared from the same file."""
-    used = dataclasses.asdict(settings)
-    if not settings.training:
-        del used["keep_unknown"], used["seed"]
-        used["ids_checked"] = True  # repeated/unusable ids refused: folders made before are made again
-    stat = input_path.stat()
-    vocab = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
-    return {
-        "version": FEATURES_VERSION,
-        "input": str(input_path.resolve()),
-        "input_size": stat.st_size,
-        "input_mtime_ns": stat.st_mtime_ns,
-        "tokenizer": vocab,
-        "settings": used,
-    }
-
-
-def fingerprint_key(fp: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def _generate(shards: list[dict[str, Any]]) -> Any:
@@ -247,7 +220,7 @@ def prepare_features(
     fp = fingerprint(source, _fast_tokenizer(tokenizer_name), settings)
     stamp = target / FINGERPRINT_FILE
     recorded = read_stamp(stamp)
-    if recorded is not None and recorded.get("fingerprint") == fp:
+    if recorded is not None and recorded.get("fingerprint") == fp and _whole(target):
         return recorded_result(target, recorded)
     # One writer at a time (two runs sharing a cache, nodes on shared storage, `prepare` beside a
     # training run): each would otherwise delete the other's staging folder mid-write. A waiter
@@ -255,9 +228,18 @@ def prepare_features(
     claim(target)
     with one_writer(target):
         recorded = read_stamp(stamp)
-        if recorded is not None and recorded.get("fingerprint") == fp:
+        if recorded is not None and recorded.get("fingerprint") == fp and _whole(target):
             return recorded_result(target, recorded)
         return _prepare_into(source, target, fp, settings, tokenizer_name, num_proc, skip_bad_lines)
+
+
+def _whole(target: Path) -> bool:
+    """Whether the features of a stamped folder load, all of them: a damaged one is made again."""
+    try:
+        load_features(target)
+    except DistqaError:
+        return False
+    return True
 
 
 def _refuse_unusable_input(source: Path) -> None:
@@ -321,11 +303,3 @@ def _prepare_into(
             # Stopped half-way through the swap: keep the (now empty) marker, so that the next
             # run knows this stamp-less folder is a partial one of ours and rebuilds it.
             staging.mkdir(exist_ok=True)
-
-
-def load_features(path: str | os.PathLike) -> datasets.Dataset:
-    """Memory-map a prepared folder (nothing is read into RAM until used)."""
-    folder = Path(path)
-    if not (folder / FINGERPRINT_FILE).is_file():
-        raise DistqaError(f"{folder} is not a folder written by `distqa prepare`")
-    return datasets.load_from_disk(str(folder))

@@ -1,0 +1,111 @@
+"""What a prepared feature folder records of how it was made (its stamp), and reading it back whole.
+
+`fingerprint` keys the cache (the input file, the tokenizer's contents, the settings); `made_otherwise`
+compares a folder `distqa prepare` wrote with what a run would make, so that a run never trains on
+features of another tokenizer, length or mode while its config.yaml says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pyarrow as pa
+
+from distqa.errors import DistqaError
+from distqa.nq.feature_folder import FINGERPRINT_FILE, read_stamp
+from distqa.nq.features import FeatureSettings
+from distqa.rank0 import reason
+
+# Bump when the feature layout or the targets change: old caches must not be reused.
+FEATURES_VERSION = 2
+
+
+def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
+    """What the features depend on. The tokenizer enters by content, not name: a local folder
+    edited in place must not reuse features made with its old vocabulary. Evaluation features keep
+    every window, so the subsampling settings (keep_unknown, seed) are left out of theirs: `predict`
+    then reuses the folder that validation during training prepared from the same file."""
+    stat = input_path.stat()
+    made = made_with(tokenizer, settings)
+    return {
+        "version": made["version"],
+        "input": str(input_path.resolve()),
+        "input_size": stat.st_size,
+        "input_mtime_ns": stat.st_mtime_ns,
+        "tokenizer": made["tokenizer"],
+        "settings": made["settings"],
+    }
+
+
+def made_with(tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
+    """The part of `fingerprint` that is not the input file: how its features were made."""
+    used = dataclasses.asdict(settings)
+    if not settings.training:
+        del used["keep_unknown"], used["seed"]
+        used["ids_checked"] = True  # repeated/unusable ids refused: folders made before are made again
+    vocab = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+    return {"version": FEATURES_VERSION, "tokenizer": vocab, "settings": used}
+
+
+# The settings of a prepared folder's stamp, by the key that gives each.
+SETTING_KEYS = {
+    "max_seq_len": "task.max_seq_len",
+    "doc_stride": "task.doc_stride",
+    "max_query_len": "task.max_query_len",
+    "keep_unknown": "task.keep_unknown",
+    "seed": "seed",
+}
+
+
+def made_otherwise(folder: Path, tokenizer: Any, settings: FeatureSettings) -> list[str]:
+    """How the features in a folder `distqa prepare` wrote differ from those a run would make from
+    the same input (none: the run may use them as they are)."""
+    recorded = (read_stamp(folder / FINGERPRINT_FILE) or {}).get("fingerprint")
+    if not isinstance(recorded, dict):
+        return ["its stamp records no settings"]
+    wanted, differ = made_with(tokenizer, settings), []
+    if recorded.get("version") != wanted["version"]:
+        differ.append(f"feature layout {recorded.get('version')}, where this distqa reads {FEATURES_VERSION}")
+    if recorded.get("tokenizer") != wanted["tokenizer"]:
+        differ.append("another tokenizer (its vocabulary is not model.tokenizer's, or model.name's)")
+    there, here = recorded.get("settings") if isinstance(recorded.get("settings"), dict) else {}, wanted["settings"]
+    if there.get("training") != here["training"]:
+        mode = "train" if there.get("training") else "eval"
+        return [
+            *differ,
+            f"prepared with --mode {mode}, used here for {'training' if here['training'] else 'evaluation'}",
+        ]
+    differ += [f"{key}={there.get(name)!r} there, {here[name]!r} here" for name, key in SETTING_KEYS.items()
+               if name in here and there.get(name) != here[name]]  # fmt: skip
+    if not differ and there != here:
+        differ.append("prepared by an older distqa")
+    return differ
+
+
+def fingerprint_key(fp: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def load_features(path: str | os.PathLike) -> datasets.Dataset:
+    """Memory-map a prepared folder (nothing is read into RAM until used), whole: a file cut short
+    (an interrupted copy) is one line, not a traceback, nor fewer features without a word."""
+    folder = Path(path)
+    if not (folder / FINGERPRINT_FILE).is_file():
+        raise DistqaError(f"{folder} is not a folder written by `distqa prepare`")
+    fix = f"delete {folder} and prepare the features again"
+    try:
+        dataset = datasets.load_from_disk(str(folder))
+    except (OSError, ValueError, pa.ArrowException) as err:  # FileNotFoundError, a truncated Arrow file
+        raise DistqaError(f"the features at {folder} are damaged ({reason(err)}): {fix}") from None
+    counted = (read_stamp(folder / FINGERPRINT_FILE) or {}).get("features")
+    if isinstance(counted, int) and not isinstance(counted, bool) and len(dataset) != counted:
+        raise DistqaError(
+            f"the features at {folder} are damaged: {len(dataset)} where its stamp counts {counted}: {fix}"
+        )
+    return dataset
