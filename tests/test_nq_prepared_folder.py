@@ -101,3 +101,25 @@ def test_a_damaged_prepared_folder_is_one_line_and_a_damaged_cache_entry_is_made
     again = prepare_features(SAMPLE, entry, tokenizer_name=str(minilm_dir), settings=settings)
     assert not again.reused and len(load_features(entry)) == features
     assert prepare_features(SAMPLE, entry, tokenizer_name=str(minilm_dir), settings=settings).reused
+
+
+def test_features_prepared_again_during_a_run_stop_it_in_its_dataloader_workers(tmp_path, prepared, minilm_dir):
+    """DataLoader workers get the dataset pickled at each epoch, and the Arrow table comes back by
+    path: a folder prepared again meanwhile fed the workers its new windows (length 128 where the run
+    had 64) while the training process, its length and its fingerprint kept the old ones, exit 0."""
+    import pickle
+    import shutil
+
+    from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset
+
+    folder = tmp_path / "features"
+    shutil.copytree(prepared["train"], folder)
+    dataset = FeatureDataset(folder, TRAIN_COLUMNS)
+    same = pickle.loads(pickle.dumps(dataset))  # as a worker gets it while nothing changed
+    assert len(same) == len(dataset) and same[0] == dataset[0]
+    settings = feature_settings(config(minilm_dir, "task.max_seq_len=64"), training=True)
+    prepare_features(SAMPLE, folder, tokenizer_name=str(minilm_dir), settings=settings)  # the folder, again
+    moved = pickle.loads(pickle.dumps(dataset))
+    with pytest.raises(DistqaError, match=rf"the features at {folder} changed during the run"):
+        moved[0]
+    assert len(dataset[0]["input_ids"]) == len(same[0]["input_ids"])  # this process keeps its own files

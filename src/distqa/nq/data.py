@@ -138,11 +138,24 @@ class FeatureDataset(Dataset):
         except (OSError, ValueError, AttributeError):
             docs = None
         self.num_examples = docs if isinstance(docs, int) and not isinstance(docs, bool) else None
+        self.folder, self.files, self.changed = Path(folder), _identity(self.data), False
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # DataLoader workers get this dataset pickled, at every epoch: the Arrow table comes back by
+        # its files' paths. A folder prepared again meanwhile holds other files there, which the
+        # workers would read while this process, its length and its fingerprint kept the old ones.
+        self.__dict__.update(state)
+        self.changed = _identity(self.data) != self.files
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.changed:  # said here, not while unpickling: a worker's error then reaches the trainer
+            raise DistqaError(
+                f"the features at {self.folder} changed during the run (prepared again, or replaced): a run "
+                "reads one set of features from start to end; restart it to use the new ones"
+            )
         return self.data[int(index)]
 
     def fingerprint(self) -> str:
@@ -151,6 +164,18 @@ class FeatureDataset(Dataset):
         show it). Not `datasets`' own fingerprint either: that one hashes how the set was made
         (the generator and its arguments), so a reordered file at the same path keeps it."""
         return arrow_fingerprint(self.data)
+
+
+def _identity(data: Any) -> list[tuple[str, int, int, int]]:
+    """The Arrow files behind a memory-mapped dataset: path, inode, size and modification time."""
+    found = []
+    for entry in data.cache_files:
+        try:
+            st = os.stat(entry["filename"])
+        except OSError:
+            st = None
+        found.append((entry["filename"], *((st.st_ino, st.st_size, st.st_mtime_ns) if st else (-1, -1, -1))))
+    return found
 
 
 def train_data_fingerprint(dataset: Dataset) -> str:
