@@ -210,9 +210,10 @@ elif [[ $nproc != auto && $nproc != gpu && $nproc != cpu ]]; then
   die "NPROC_PER_NODE=$nproc (from $nproc_FROM) is not a positive integer or auto/gpu/cpu"
 elif [[ $nproc == gpu ]] && (($(gpu_count) == 0)); then
   die "NPROC_PER_NODE=gpu (from $nproc_FROM), but no GPU is visible here: give a process count, or cpu"
-elif [[ $nproc == cpu ]] || { [[ $nproc == auto ]] && (($(gpu_count) == 0)); }; then
+elif [[ $nproc == cpu ]] || { [[ $nproc == auto ]] && (($(gpu_count) == 0)) && ! compgen -G '/dev/nvidia[0-9]*' >/dev/null; }; then
   # torchrun would start os.cpu_count() processes: every CPU of the host, not those of this
-  # container or cpuset (64 processes on a 4-CPU container). One per CPU this node may use.
+  # container or cpuset (64 processes on a 4-CPU container). One per CPU this node may use. (auto
+  # where a GPU's device file is there but nvidia-smi is not stays torchrun's: one per GPU.)
   nproc_FROM="NPROC_PER_NODE=$nproc, one per CPU this node may use" nproc=$(usable_cpus)
 fi
 
