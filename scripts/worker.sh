@@ -112,6 +112,12 @@ gpu_count() {
   nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
 }
 
+gpu_without_smi() {
+  # A GPU's device file where nothing counted one: no CUDA_VISIBLE_DEVICES, and no nvidia-smi in
+  # this container. Then NPROC_PER_NODE=auto stays torchrun's, one process per GPU it finds.
+  [[ -z ${CUDA_VISIBLE_DEVICES+set} ]] && ! command -v nvidia-smi >/dev/null && compgen -G '/dev/nvidia[0-9]*' >/dev/null
+}
+
 usable_cpus() {
   # nproc counts the CPUs this process may run on (taskset, cpusets); a cgroup CPU quota
   # (docker --cpus, Kubernetes limits) caps them further. (torchrun's own count, os.cpu_count(),
@@ -210,10 +216,9 @@ elif [[ $nproc != auto && $nproc != gpu && $nproc != cpu ]]; then
   die "NPROC_PER_NODE=$nproc (from $nproc_FROM) is not a positive integer or auto/gpu/cpu"
 elif [[ $nproc == gpu ]] && (($(gpu_count) == 0)); then
   die "NPROC_PER_NODE=gpu (from $nproc_FROM), but no GPU is visible here: give a process count, or cpu"
-elif [[ $nproc == cpu ]] || { [[ $nproc == auto ]] && (($(gpu_count) == 0)) && ! compgen -G '/dev/nvidia[0-9]*' >/dev/null; }; then
+elif [[ $nproc == cpu ]] || { [[ $nproc == auto ]] && (($(gpu_count) == 0)) && ! gpu_without_smi; }; then
   # torchrun would start os.cpu_count() processes: every CPU of the host, not those of this
-  # container or cpuset (64 processes on a 4-CPU container). One per CPU this node may use. (auto
-  # where a GPU's device file is there but nvidia-smi is not stays torchrun's: one per GPU.)
+  # container or cpuset (64 processes on a 4-CPU container). One per CPU this node may use.
   nproc_FROM="NPROC_PER_NODE=$nproc, one per CPU this node may use" nproc=$(usable_cpus)
 fi
 

@@ -537,3 +537,25 @@ def test_a_missing_relative_data_path_names_the_folder_it_was_looked_for_in(tmp_
     with pytest.raises(ConfigError) as caught:
         load_config(None, ["data.train=data/train.jsonl"])
     assert str(caught.value).startswith(f"data.train='data/train.jsonl' does not exist in {tmp_path} ("), caught.value
+
+
+def test_a_switch_that_may_be_none_is_checked_too():
+    """A fork's `maybe: bool | None = None` setting took task.maybe=2 as true."""
+    import dataclasses
+    from typing import Optional
+
+    from distqa.config_checks import bool_keys
+
+    @dataclasses.dataclass
+    class Inner:
+        maybe: bool | None = None
+        old_style: Optional[bool] = None  # noqa: UP045 (how older code spells it)
+        count: int | None = None
+        name: str = "x"
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Inner = dataclasses.field(default_factory=Inner)
+        flag: bool = False
+
+    assert bool_keys(Outer()) == {"inner.maybe", "inner.old_style", "flag"}

@@ -86,7 +86,7 @@ def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
 
 
 def bool_keys(schema: Any, prefix: str = "") -> set[str]:
-    """Every setting typed `bool`: full keys."""
+    """Every setting typed `bool` (or `bool | None`): full keys."""
     try:
         hints: dict[str, Any] = typing.get_type_hints(type(schema))
     except Exception:  # noqa: BLE001 (as in text_keys)
@@ -96,7 +96,9 @@ def bool_keys(schema: Any, prefix: str = "") -> set[str]:
         sub, key = getattr(schema, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(sub):
             keys |= bool_keys(sub, f"{key}.")
-        elif hints.get(f.name, f.type) in (bool, "bool"):
+        elif (hint := hints.get(f.name, f.type)) in (bool, "bool", "bool | None", "Optional[bool]") or (
+            not isinstance(hint, str) and set(typing.get_args(hint)) == {bool, type(None)}
+        ):
             keys.add(key)
     return keys
 

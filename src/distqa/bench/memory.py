@@ -62,7 +62,8 @@ class Activations:
 # block (3.8 fitted) and 65 besides.
 AUTOCAST = Activations(block=48, block_input=4, recompute=65)
 # FSDP2, its MixedPrecisionPolicy in bf16: BERT-base rose 0.1589 GiB per sequence (batch 359 -> 394),
-# 36.2 per s*h per block. Checkpointed: AUTOCAST's scaled by 36/48 (a bf16 input), not measured.
+# 36.2 per s*h per block. Checkpointed, not measured: a block's input in bf16 (2 bytes, not 4), and
+# AUTOCAST's recompute term scaled by 36/48.
 BF16_COMPUTE = Activations(block=36, block_input=2, recompute=49)
 
 

@@ -130,6 +130,7 @@ class FeatureDataset(Dataset):
     def __init__(self, folder: Path, columns: list[str]) -> None:
         from distqa.nq.prepare import FINGERPRINT_FILE, load_features  # see resolve_features
 
+        self.columns = columns
         self.data = load_features(folder).select_columns(columns)
         # The documents the features came from, for the start line (a document gives one feature
         # per window): `distqa prepare` counts them in the folder's stamp.
@@ -140,12 +141,24 @@ class FeatureDataset(Dataset):
         self.num_examples = docs if isinstance(docs, int) and not isinstance(docs, bool) else None
         self.folder, self.files, self.changed = Path(folder), _identity(self.data), False
 
+    # DataLoader workers get this dataset pickled, at every epoch, and would open the Arrow files
+    # by their paths. A folder prepared again meanwhile holds other files there (or other names),
+    # which the workers would read while this process, its length and its fingerprint kept the old
+    # ones. So the files are compared first, and opened only when they are the same.
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "data"}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # DataLoader workers get this dataset pickled, at every epoch: the Arrow table comes back by
-        # its files' paths. A folder prepared again meanwhile holds other files there, which the
-        # workers would read while this process, its length and its fingerprint kept the old ones.
+        from distqa.nq.prepare import load_features  # see resolve_features
+
         self.__dict__.update(state)
-        self.changed = _identity(self.data) != self.files
+        self.changed = [(path, *_stat(path)) for path, *_ in self.files] != self.files
+        if not self.changed:
+            try:
+                self.data = load_features(self.folder).select_columns(self.columns)
+                self.changed = _identity(self.data) != self.files  # (other files listed beside them)
+            except DistqaError:  # replaced between the comparison and the opening
+                self.changed = True
 
     def __len__(self) -> int:
         return len(self.data)
@@ -168,14 +181,15 @@ class FeatureDataset(Dataset):
 
 def _identity(data: Any) -> list[tuple[str, int, int, int]]:
     """The Arrow files behind a memory-mapped dataset: path, inode, size and modification time."""
-    found = []
-    for entry in data.cache_files:
-        try:
-            st = os.stat(entry["filename"])
-        except OSError:
-            st = None
-        found.append((entry["filename"], *((st.st_ino, st.st_size, st.st_mtime_ns) if st else (-1, -1, -1))))
-    return found
+    return [(entry["filename"], *_stat(entry["filename"])) for entry in data.cache_files]
+
+
+def _stat(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:  # gone
+        return (-1, -1, -1)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def train_data_fingerprint(dataset: Dataset) -> str:

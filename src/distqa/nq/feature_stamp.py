@@ -53,13 +53,14 @@ def made_with(tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
     return {"version": FEATURES_VERSION, "tokenizer": vocab, "settings": used}
 
 
-# The settings of a prepared folder's stamp, by the key that gives each.
+# The settings of a prepared folder's stamp, by the key that gives each. Not the seed: it picks
+# which unknown windows task.keep_unknown keeps, an equally fair sample whatever it is, and a run's
+# seed (its initialisation and data order) may differ from the one its features were prepared with.
 SETTING_KEYS = {
     "max_seq_len": "task.max_seq_len",
     "doc_stride": "task.doc_stride",
     "max_query_len": "task.max_query_len",
     "keep_unknown": "task.keep_unknown",
-    "seed": "seed",
 }
 
 
@@ -74,7 +75,9 @@ def made_otherwise(folder: Path, tokenizer: Any, settings: FeatureSettings) -> l
         differ.append(f"feature layout {recorded.get('version')}, where this distqa reads {FEATURES_VERSION}")
     if recorded.get("tokenizer") != wanted["tokenizer"]:
         differ.append("another tokenizer (its vocabulary is not model.tokenizer's, or model.name's)")
-    there, here = recorded.get("settings") if isinstance(recorded.get("settings"), dict) else {}, wanted["settings"]
+    there = dict(recorded["settings"]) if isinstance(recorded.get("settings"), dict) else {}
+    here = dict(wanted["settings"])
+    there.pop("seed", None), here.pop("seed", None)
     if there.get("training") != here["training"]:
         mode = "train" if there.get("training") else "eval"
         return [
@@ -101,7 +104,8 @@ def load_features(path: str | os.PathLike) -> datasets.Dataset:
     fix = f"delete {folder} and prepare the features again"
     try:
         dataset = datasets.load_from_disk(str(folder))
-    except (OSError, ValueError, pa.ArrowException) as err:  # FileNotFoundError, a truncated Arrow file
+    # FileNotFoundError, a truncated Arrow file; JSON of another shape in state.json or dataset_info.json
+    except (OSError, ValueError, pa.ArrowException, KeyError, TypeError, IndexError, AttributeError) as err:
         raise DistqaError(f"the features at {folder} are damaged ({reason(err)}): {fix}") from None
     counted = (read_stamp(folder / FINGERPRINT_FILE) or {}).get("features")
     if isinstance(counted, int) and not isinstance(counted, bool) and len(dataset) != counted:
