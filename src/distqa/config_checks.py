@@ -104,7 +104,7 @@ def bool_keys(schema: Any, prefix: str = "") -> set[str]:
 
 
 def check_bool(key: str, value: Any, source: str) -> None:
-    """OmegaConf takes any whole number for a bool: train.compile=2 or task.skip_bad_lines=-1 turned
+    """OmegaConf takes any whole number for a bool: train.compile=2 or train.deterministic=-1 turned
     the switch on, without a word. 1 and 0 stay (what true and false are often written as)."""
     if isinstance(value, int) and not isinstance(value, bool) and value not in (0, 1):
         raise ConfigError(f"{key}={value} in {source}: {key} is a switch: give true or false")
