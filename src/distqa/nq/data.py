@@ -161,15 +161,19 @@ class FeatureDataset(Dataset):
                 self.changed = True
 
     def __len__(self) -> int:
+        self._unchanged()
         return len(self.data)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        self._unchanged()
+        return self.data[int(index)]
+
+    def _unchanged(self) -> None:
         if self.changed:  # said here, not while unpickling: a worker's error then reaches the trainer
             raise DistqaError(
                 f"the features at {self.folder} changed during the run (prepared again, or replaced): a run "
                 "reads one set of features from start to end; restart it to use the new ones"
             )
-        return self.data[int(index)]
 
     def fingerprint(self) -> str:
         """Every value of the columns a step reads, in order, straight from the memory-mapped
