@@ -63,19 +63,25 @@ def check_sections(values: Any, schema: Any, source: str, prefix: str = "") -> N
 TEXT_HINTS = {"str": False, "str | None": True, "None | str": True, "Optional[str]": True}
 
 
-def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
-    """Every setting typed as text (`str`, or `str | None`): full key -> whether it may be None."""
+def _leaf_hints(schema: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(full key, type hint) of every setting of a config dataclass, sections walked into; a hint
+    that does not resolve stays the annotation as written (a string)."""
     try:
         hints: dict[str, Any] = typing.get_type_hints(type(schema))
     except Exception:  # noqa: BLE001 (a fork's annotation naming what only type checkers import)
         hints = {}
-    keys: dict[str, bool] = {}
     for f in dataclasses.fields(schema):
         sub, key = getattr(schema, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(sub):
-            keys.update(text_keys(sub, f"{key}."))
-            continue
-        hint = hints.get(f.name, f.type)
+            yield from _leaf_hints(sub, f"{key}.")
+        else:
+            yield key, hints.get(f.name, f.type)
+
+
+def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
+    """Every setting typed as text (`str`, or `str | None`): full key -> whether it may be None."""
+    keys: dict[str, bool] = {}
+    for key, hint in _leaf_hints(schema, prefix):
         if isinstance(hint, str):  # unresolved: the annotation as written
             optional = TEXT_HINTS.get(hint.replace(" ", "").replace("|", " | "))
         else:
@@ -85,22 +91,14 @@ def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
     return keys
 
 
-def bool_keys(schema: Any, prefix: str = "") -> set[str]:
+def bool_keys(schema: Any) -> set[str]:
     """Every setting typed `bool` (or `bool | None`): full keys."""
-    try:
-        hints: dict[str, Any] = typing.get_type_hints(type(schema))
-    except Exception:  # noqa: BLE001 (as in text_keys)
-        hints = {}
-    keys: set[str] = set()
-    for f in dataclasses.fields(schema):
-        sub, key = getattr(schema, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(sub):
-            keys |= bool_keys(sub, f"{key}.")
-        elif (hint := hints.get(f.name, f.type)) in (bool, "bool", "bool | None", "Optional[bool]") or (
-            not isinstance(hint, str) and set(typing.get_args(hint)) == {bool, type(None)}
-        ):
-            keys.add(key)
-    return keys
+    return {
+        key
+        for key, hint in _leaf_hints(schema)
+        if hint in (bool, "bool", "bool | None", "Optional[bool]")
+        or (not isinstance(hint, str) and set(typing.get_args(hint)) == {bool, type(None)})
+    }
 
 
 def check_bool(key: str, value: Any, source: str) -> None:

@@ -29,7 +29,7 @@ from distqa.bench.baseline import run_baseline
 from distqa.bench.profile import ProfilingTimer
 from distqa.config import Config
 from distqa.console import quiet_libraries
-from distqa.dist import DistInfo, barrier, cleanup, gather_to_main, init_distributed, local_main_first
+from distqa.dist import DistInfo, barrier, cleanup, gather_to_main, init_distributed, local_main_first, print0
 from distqa.errors import DistqaError
 from distqa.flops import device_name
 from distqa.parallel import state_bytes
@@ -57,9 +57,8 @@ def _bench_config(args: argparse.Namespace) -> Config:
     if cfg.train.ddp_comm_hook == "powersgd" and cfg.train.powersgd_start_step > max(2, args.warmup):
         # Its first powersgd_start_step steps all-reduce uncompressed: timed, they would mix the two.
         cfg.train.powersgd_start_step = max(2, args.warmup)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"distqa bench: PowerSGD starts after the {args.warmup} warm-up steps (train.powersgd_start_step="
-                  f"{cfg.train.powersgd_start_step}), so that every timed step is compressed", flush=True)  # fmt: skip
+        print0(f"distqa bench: PowerSGD starts after the {args.warmup} warm-up steps (train.powersgd_start_step="
+               f"{cfg.train.powersgd_start_step}), so that every timed step is compressed")  # fmt: skip
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.train.resolve_global_batch(world_size)  # as the trainer does; the baseline loop reads grad_accum too
     grow = getattr(cfg.task, "ensure_dummy_examples", None)  # a task with a synthetic dataset

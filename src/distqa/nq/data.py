@@ -144,7 +144,8 @@ class FeatureDataset(Dataset):
     # DataLoader workers get this dataset pickled, at every epoch, and would open the Arrow files
     # by their paths. A folder prepared again meanwhile holds other files there (or other names),
     # which the workers would read while this process, its length and its fingerprint kept the old
-    # ones. So the files are compared first, and opened only when they are the same.
+    # ones. So the folder is opened again through load_features (which makes files gone or cut
+    # short one line) and its files compared with this process's.
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "data"}
 
@@ -152,13 +153,11 @@ class FeatureDataset(Dataset):
         from distqa.nq.prepare import load_features  # see resolve_features
 
         self.__dict__.update(state)
-        self.changed = [(path, *_stat(path)) for path, *_ in self.files] != self.files
-        if not self.changed:
-            try:
-                self.data = load_features(self.folder).select_columns(self.columns)
-                self.changed = _identity(self.data) != self.files  # (other files listed beside them)
-            except DistqaError:  # replaced between the comparison and the opening
-                self.changed = True
+        try:
+            self.data = load_features(self.folder).select_columns(self.columns)
+            self.changed = _identity(self.data) != self.files
+        except DistqaError:  # its files gone, or damaged
+            self.changed = True
 
     def __len__(self) -> int:
         self._unchanged()
@@ -191,7 +190,7 @@ def _identity(data: Any) -> list[tuple[str, int, int, int]]:
 def _stat(path: str) -> tuple[int, int, int]:
     try:
         st = os.stat(path)
-    except OSError:  # gone
+    except OSError:  # gone since it was opened
         return (-1, -1, -1)
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
