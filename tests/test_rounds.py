@@ -6,6 +6,7 @@ nothing more: a real dead process cannot go on to the next round either.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -13,7 +14,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from distqa.rounds import Round, RoundTimeout, as_peer_loss, join_round
+from distqa.peer_watch import PeerWatch
+from distqa.rounds import Round, RoundTimeout, as_peer_loss, came_back, join_round
 
 WORLD = 4  # 2 nodes x 2 processes: ranks 0 and 1 on node 0, ranks 2 and 3 on node 1
 
@@ -116,3 +118,36 @@ def test_a_member_that_joined_and_died_is_the_one_named(store):
     dead.add("distqa/rounds/1/joined", 1)
     with pytest.raises(RoundTimeout, match=r"^node 0 \(rank 0\) did not join restart round 1 within 1 s"):
         join_all(store, [1, 2, 3], {0: 1, 1: 1}, timeout_s=1.0)
+
+
+def test_a_member_that_came_back_ends_the_survivors_round_within_one_watch_interval(store, monkeypatch):
+    """A node lost mid-message can leave a survivor hung in gloo until DISTQA_PEER_TIMEOUT_S (60 s),
+    while the replacement's workers, already in the next round, give up after RDZV_TIMEOUT (the
+    node test's flake: 30 s). The survivors' PeerWatch sees the next round open and ends them at
+    once, naming who came back; a round nobody left is left alone."""
+    join_all(store, range(WORLD), {0: 0, 1: 0})
+    assert came_back(store, 0, WORLD) is None
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setattr(PeerWatch, "INTERVAL_S", 0.05)
+    ended: list[str] = []
+    # Rank 0 in round 0; a silence timeout far beyond the test, so only the round can end it.
+    watch = PeerWatch(0, WORLD, timeout_s=600, prefix="distqa/round-0/", round_number=0)
+    watch._end = lambda why: (ended.append(why), watch.stopped.set())  # type: ignore[method-assign]
+    thread = threading.Thread(target=watch._run, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # ten intervals with round 0 the newest
+    assert ended == []
+
+    # Node 1 is replaced: its new ranks 2 and 3 open round 1 and wait there for node 0.
+    with ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(join_round, client(store), rank, WORLD, 1, 0, 5.0) for rank in (2, 3)]
+        thread.join(timeout=5)
+        said = "rank(s) 2, 3 started again and opened restart round 1 while this process was in restart round 0"
+        assert ended == [said]
+        assert came_back(store, 0, WORLD) == (1, [2, 3])
+        # Node 0's new workers then meet them in round 1.
+        node_0 = join_all(store, [0, 1], {0: 1, 1: 0})
+        assert {r.number for r in node_0.values()} == {1}
+        assert {f.result(timeout=10).number for f in waiting} == {1}

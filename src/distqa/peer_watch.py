@@ -28,14 +28,23 @@ class PeerWatch:
     is a lost peer, said in one line before this process exits for torchrun to restart the round.
     A rank that stops on purpose (`cleanup`) marks its counter done first. Only a dead process
     stops counting: a busy one (a long data preparation, a slow step) still counts from this thread.
+
+    Under worker.sh's static rendezvous it also watches the restart round (`distqa.rounds`): a lost
+    node started again opens the next round at once, and its workers wait there only RDZV_TIMEOUT
+    for the others. Seen in the node test: rank 0, hung as above, noticed the loss after its 60 s,
+    when the new node had given up after its 30. A later round means this one is over, so this
+    process ends within one interval of it, whatever DISTQA_PEER_TIMEOUT_S says.
     """
 
     INTERVAL_S = 2.0
     DONE = 1 << 40  # added to the counter by a rank that stops on purpose
     current: PeerWatch | None = None
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, prefix: str) -> None:
-        self.rank, self.timeout_s, self.prefix = rank, timeout_s, prefix
+    def __init__(
+        self, rank: int, world_size: int, timeout_s: float, prefix: str, round_number: int | None = None
+    ) -> None:
+        self.rank, self.world_size, self.timeout_s, self.prefix = rank, world_size, timeout_s, prefix
+        self.round_number = round_number  # this process's restart round; None: elastic rendezvous
         self.peers = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
         self.addr, self.port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         self.store: dist.Store | None = None
@@ -51,8 +60,9 @@ class PeerWatch:
         from distqa import rounds
 
         # Static rendezvous: the agent's store outlives a round, so the keys are the round's own.
-        prefix = f"distqa/round-{rounds.joined.number}/" if rounds.joined is not None else "distqa/"
-        cls.current = watch = cls(rank, world_size, timeout_s, prefix)
+        number = rounds.joined.number if rounds.joined is not None else None
+        prefix = f"distqa/round-{number}/" if number is not None else "distqa/"
+        cls.current = watch = cls(rank, world_size, timeout_s, prefix, number)
         watch.thread = threading.Thread(target=watch._run, name="distqa-peer-watch", daemon=True)
         watch.thread.start()
 
@@ -92,9 +102,12 @@ class PeerWatch:
             try:
                 self._add(self.rank, 1)
                 values = {peer: self._add(peer, 0) for peer in list(seen)}
+                later = self._later_round()
                 answered = time.monotonic()
             except Exception:  # noqa: BLE001 (the store's host is gone, or the network: silence)
-                self.store, values, self.store_lost = None, {}, True
+                self.store, values, self.store_lost, later = None, {}, True, None
+            if later is not None and not self.stopped.is_set():
+                self._round_over(*later)
             now = time.monotonic()
             for peer, value in values.items():
                 if value >= self.DONE:
@@ -105,15 +118,30 @@ class PeerWatch:
             if silent and not self.stopped.is_set():
                 self._lost(silent, store_silent=now - answered > self.timeout_s)
 
-    def _lost(self, silent: list[int], store_silent: bool = False) -> None:
+    def _later_round(self) -> tuple[int, list[int]] | None:
         from distqa import rounds
 
-        where = f" in restart round {rounds.joined.number}" if rounds.joined is not None else ""
+        if self.round_number is None or self.store is None:
+            return None
+        return rounds.came_back(self.store, self.round_number, self.world_size)
+
+    def _round_over(self, later: int, ranks: list[int]) -> None:
+        who = f"rank(s) {', '.join(str(rank) for rank in ranks)}" if ranks else "a rank"
+        self._end(
+            f"{who} started again and opened restart round {later} while this process was in restart "
+            f"round {self.round_number}"
+        )
+
+    def _lost(self, silent: list[int], store_silent: bool = False) -> None:
+        where = f" in restart round {self.round_number}" if self.round_number is not None else ""
         ranks = ", ".join(str(peer) for peer in silent)
         store = f" (the rendezvous store at {self.addr}:{self.port} did not answer either)" if store_silent else ""
+        silence = f"gave no sign of life for {self.timeout_s:g} s{where} (DISTQA_PEER_TIMEOUT_S)"
+        self._end(f"rank(s) {ranks}{store} {silence}")
+
+    def _end(self, why: str) -> None:
         line = (
-            f"distqa [rank {self.rank}]: error: lost a peer: rank(s) {ranks}{store} gave no sign of life for "
-            f"{self.timeout_s:g} s{where} (DISTQA_PEER_TIMEOUT_S): torchrun starts the next round if "
+            f"distqa [rank {self.rank}]: error: lost a peer: {why}: torchrun starts the next round if "
             "restarts are left (MAX_RESTARTS, --max-restarts) and it resumes from the newest checkpoint"
         )
         print(line, file=sys.stderr, flush=True)

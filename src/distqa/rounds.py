@@ -79,6 +79,17 @@ def _move_current_to(store: dist.Store, target: int) -> None:
         store.compare_set(_KEY + "current", str(cur), str(target))
 
 
+def came_back(store: dist.Store, number: int, world_size: int) -> tuple[int, list[int]] | None:
+    """None while restart round `number` is the newest. Once a later one is open: that round and
+    the ranks that joined it. Only a new process of a member of `number` opens one, so a member
+    died and came back, and `number` is over for every rank (`PeerWatch` ends them at once)."""
+    current = _current(store)
+    if current <= number:
+        return None
+    back = [rank for rank in range(world_size) if _get_int(store, f"{_KEY}last/{rank}", -1) > number]
+    return current, back
+
+
 def _given_up(store: dist.Store) -> None:
     if store.check([_KEY + "given-up"]):
         raise RoundTimeout(store.get(_KEY + "given-up").decode())
