@@ -99,10 +99,13 @@ def test_a_metric_named_as_a_training_figure_or_a_bug_in_it_stops_after_the_step
     """`loss` or `step` from compute_metrics once overwrote the training figures of the metrics
     line (and `step` the best checkpoint's step); an error in it, at the end of a run with
     train.eval_every=0, cost every step since the last checkpoint. Now: one line, after the
-    step's checkpoint is written, and the same command resumes from it."""
+    step's checkpoint is written, and the same command evaluates that step and goes on."""
     out = tmp_path / "run"
     args = ["task=toy_seam_tasks:MetricKindTask", f"task.metric_kind={kind}", "train.checkpoint_every=100"]
-    with pytest.raises(DistqaError, match=f"evaluation at step 2: {expected}.*step-2 written first, without it"):
+    with pytest.raises(
+        DistqaError,
+        match=f"evaluation at step 2: {expected}.*step-2 written first: the same command evaluates it again",
+    ):
         run(out, *args)
     assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-2"]
     assert not (out / "model").exists()
@@ -110,10 +113,12 @@ def test_a_metric_named_as_a_training_figure_or_a_bug_in_it_stops_after_the_step
     # Step 2's training figures are logged; no evaluation figure of it (and none overwrote them).
     assert [(row["step"], row["loss"] != 123) for row in rows] == [(1, True), (2, True)]
     assert not any(key.startswith("eval_") for key in rows[1])
-    # The fork fixes its code and runs the same command: the run is complete at step 2, and exports.
+    # The fork fixes its code and runs the same command: step 2 is evaluated, and the run exports.
     monkeypatch.setattr(toy_seam_tasks.MetricKindTask, "compute_metrics", EvalProbeTask.compute_metrics)
     run(out, *args)
     assert (out / "model").is_dir() and sorted(load_file(out / "model" / "model.safetensors")) != []
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2] and rows[1]["eval_step_seen"] == 2.0
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,8 @@ class TrainerState:
     step: int = 0  # the last finished step
     # train.best_metric's record so far: {"metric", "mode", "value", "step"} (`distqa.best`).
     best: dict[str, Any] | None = None
+    # This step's evaluation raised (the task's metric code): the resume runs it first (`distqa.evaluate_again`).
+    evaluation_pending: bool = False
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank calls it: the log window is summed over the ranks."""
@@ -76,10 +78,12 @@ class TrainerState:
             "log_window": self.meter.window(),
             "grad_norm_window": self.meter.norm_window(),
             "best": self.best,
+            "evaluation_pending": self.evaluation_pending,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        self.evaluation_pending = state.get("evaluation_pending") is True
         # (A checkpoint written before the window was saved has none: the first loss then averages
         # only the steps since the resume.) The window counts micro-batches of every rank, and
         # norms once per rank: rescaled when the processes or train.grad_accum changed.

@@ -47,8 +47,8 @@ class AfterStep:
         """The plan once the task's evaluation raised (before the weights check, which then covers
         the optimizer state too): the training figures are logged, no best is chosen, and the step
         is saved unless the run saves no outputs. A bug in the task's metric code then costs no
-        trained step (with train.eval_every=0 that code first runs after the last step); the
-        evaluation of that step is not run again by a resume."""
+        trained step (with train.eval_every=0 that code first runs after the last step), and the
+        resume runs that step's evaluation first (`distqa.evaluate_again`)."""
         return replace(self, evaluate=False, save=self.save or save_outputs)
 
 

@@ -273,3 +273,12 @@ def _ranks(ranks: list[int]) -> str:
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"ranks {ranks[0]}-{ranks[-1]}"
     return "ranks " + ",".join(map(str, ranks))
+
+
+def agreed_valid_identity(task: Any, info: DistInfo, valid: str | None) -> dict[str, Any] | None:
+    """`agreed_identity` of the task's validation set (`data.valid`, or the task's own), or None
+    without one: its shares are scored as one set, so every node's must be the same."""
+    dataset = task.eval_dataset()
+    if dataset is None:
+        return None
+    return agreed_identity(task.data_fingerprint, dataset, info, valid or "(none: the task's own set)", "data.valid")

@@ -24,9 +24,10 @@ from distqa.checkpoint_manager import CheckpointManager, Parts, TrainerState
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, dataset_size, quiet_libraries
 from distqa.control import FIRST_LOSS_NOT_FINITE, after_step, diverged_hint
-from distqa.data_identity import agreed_identity
+from distqa.data_identity import agreed_identity, agreed_valid_identity
 from distqa.dist import DistInfo, autocast_dtype, barrier, cleanup, init_distributed, local_main_first, print0
 from distqa.errors import DistqaError, EvaluationFailed, Preempted
+from distqa.evaluate_again import evaluate_again
 from distqa.evaluation import run_evaluation
 from distqa.finish import export_final, is_exported, plot_run, summary
 from distqa.metrics import MetricsWriter, ThroughputMeter
@@ -130,6 +131,8 @@ class Trainer:
         step = self._restore(resume_from, saved, finished)
         # From here on, SIGTERM means "checkpoint, then exit"; after the last step, nothing.
         self.stop = StopSignal(self.info, self.lock)
+        if self.state.evaluation_pending:  # type: ignore[union-attr]  # (the restore made it)
+            evaluate_again(self, step)
         if step < self.total_steps:
             self._run_steps(dataset, resume_from)
         elif aside is not None:  # finished at PATH: the set-aside line's records cut back, as a resume's
@@ -159,14 +162,7 @@ class Trainer:
             self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
         require_evaluation(self.task, cfg.train)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
-        valid = self.task.eval_dataset()  # its shares are scored as one set: every node's must be the same
-        self.valid_identity = (
-            None
-            if valid is None
-            else agreed_identity(
-                self.task.data_fingerprint, valid, info, cfg.data.valid or "(none: the task's own set)", "data.valid"
-            )
-        )
+        self.valid_identity = agreed_valid_identity(self.task, info, cfg.data.valid)
         train = cfg.train
         self.epoch_steps = steps_per_epoch(len(dataset), train.batch_size, train.grad_accum, info.world_size)  # type: ignore[arg-type]
         self.total_steps = train.max_steps if train.max_steps > 0 else train.epochs * self.epoch_steps
@@ -292,10 +288,12 @@ class Trainer:
             check_replicas(self.raw_model, self.info, step)
         if plan.check_optimizer:
             stop.check_finite(step, self.parts.checked_tensors(with_optimizer=True), self.hint)
+        state.evaluation_pending = failed is not None  # (saved: the resume runs it first)
         if plan.save:
             self.hint = diverged_hint(self.cfg.train, self.checkpoints.save())
         if failed is not None:
-            saved = f"; checkpoint {self.ckpt_root}/step-{step} written first, without it" if plan.save else ""
+            saved = f"; checkpoint {root}/step-{step} written first: the same command evaluates it again"
+            saved = saved if plan.save else ""
             raise EvaluationFailed(f"evaluation at step {step}: {failed}{saved}") from failed
         if plan.stop:
             checkpoint, grace = self.ckpt_root / f"step-{step}", self.cfg.train.term_grace_s
