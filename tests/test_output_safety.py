@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from distqa import runlock
+from distqa import checkpoint, runlock
 from distqa.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from distqa.checkpoint_verify import sha256
 from distqa.dist import DistInfo
@@ -319,3 +320,27 @@ def test_every_rank_stops_when_rank_0_lost_the_lock_during_a_save(tmp_path, shar
             "verified: None",
         ]
     assert sorted(p.name for p in root.iterdir()) == ["step-3"]
+
+
+def test_a_step_saved_again_is_whole_whenever_the_save_is_killed(tmp_path, monkeypatch):
+    """step-N saved a second time (a resume that evaluates it, a finished run restarted) removed the
+    old folder in place before the rename: a kill during that removal left step-N half deleted."""
+    root = tmp_path / "checkpoints"
+    save(root, 1)
+    real = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # removes one file, then the process is gone
+        files = sorted(p for p in Path(path).iterdir() if p.is_file()) if Path(path).is_dir() else []
+        if files:
+            files[0].unlink()
+            raise SystemExit("killed")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    with pytest.raises(SystemExit):
+        save(root, 1, fill=2.0)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    assert verify_checkpoint(root / "step-1") is None
+    assert choose_checkpoint(tmp_path, "auto", MAIN) == root / "step-1"
+    save(root, 1, fill=3.0)  # and the next save of it clears what the kill left
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]

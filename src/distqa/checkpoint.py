@@ -202,10 +202,16 @@ def _publish(
         problem = _not_held(still_holding(), final) if still_holding is not None else None
         if problem:
             return problem
-        if final.exists():  # saving the same step again (e.g. a finished run restarted)
-            shutil.rmtree(final)
+        # Saving the same step again (a finished run restarted, an evaluation owed): the old one is
+        # renamed aside, not removed in place, so a kill during its removal cannot leave step-N
+        # half deleted; between the two renames there is none, and resume takes the one before.
+        old = root / f".old-{final.name}"
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
         tmp.rename(final)
         fsync_path(root)
+        shutil.rmtree(old, ignore_errors=True)
         prune(root, keep, {final.name, *protect})
     except (OSError, RuntimeError, SafetensorError) as err:
         # A full disk surfaces as OSError, as torch.save's RuntimeError or as safetensors' own
