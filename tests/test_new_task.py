@@ -40,6 +40,8 @@ def test_a_bad_name_or_an_existing_target_is_refused_and_nothing_is_written(tmp_
     for name in ("1st", "my-task", "class"):
         assert "is not a Python identifier" in refused(capsys, name)
     assert "--dir nowhere is not a folder" in refused(capsys, "fine", "--dir", "nowhere")
+    # A name longer than a file name may be (test_NAME.py) was an OSError traceback.
+    assert "NAME is 300 characters long: at most 100" in refused(capsys, "a" * 300)
     assert "module json already exists" in refused(capsys, "json")  # would shadow the standard library's
     assert tree(tmp_path) == {}
 

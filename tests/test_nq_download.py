@@ -202,6 +202,39 @@ def test_real_kaggle_without_credentials(tmp_path, kaggle_home, capsys):
     assert not (tmp_path / "data").exists()  # a failed sign-in leaves no empty folder behind
 
 
+@pytest.mark.parametrize("home", [True, False], ids=["home", "KAGGLE_CONFIG_DIR"])
+@pytest.mark.parametrize(
+    "saved", [b"[]", b"\xff\xfe", b'{"username": 5}', None], ids=["list", "bytes", "no-key", "folder"]
+)
+def test_real_kaggle_with_a_credentials_file_it_cannot_read_is_one_line(
+    tmp_path, kaggle_home, monkeypatch, saved, home
+):
+    """kagglesdk's TypeError, UnicodeDecodeError or IsADirectoryError was a traceback; a file of no
+    key was "no Kaggle credentials found: ... save the file as" the file that was there."""
+    key_file = kaggle_home / "kaggle.json"
+    if home:
+        monkeypatch.delenv("KAGGLE_CONFIG_DIR")
+        key_file = tmp_path / "home" / ".kaggle" / "kaggle.json"
+        key_file.parent.mkdir(parents=True)
+    if saved is None:
+        key_file.mkdir()
+    else:
+        key_file.write_bytes(saved)
+    message = real_download_error(tmp_path / "data")
+    assert message.startswith("kaggle could not read the credentials ("), message
+    shown = "~/.kaggle/kaggle.json" if home else str(key_file)
+    assert f"{shown} must be the JSON object" in message and not (tmp_path / "data").exists()
+
+
+def test_an_output_that_is_a_file_is_one_line(tmp_path, kaggle_home):
+    (tmp_path / "data").write_text("not a folder")
+    assert real_download_error(tmp_path / "data") == (
+        f"--output {tmp_path / 'data'} is a file, not a folder: name the folder the files go into"
+    )
+    message = real_download_error(tmp_path / "data" / "nq")  # under a file: ENOTDIR, also one line
+    assert message.startswith(f"cannot write into {tmp_path / 'data' / 'nq'} while preparing"), message
+
+
 # What the message says without KAGGLE_CONFIG_DIR (the README repeats it).
 DEFAULT_PLACES = (
     "no Kaggle credentials found: create an API token at https://www.kaggle.com/settings/api, then set "

@@ -53,6 +53,20 @@ def test_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path, capsys
     assert existing.read_bytes() == b"notes\n"
 
 
+def test_more_processes_than_cpus_are_said_and_capped(tmp_path, capsys, minilm_dir):
+    """--num-proc 50 on the 10-line sample started 50 processes, and 10**11 filled the memory (its
+    list of byte ranges) before anything was read."""
+    from distqa.data_identity import usable_cpus
+
+    capsys.readouterr()
+    args = ["prepare", "--input", str(SAMPLE), "--output", str(tmp_path / "out"), f"model.tokenizer={minilm_dir}"]
+    assert cli.main([*args, "--num-proc", "50"]) == 0
+    out = capsys.readouterr().out
+    cpus = usable_cpus()
+    assert f"--num-proc 50 is more than the {cpus} CPU(s) this process may use: {cpus} process(es)" in out, out
+    assert f"with {cpus} process(es)" in out
+
+
 def test_an_input_no_line_of_which_can_be_read_is_one_line_and_leaves_no_output_folder(tmp_path, capsys, minilm_dir):
     """A .gz or BOM input was 'holds no examples: it is blank' (the worker's own refusal, wrapped by
     `datasets`, was lost), and --output was left holding only its lock file."""

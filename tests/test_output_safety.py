@@ -54,6 +54,17 @@ def test_a_run_file_that_is_a_link_is_refused_before_the_lock_is_taken(tmp_path,
     assert (out / LOCK_NAME).is_symlink() if name == LOCK_NAME else not (out / LOCK_NAME).exists()
 
 
+def test_an_output_dir_that_is_a_file_or_holds_a_folder_named_run_lock_is_said_so(tmp_path):
+    """'cannot be written: File exists' and '... Is a directory' named neither what nor where."""
+    (tmp_path / "file").write_text("notes\n")
+    with pytest.raises(DistqaError, match=r"output_dir='.*/file' is a file, not a folder: name another output_dir"):
+        claim(tmp_path / "file", MAIN)
+    assert (tmp_path / "file").read_text() == "notes\n"
+    (tmp_path / "run" / LOCK_NAME).mkdir(parents=True)
+    with pytest.raises(DistqaError, match=rf"cannot be written: Is a directory \({tmp_path / 'run' / LOCK_NAME}\)"):
+        claim(tmp_path / "run", MAIN)
+
+
 def test_a_run_into_a_folder_whose_config_yaml_is_a_link_stops_and_leaves_its_target_alone(tmp_path):
     from conftest import SMALL
     from distqa.registry import load_config

@@ -214,23 +214,31 @@ def export_files(folder: Path) -> dict[str, Any]:
     return {p.relative_to(folder).as_posix(): manifest_entry(p) for p in found}
 
 
-def export_damage(export: Path, names: Collection[str] | None = None) -> str | None:
+def export_damage(export: Path, names: Collection[str] | None = None, *, removable: Collection[str] = ()) -> str | None:
     """What of the export folder `export` no longer matches the files its SOURCE_FILE records (those
     of them in `names`, when given), in a few words; None when all match, or when it records none
-    (an export of an older distqa)."""
-    files = (recorded_source(export) or {}).get("files")
+    (an export of an older distqa). A SOURCE_FILE that is there but unreadable is damage: it would
+    vouch for nothing, and every check that reads it would pass. `removable`: files that may be
+    gone or edited on purpose (whatever reads them checks them); given, every other recorded file
+    must be there."""
+    source = export / SOURCE_FILE
+    recorded = recorded_source(export)
+    if recorded is None and (source.exists() or source.is_symlink()):
+        return f"{SOURCE_FILE} is damaged"
+    files = (recorded or {}).get("files")
     if not isinstance(files, dict):
         return None
     try:
         for name, expected in files.items():
-            if names is not None and name not in names:
+            if (names is not None and name not in names) or name in removable:
                 continue
             size = expected.get("bytes") if isinstance(expected, dict) else None
             path = export / name
             if not path.is_file():
                 # Weights and config are the model; another file may be removed on purpose (nq.md:
-                # without distqa_thresholds.json every example gets its best answer).
-                if name == "config.json" or name.endswith(".safetensors"):
+                # without distqa_thresholds.json every example gets its best answer), unless the
+                # caller names those that may (`removable`).
+                if name == "config.json" or name.endswith(".safetensors") or removable:
                     return f"{name} is missing"
                 continue
             if path.stat().st_size != size:

@@ -30,6 +30,7 @@ from distqa.errors import DistqaError
 from distqa.outdir import export_atomically
 from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
+from distqa.resume import check_task_identity
 from distqa.task_settings import SETTINGS_FILE
 
 # What the checkpoint's settings name that an export does not need, and may no longer exist.
@@ -113,6 +114,15 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     target = Path(os.path.abspath(output)) if output else directory.parent.parent / f"model-{directory.name}"
     check_replaceable(target)
     task = load_task(cfg)
+    # The settings are the checkpoint's, but the files they name may have changed since (a tokenizer
+    # folder replaced): its ids would be exported beside weights trained on others.
+    check_task_identity(
+        directory,
+        state.get("task_identity"),
+        task.identity(),
+        f"than model.tokenizer={cfg.model.tokenizer or cfg.model.name!r} holds now",
+        "put back the files it was trained with, then export again",
+    )
     task.load_state_dict(state.get("task") or {})
     # What a task chose at an evaluation (NQ's thresholds) belongs to that step's weights only: the
     # task compares. (An attribute a task without such state ignores.)

@@ -88,7 +88,7 @@ def hf_config(cfg: ModelConfig, **overrides: Any) -> PretrainedConfig:
     else:
         try:
             config = AutoConfig.from_pretrained(cfg.name)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, TypeError) as err:  # TypeError: a config.json that is no JSON object
             raise load_error("model", cfg.name, err, "model.name") from err
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -148,7 +148,7 @@ def load_tokenizer(cfg: ModelConfig, *, required: bool = False) -> Any | None:
         return None
     try:
         return AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, TypeError) as err:  # TypeError: its config.json is no JSON object
         raise load_error("tokenizer", name, err, "model.tokenizer") from err
 
 

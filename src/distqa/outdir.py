@@ -55,6 +55,8 @@ def claim(output_dir: Path, info: DistInfo) -> RunLock | None:
 
     def take() -> None:
         nonlocal lock  # rank 0's alone: a lock does not travel to the other ranks
+        if output_dir.exists() and not output_dir.is_dir():
+            raise DistqaError(f"output_dir={str(output_dir)!r} is a file, not a folder: name another output_dir")
         output_dir.mkdir(parents=True, exist_ok=True)
         linked = linked_run_path(output_dir)
         if linked is not None:
@@ -62,7 +64,13 @@ def claim(output_dir: Path, info: DistInfo) -> RunLock | None:
         lock = RunLock(output_dir)
         lock.acquire()
 
-    on_rank0(info, take, failure=lambda err: f"output_dir={str(output_dir)!r} cannot be written: {reason(err)}")
+    def failure(err: BaseException) -> str:
+        # The file it failed on, when not output_dir itself (a folder named run.lock, say).
+        name = getattr(err, "filename", None)
+        inside = f" ({name})" if name and Path(name) != output_dir else ""
+        return f"output_dir={str(output_dir)!r} cannot be written: {reason(err)}{inside}"
+
+    on_rank0(info, take, failure=failure)
     return lock
 
 

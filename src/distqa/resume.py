@@ -209,7 +209,7 @@ def check_continuation(
             "train.max_steps (or train.epochs), or start afresh with train.resume=never"
         )
     # The tokenizer first: NQ's features, made by it, would show as other data.
-    _check_task_identity(directory, state.get("task_identity"), task_identity or {})
+    check_task_identity(directory, state.get("task_identity"), task_identity or {}, "than this run builds")
     _check_data(directory, state.get("data"), data, cfg)
     _refuse_finished_with_other_settings(state, cfg, total_steps)
     if state["step"] == total_steps:
@@ -223,19 +223,25 @@ def check_continuation(
     return False
 
 
-def _check_task_identity(directory: Path, saved: Any, now: dict[str, str]) -> None:
-    """The same setting may name other files on resume (a hub id's newer snapshot, a folder
-    replaced): a tokenizer that gives other ids would train on as if nothing changed. (Checkpoints
-    written before identities were kept have none.)"""
+def check_task_identity(
+    directory: Path,
+    saved: Any,
+    now: dict[str, str],
+    builder: str,
+    fix: str = "give model.name and model.tokenizer the files it was trained with, or start afresh with "
+    "train.resume=never",
+) -> None:
+    """The same setting may name other files on resume or export (a hub id's newer snapshot, a
+    folder replaced): a tokenizer that gives other ids would train on, or be exported beside the
+    weights, as if nothing changed. `builder` says who built `now` ("than this run builds").
+    (Checkpoints written before identities were kept have none.)"""
     if not isinstance(saved, dict):
         return
     differ = sorted(key for key in saved.keys() & now.keys() if saved[key] != now[key])
     if differ:
         shown = "; ".join(f"{key}: {str(saved[key])[:12]} then, {now[key][:12]} now" for key in differ)
         raise ConfigError(
-            f"checkpoint {directory} was trained with another {', '.join(differ)} than this run builds ({shown}): "
-            "give model.name and model.tokenizer the files it was trained with, or start afresh with "
-            "train.resume=never"
+            f"checkpoint {directory} was trained with another {', '.join(differ)} {builder} ({shown}): {fix}"
         )
 
 

@@ -66,13 +66,23 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook for files distqa writes: of `{"max_seq_len": 128, "max_seq_len": 64}`
+    json keeps the last without a word, and such a file was edited by hand or damaged."""
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is given twice")
+    return dict(pairs)
+
+
 def read_task_settings(directory: Path) -> dict[str, Any] | None:
     """The `task.*` settings saved with an exported model; None for an export without them (an older distqa)."""
     path = Path(directory) / SETTINGS_FILE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():  # (a folder or a broken link is read, and refused)
         return None
     try:
-        record = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constants)
+        text = path.read_text(encoding="utf-8")
+        record = json.loads(text, parse_constant=_no_constants, object_pairs_hook=unique_keys)
     except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise DistqaError(f"{path} cannot be read ({str(err).splitlines()[0]}): {_FIX}") from err
     if not isinstance(record, dict) or not isinstance(record.get("task"), dict):

@@ -31,6 +31,7 @@ from distqa import rdzv_check
 from distqa.bench.profile import PROFILED_STEPS
 from distqa.bench.report import add_scaling, implausible, plot, summarize
 from distqa.config import Config
+from distqa.data_identity import usable_cpus
 from distqa.errors import ConfigError, DistqaError
 from distqa.registry import load_config
 
@@ -57,7 +58,7 @@ def _check_devices(nprocs: list[int]) -> None:
         if max(nprocs) > gpus:
             raise ConfigError(f"--nproc {max(nprocs)} needs {max(nprocs)} GPUs; {gpus} visible")
         return
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = usable_cpus()
     if max(nprocs) > cpus:
         print(
             f"distqa bench: warning: {max(nprocs)} CPU processes on {cpus} CPUs share cores: "
@@ -101,7 +102,7 @@ def worker_env(nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
     a single one, which flatters 1 against N)."""
     env = dict(environ)
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in environ:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cpus = usable_cpus()
         env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
     return env
 

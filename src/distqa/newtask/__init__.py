@@ -97,6 +97,9 @@ def _existing_module(module: str) -> str | None:
     return None if spec is None else str(spec.origin or next(iter(spec.submodule_search_locations or []), module))
 
 
+MAX_NAME = 100
+
+
 def plan(name: str, directory: str | Path, root: Path) -> NewTask:
     """Check NAME and the targets; one error line for the first problem, before anything is written."""
     if not name.isidentifier() or keyword.iskeyword(name):
@@ -104,6 +107,8 @@ def plan(name: str, directory: str | Path, root: Path) -> NewTask:
             f"NAME {name!r} is not a Python identifier (letters, digits and _, not a digit first, "
             "not a keyword): it names the task's package; choose one like my_task"
         )
+    if len(name) > MAX_NAME:  # file names (test_NAME.py) stop at 255 bytes on most file systems
+        raise DistqaError(f"NAME is {len(name)} characters long: at most {MAX_NAME}, as it names files and a package")
     folder = Path(directory)
     if not folder.is_dir():
         raise DistqaError(

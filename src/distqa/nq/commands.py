@@ -109,6 +109,11 @@ def _prepare(args: argparse.Namespace) -> None:
 
     if args.num_proc < 1:
         raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
+    from distqa.data_identity import usable_cpus
+
+    if args.num_proc > (cpus := usable_cpus()):  # more tokenize no faster; 10**11 of them filled the memory
+        print(f"--num-proc {args.num_proc} is more than the {cpus} CPU(s) this process may use: {cpus} process(es)")
+        args.num_proc = cpus
     # --input is the one file read: the config's data.train/data.valid need not exist (yet).
     cfg = load_config(args.config, args.overrides, data_paths=False)
     quiet_libraries(is_main=True)  # datasets' bars on a terminal only; the summary below in any case

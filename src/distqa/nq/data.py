@@ -11,7 +11,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from distqa.config import Config
-from distqa.data_identity import arrow_fingerprint, fingerprint
+from distqa.data_identity import arrow_fingerprint, fingerprint, usable_cpus
 from distqa.dist import print0
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS
@@ -88,7 +88,7 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
         target,
         tokenizer_name=name,
         settings=feature_settings(cfg, training=training),
-        num_proc=os.cpu_count() or 1,
+        num_proc=usable_cpus(),
         skip_bad_lines=cfg.task.skip_bad_lines,
     )
     note = result.skipped_note()

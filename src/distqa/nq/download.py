@@ -118,7 +118,21 @@ def _authenticate(api: KaggleApiLike) -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             api.authenticate()
     except SystemExit:
+        key_file = kaggle_config_dir() / "kaggle.json"
+        if key_file.exists():  # there, but kaggle found no username and key in it
+            raise DistqaError(_unreadable_key_file("it holds no username and key")) from None
         raise DistqaError(_no_credentials_message()) from None
+    # A credentials file kaggle cannot read: `[]`, other bytes than UTF-8, a folder by that name.
+    except (ValueError, TypeError, KeyError, AttributeError, IsADirectoryError, PermissionError) as err:
+        raise DistqaError(_unreadable_key_file(f"{type(err).__name__}: {_one_line(err)}")) from None
+
+
+def _unreadable_key_file(why: str) -> str:
+    return (
+        f"kaggle could not read the credentials ({why}): {_shown(kaggle_config_dir() / 'kaggle.json')} must be "
+        'the JSON object {"username": ..., "key": ...} that kaggle.com gives; or set KAGGLE_API_TOKEN, or '
+        "KAGGLE_USERNAME and KAGGLE_KEY"
+    )
 
 
 def _one_line(err: BaseException, limit: int = 200) -> str:
@@ -127,6 +141,10 @@ def _one_line(err: BaseException, limit: int = 200) -> str:
     reason = getattr(err.args[0], "reason", None) if err.args else None
     text = " ".join(str(reason or err).split()) or type(err).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# A full disk or quota, no permission, a read-only file system, a file where a folder must be.
+_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.EEXIST, errno.ENOTDIR)
 
 
 @contextlib.contextmanager
@@ -168,7 +186,7 @@ def _explained(output_dir: Path, step: list[str]) -> Iterator[None]:
                 f"cannot reach Kaggle while {step[0]} ({type(err).__name__}: {_one_line(err)}): check the network "
                 f"connection and any proxy (HTTPS_PROXY), {by_hand}"
             ) from None
-        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM):
+        if err.errno in _CANNOT_WRITE:
             raise DistqaError(f"cannot write into {output_dir} while {step[0]}: {_one_line(err)}") from None
         raise
 
@@ -237,6 +255,8 @@ def download(output_dir: str | os.PathLike = Path("data"), api: KaggleApiLike | 
     tries to authenticate and prints a page of help when there are no credentials.
     """
     output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise DistqaError(f"--output {output_dir} is a file, not a folder: name the folder the files go into")
     step = ["preparing"]  # what is being done, for the error message (a list: _explained reads it late)
     kept: list[str] = []
     written: list[str] = []

@@ -151,9 +151,10 @@ def predict(
     check_output_path(output, input_path=input_path)
     folder = model_folder(checkpoint)
     check_nq_model(cfg, folder)
-    # The weights alone: a flipped byte there loads, and answers wrongly. (The thresholds file may be
-    # removed on purpose: every example then gets its best answer.)
-    damage = export_damage(folder, names=("model.safetensors",))
+    # Every file the export wrote: a flipped byte in the weights loads and answers wrongly, and a
+    # distqa_task.json, config.json or tokenizer file edited since builds other inputs without a
+    # word. (The thresholds may be removed, or tuned by hand: read strictly, and by step, below.)
+    damage = export_damage(folder, removable=(THRESHOLDS_FILE,))
     if damage is not None:
         raise DistqaError(f"the model in {folder} is damaged ({damage}): export it again (distqa export)")
     # Windows of another length or stride than training's give a plausible, wrong submission.
@@ -164,7 +165,8 @@ def predict(
     check_model_fits(model, cfg.model, max_seq_len=cfg.task.max_seq_len, tokenizer=tokenizer, exported=True)
     thresholds_path = folder / THRESHOLDS_FILE
     # Without thresholds (a run with no data.valid) every example gets its best answer.
-    chosen = chosen_thresholds(thresholds_path, folder) if thresholds_path.is_file() else Chosen({})
+    there = thresholds_path.exists() or thresholds_path.is_symlink()  # a folder or a broken link: read, refused
+    chosen = chosen_thresholds(thresholds_path, folder) if there else Chosen({})
     thresholds = chosen.thresholds
     if thresholds:
         # (A threshold no score passes, null in the file, is "never": that kind is never answered.)

@@ -194,6 +194,7 @@ def line_number_at(path: Path, offset: int) -> int:
 def byte_ranges(path: Path, parts: int) -> list[tuple[int, int]]:
     """Split the file into `parts` byte ranges; each line belongs to the range holding its first byte."""
     size = path.stat().st_size
+    parts = max(1, min(parts, size))  # no more ranges than bytes (nor a list of `parts` bounds for nothing)
     bounds = [size * i // parts for i in range(parts + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from distqa.errors import DistqaError
+from distqa.task_settings import unique_keys
 
 THRESHOLDS_FILE = "distqa_thresholds.json"
 KINDS = ("long", "short")
@@ -101,9 +102,10 @@ def read_chosen(path: Path) -> Chosen:
     """distqa_thresholds.json as `thresholds_json` writes it (null: never answer), or as exports
     before it did (`Infinity`, no step, no precision)."""
     try:
-        return from_json_values(json.loads(path.read_text(encoding="utf-8")))
-    # Not JSON (JSONDecodeError, UnicodeDecodeError; RecursionError: nested too deep), or not thresholds.
-    except (ValueError, RecursionError) as err:
+        return from_json_values(json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys))
+    # Not JSON (JSONDecodeError, UnicodeDecodeError; RecursionError: nested too deep), or not thresholds;
+    # OSError: not a file (a folder, a broken link).
+    except (OSError, ValueError, RecursionError) as err:
         raise DistqaError(
             f"{path} is not a thresholds file ({str(err).splitlines()[0]}): export the model again, or remove "
             "it to give every example its best answer"
