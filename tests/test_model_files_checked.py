@@ -140,3 +140,26 @@ def test_a_config_json_that_is_no_object_is_one_line(nq_run, tmp_path, capsys):
     status, lines = predict(tmp_path, capsys, model)
     assert status == 2 and lines[-1].startswith(f"distqa: error: cannot load tokenizer from the folder {model}")
     assert "must be a mapping, not list" in lines[-1]
+
+
+def test_a_model_replaced_while_predict_reads_it_is_refused(nq_run, tmp_path, capsys, monkeypatch):
+    """An export that renamed a new folder into place after predict had loaded the weights: predict
+    read the new export's thresholds beside the old weights, whose steps both came from the new
+    folder's files, and wrote a submission with exit 0."""
+    from distqa.nq.model import BertJointQA
+
+    model = export_checkpoint(str(nq_run / "checkpoints" / "step-2"), str(tmp_path / "m"))
+    real = BertJointQA.from_pretrained.__func__
+
+    def load_then_replaced(cls, folder, *args, **kwargs):
+        loaded = real(cls, folder, *args, **kwargs)
+        export_checkpoint(str(nq_run / "checkpoints" / "step-4"), str(model))  # meanwhile, another export
+        return loaded
+
+    monkeypatch.setattr(BertJointQA, "from_pretrained", classmethod(load_then_replaced))
+    status, lines = predict(tmp_path, capsys, model)
+    assert status == 2 and lines[-1] == (
+        f"distqa: error: the model in {model} was replaced while predict read it (an export wrote it meanwhile): "
+        "run predict again"
+    ), lines
+    assert not (tmp_path / "sub.csv").exists()

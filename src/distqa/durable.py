@@ -63,17 +63,36 @@ def file_in_the_way(folder: Path) -> Path | None:
     return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
 
 
+# The descriptors of the locks this process holds (`held_exclusively`). A process forked meanwhile
+# (a `datasets` pool worker, its manager, a DataLoader worker) shares each open file and so the
+# flock: once the holder was killed, such an orphan kept the lock, and every later writer waited for
+# ever. So a forked child closes them at once: the lock stays the holder's alone. (exec'd children
+# get none: O_CLOEXEC.)
+_HELD: set[int] = set()
+
+
+def _drop_held_locks() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_held_locks)
+
+
 @contextlib.contextmanager
 def held_exclusively(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[None]:
     """Hold an exclusive flock on `lock_file` (created if missing, never through a link; a folder
     is locked itself, with no file) for the body; when another process holds it, call `on_wait`
-    once, then wait for it. The lock goes with the process (a killed holder leaves no stale lock),
-    and the file is never removed: a waiter would otherwise lock a file nobody else sees. Raises
-    OSError."""
+    once, then wait for it. The lock goes with the process (a killed holder leaves no stale lock,
+    and a child it forked holds none), and the file is never removed: a waiter would otherwise lock
+    a file nobody else sees. Raises OSError."""
     if lock_file.is_dir():
         fd = os.open(lock_file, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     else:
         fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    _HELD.add(fd)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -82,4 +101,5 @@ def held_exclusively(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[N
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
+        _HELD.discard(fd)
         os.close(fd)  # releases the lock

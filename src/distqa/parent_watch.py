@@ -1,7 +1,9 @@
-"""A torchrun worker that outlives its agent stops itself (`watch_parent`)."""
+"""A torchrun worker that outlives its agent stops itself (`watch_parent`); a pool worker dies
+with the process that forked it (`die_with_parent`)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -41,3 +43,22 @@ def watch_parent(grace_s: float = 10.0) -> None:
         os._exit(1)
 
     threading.Thread(target=poll, name="distqa-parent-watch", daemon=True).start()
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """In a process forked by `parent` (a `datasets` pool worker): be killed when `parent` dies.
+
+    When only the parent is killed (SIGKILL, the OOM killer), such a worker finishes its share,
+    then waits for ever to hand it to the dead parent, holding its memory. (It no longer holds the
+    parent's folder lock too: `durable.held_exclusively` drops that at the fork.) Linux's
+    parent-death signal ends it with its parent; elsewhere, nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        os._exit(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,15 @@ def model_tokenizer(cfg: Config, folder: Path) -> Any:
     return tokenizer
 
 
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """The folder as the file system knows it (device, inode): an export renames a new one into place."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def chosen_thresholds(path: Path, folder: Path) -> Chosen:
     """The thresholds saved with the model; refused when they say they were chosen at another step
     than the weights' (`distqa_source.json`): a file copied beside other weights."""
@@ -150,6 +160,10 @@ def predict(
         raise DistqaError(f"--input {input_path} does not exist or is not a file")
     check_output_path(output, input_path=input_path)
     folder = model_folder(checkpoint)
+    # Its files are read one by one below: an export that replaces the folder meanwhile (a run
+    # resumed into this output_dir, `distqa export --output` it) mixed one export's weights with
+    # the other's thresholds. Which folder was read is compared once all of it is read.
+    read_from = _identity(folder)
     check_nq_model(cfg, folder)
     # Every file the export wrote: a flipped byte in the weights loads and answers wrongly, and a
     # distqa_task.json, config.json or tokenizer file edited since builds other inputs without a
@@ -182,6 +196,11 @@ def predict(
             "short answer"
         )
 
+    if _identity(folder) != read_from:
+        raise DistqaError(
+            f"the model in {folder} was replaced while predict read it (an export wrote it meanwhile): "
+            "run predict again"
+        )
     examples, bad_lines = read_examples(input_path, skip_bad_lines=cfg.task.skip_bad_lines)
     features = resolve_features(cfg, input_path, tokenizer, training=False)
     check_feature_ids(features, examples.keys(), input_path)

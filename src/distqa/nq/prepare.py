@@ -26,6 +26,7 @@ from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer
 from distqa.nq.feature_stamp import fingerprint, load_features
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, refuse_unreadable_start, shown_lines
+from distqa.parent_watch import die_with_parent
 from distqa.rank0 import reason
 
 # Skipped lines whose numbers and reasons the fingerprint file keeps, so that a run reusing the
@@ -52,6 +53,8 @@ def _generate(shards: list[dict[str, Any]]) -> Any:
     A user-facing error (a malformed line) is written to the shard's stats file instead of being
     raised: across the process pool `datasets` would wrap it and lose the message.
     """
+    if shards and os.getpid() != shards[0]["parent"]:  # a pool worker: it shares its parent's folder lock
+        die_with_parent(shards[0]["parent"])
     for shard in shards:
         tokenizer = AutoTokenizer.from_pretrained(shard["tokenizer"])
         builder = FeatureBuilder(tokenizer, FeatureSettings(**shard["settings"]))
@@ -278,6 +281,7 @@ def _prepare_into(
                 "settings": dataclasses.asdict(settings),
                 "skip_bad_lines": skip_bad_lines,
                 "stats": str(staging / f"stats-{i}.json"),
+                "parent": os.getpid(),
             }
             for i, r in enumerate(byte_ranges(source, max(1, num_proc)))
         ]
