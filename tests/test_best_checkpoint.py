@@ -92,6 +92,29 @@ def test_the_best_checkpoint_is_kept_named_resumed_and_exported(tmp_path, capsys
     assert names(root) == ["best", "step-12"] and os.readlink(root / "best") == "step-12"
 
 
+def test_a_run_copied_with_its_links_followed_resumes_and_its_best_is_a_link_again(tmp_path):
+    """`cp -rL` (or an object store's sync) makes checkpoints/best a folder: every resume then
+    stopped at "cannot write .../best (Is a directory)", the same again each time."""
+    import shutil
+
+    root = run(tmp_path / "run", "train.max_steps=8")
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")  # follows the link: best is a folder there
+    copied = tmp_path / "copy" / "checkpoints"
+    assert (copied / "best").is_dir() and not (copied / "best").is_symlink()
+    run(tmp_path / "copy", "train.max_steps=10")
+    assert os.readlink(copied / "best") == "step-4" and names(copied) == ["best", "step-10", "step-4"]
+    assert names(root) == ["best", "step-4", "step-8"]  # the original is untouched
+    # A folder by that name that is no copy of a checkpoint is not removed: named instead.
+    (copied / "best").unlink()
+    (copied / "best").mkdir()
+    (copied / "best" / "notes.txt").write_text("mine")
+    with pytest.raises(
+        DistqaError, match=r"checkpoints/best is a folder, not the link .*: move it away, then run again"
+    ):
+        run(tmp_path / "copy", "train.max_steps=12")
+    assert (copied / "best" / "notes.txt").read_text() == "mine"
+
+
 def test_min_mode_and_a_new_best_moves_the_pointer(tmp_path):
     root = run(tmp_path / "run", "train.max_steps=8", "train.best_mode=min")
     assert os.readlink(root / "best") == "step-2"  # 0.5 is the lowest

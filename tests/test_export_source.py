@@ -172,10 +172,44 @@ def test_a_checkpoint_pruned_during_the_export_is_one_line_naming_it(tmp_path, m
     with pytest.raises(DistqaError) as refused:
         export.export_checkpoint(str(step), str(tmp_path / "model"))
     assert str(refused.value) == (
-        f"checkpoint {step} disappeared during the export (a live run pruned it, train.keep_checkpoints): "
-        "export checkpoints/best, or export after the run"
+        f"checkpoint {step} disappeared during the export (a live run pruned it, train.keep_checkpoints, or set "
+        "its run aside, train.resume=never): export checkpoints/best, or export after the run"
     )
     assert not (tmp_path / "model").exists()
+
+
+@pytest.mark.parametrize("then", ["set-aside", "written-again"])
+def test_a_checkpoint_gone_or_replaced_once_the_export_is_written_is_not_renamed_in(tmp_path, monkeypatch, then):
+    """`distqa export` (default target OUT/model-step-N) went on while `train.resume=never` set its
+    run aside and a new run took OUT: the old run's weights landed in the new run's folder, under a
+    name the new run's own step-N also has. The checkpoint is compared last, before the rename."""
+    from distqa import export
+    from distqa.errors import DistqaError
+
+    out, other = tmp_path / "run", tmp_path / "other"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    train(load_config(None, [*TOY, f"output_dir={other}", "train.max_steps=2", "seed=5"]))
+    step = out / "checkpoints" / "step-2"
+    real = export.export_atomically
+
+    def meanwhile(save, target, *args, **kwargs):
+        def save_then_taken_over(folder):
+            save(folder)
+            shutil.move(out / "checkpoints", tmp_path / "earlier")  # set aside, as resume=never does
+            if then == "written-again":  # and the new run's own step-2 (its export would wait for this one)
+                shutil.copytree(other / "checkpoints", out / "checkpoints")
+
+        return real(save_then_taken_over, target, *args, **kwargs)
+
+    monkeypatch.setattr(export, "export_atomically", meanwhile)
+    with pytest.raises(DistqaError) as refused:
+        export.export_checkpoint(str(step))
+    said = {
+        "set-aside": f"checkpoint {step} disappeared during the export",
+        "written-again": f"checkpoint {step} was written again during the export (another run writes there)",
+    }[then]
+    assert str(refused.value).startswith(said), refused.value
+    assert not (out / "model-step-2").exists() and not list(out.glob(".tmp-*"))
 
 
 def test_a_run_kept_in_a_projects_folder_named_checkpoints_exports_to_its_default(tmp_path):

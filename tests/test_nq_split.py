@@ -140,6 +140,47 @@ def test_existing_outputs_need_overwrite_and_a_failed_split_keeps_them(tmp_path,
     assert len((out / "valid.jsonl").read_bytes().splitlines()) == 4
 
 
+def test_two_splits_into_one_folder_move_their_files_in_one_after_the_other(tmp_path, capsys):
+    """Their renames interleaved: one split's train.jsonl beside the other's valid.jsonl, both exit 0
+    (27 of 30 validation examples were also in training). Each moves its files in holding the
+    folder's lock; one without --overwrite then finds the other's files and refuses."""
+    import fcntl
+    import os
+    import threading
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out"
+    source.write_bytes(b"".join(generated(50)))
+    out.mkdir()
+    held = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another split is moving its files in
+    results: dict[str, object] = {}
+
+    def second(seed: int, overwrite: bool) -> None:
+        try:
+            results[seed] = split.split_file(source, out, 5, seed=seed, overwrite=overwrite)
+        except split.DistqaError as err:
+            results[seed] = err
+
+    waiting = threading.Thread(target=second, args=(1, False))
+    waiting.start()
+    waiting.join(timeout=5)
+    assert waiting.is_alive() and f"waiting for another split into {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == []  # nothing moved in
+    split.split_file(source, tmp_path / "first", 5, seed=0)
+    for name in ("train.jsonl", "valid.jsonl", "split.json"):  # the other split's files, as it moves them in
+        (tmp_path / "first" / name).rename(out / name)
+    os.close(held)
+    waiting.join(timeout=30)
+    assert isinstance(results[1], split.DistqaError) and "already holds train.jsonl and valid.jsonl" in str(results[1])
+    assert json.loads((out / "split.json").read_text())["seed"] == 0
+    second(2, True)  # --overwrite: its own three files, whole
+    assert json.loads((out / "split.json").read_text())["seed"] == 2
+    train, valid = (
+        ids_of((out / name).read_bytes().splitlines(keepends=True)) for name in ("train.jsonl", "valid.jsonl")
+    )
+    assert len(valid) == 5 and not train & valid and len(train | valid) == 50
+
+
 def test_a_failure_while_writing_leaves_no_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(split, "fsync_path", lambda path: (_ for _ in ()).throw(OSError(28, "No space left")))
     assert run(tmp_path, LINES, "--valid", "3")[0] == 2

@@ -15,14 +15,15 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distqa.checkpoint_verify import folder_step, read_trainer_state, verify_checkpoint
+from distqa.checkpoint_verify import MANIFEST_FILE, folder_step, read_trainer_state, step_folders, verify_checkpoint
 from distqa.dist import print0
 from distqa.durable import fsync_path, write_atomically
 from distqa.errors import ConfigError, DistqaError
-from distqa.rank0 import on_rank0
+from distqa.rank0 import on_rank0, reason
 
 if TYPE_CHECKING:
     from distqa.config import TrainConfig
@@ -103,6 +104,7 @@ def pointed(root: Path) -> Path | None:
 def point_at(root: Path, step: int) -> None:
     """Rank 0: make `root/best` name `step-N`, atomically (a link, or a file where links fail)."""
     tmp, name = root / f".tmp-{BEST_NAME}", f"step-{step}"
+    _remove_copied_best(root)
     tmp.unlink(missing_ok=True)
     try:
         os.symlink(name, tmp)  # relative: the run's folder may be moved or mounted elsewhere
@@ -111,6 +113,26 @@ def point_at(root: Path, step: int) -> None:
     else:
         os.replace(tmp, root / BEST_NAME)  # replaces a link or a file by that name, never writes through it
     fsync_path(root)
+
+
+def _remove_copied_best(root: Path) -> None:
+    """A `best` that is a folder: the link, copied by a tool that follows links (`cp -rL`, an object
+    store's sync). Nothing can replace a folder by a link in one step, and every resume stopped at
+    it. A copy of one of the run's checkpoints (the same manifest) goes; anything else is named."""
+    best = root / BEST_NAME
+    if best.is_symlink() or not best.is_dir():
+        return
+    try:
+        copied = (best / MANIFEST_FILE).read_bytes()
+        same = any((step / MANIFEST_FILE).read_bytes() == copied for step in step_folders(root))
+    except OSError:
+        same = False
+    if not same:
+        raise DistqaError(
+            f"{best} is a folder, not the link to the best checkpoint distqa writes (a copy that followed the link "
+            "holds one of the checkpoints' files): move it away, then run again"
+        )
+    shutil.rmtree(best)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -126,7 +148,13 @@ def resolve_checkpoint(path: Path) -> Path:
     damage = verify_checkpoint(folder)
     if damage is not None:
         raise DistqaError(f"checkpoint {folder} cannot be used ({damage}): name another step-N folder")
-    best = read_trainer_state(folder).get("best")
+    try:
+        best = read_trainer_state(folder).get("best")
+    except OSError as err:  # verified a moment ago: a live run pruned it, or moved its run aside
+        raise DistqaError(
+            f"checkpoint {folder} disappeared as it was read ({reason(err)}): a run still writing there pruned it "
+            "(train.keep_checkpoints) or set it aside (train.resume=never); name another step-N folder"
+        ) from None
     if folder != path and not (isinstance(best, dict) and best.get("step") == folder_step(folder)):
         raise DistqaError(f"{path} names {folder.name}, whose trainer state records another best: name a step-N folder")
     return folder

@@ -92,8 +92,8 @@ def checkpoint_unreadable(directory: Path, err: Exception) -> DistqaError:
     training pruned meanwhile (train.keep_checkpoints), which "free space" would not explain."""
     if not directory.is_dir():
         return DistqaError(
-            f"checkpoint {directory} disappeared during the export (a live run pruned it, "
-            "train.keep_checkpoints): export checkpoints/best, or export after the run"
+            f"checkpoint {directory} disappeared during the export (a live run pruned it, train.keep_checkpoints, or "
+            "set its run aside, train.resume=never): export checkpoints/best, or export after the run"
         )
     if isinstance(err, DistqaError):
         return err
@@ -144,7 +144,21 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
 
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     note = f"the checkpoint {directory} is unchanged: {{fix}} and run again"
-    export_atomically(save, target, info, note=note, source=source)
+
+    def still_there() -> str | None:
+        # A run that set this one aside (train.resume=never) or pruned the checkpoint meanwhile: the
+        # target beside it may be the new run's folder now, which must get none of the old weights.
+        try:
+            unchanged = source_of(directory) == source
+        except (OSError, ValueError, KeyError, TypeError):
+            unchanged = False
+        if unchanged:
+            return None
+        if not directory.is_dir():
+            return str(checkpoint_unreadable(directory, OSError("gone")))
+        return f"checkpoint {directory} was written again during the export (another run writes there): export it again"
+
+    export_atomically(save, target, info, note=note, source=source, still_valid=still_there)
     best = state.get("best")
     what = (
         f" ({best['metric']}={best['value']:.4g}, the best)"

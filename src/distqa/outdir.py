@@ -131,12 +131,17 @@ def _fsync_tree(root: Path) -> None:
         fsync_path(path)
 
 
+class Stale(DistqaError):
+    """What an export was made of is no longer there: said as it is, not as a write that failed."""
+
+
 def export_atomically(
     save: Callable[[Path], None],
     directory: Path,
     info: DistInfo,
     note: str,
     source: Path | dict[str, Any] | None = None,
+    still_valid: Callable[[], str | None] | None = None,
 ) -> None:
     """Rank 0 calls `save(folder)` into a hidden folder beside `directory`, fsyncs it and renames
     it into place, so `directory` is always a whole export: the previous one, or the new one. A
@@ -144,7 +149,8 @@ def export_atomically(
     `note` says what the user can do then, its `{fix}` what the error calls for (`rank0.fix_for`:
     free space, permissions, or what the error names). `source`, the checkpoint the weights come
     from (or what `source_of` read of it), is recorded in the export (`checkpoint_verify.SOURCE_FILE`)
-    with the size and SHA-256 of every file written."""
+    with the size and SHA-256 of every file written. `still_valid`, asked last before the rename,
+    says what no longer holds (the checkpoint was removed meanwhile): nothing is renamed, one line."""
     tmp = directory.with_name(f".tmp-{directory.name}")
     old = directory.with_name(f".old-{directory.name}")
 
@@ -173,10 +179,15 @@ def export_atomically(
                 record = {**(source if isinstance(source, dict) else source_of(source)), "files": export_files(tmp)}
                 (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
             _fsync_tree(tmp)
+            if still_valid is not None and (gone := still_valid()):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise Stale(gone)
             if directory.exists():
                 directory.rename(old)
             tmp.rename(directory)
             _remove(old)  # the previous export, or the link `directory` was (unlinked: rmtree refuses links)
+        except Stale:
+            raise
         except (OSError, RuntimeError, ValueError, SafetensorError, DistqaError) as err:
             # (DistqaError: a task's save_model, or rebuilding a sharded model, that cannot load
             # what it needs.) Rank 0 alone runs `save`: the others learn of it from on_rank0.

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from distqa.durable import fsync_path
+from distqa.durable import fsync_path, held_exclusively
 from distqa.errors import DistqaError
 from distqa.nq.reader import BadLine, checked_example_id, load_object
 
@@ -213,7 +213,13 @@ def split_file(
         }
         (staging / "split.json").write_text(json.dumps(record, indent=2) + "\n")
         fsync_path(staging / "split.json")
-        _move_into_place(staging, output)
+        # Two splits into one folder at once: each moves its files in holding the folder's lock, or
+        # one's train.jsonl went beside the other's valid.jsonl (27 of 30 validation examples also
+        # in training). The later one, without --overwrite, then finds the first one's files.
+        with held_exclusively(output, lambda: print(f"waiting for another split into {output}", flush=True)):
+            if not overwrite:
+                _check_paths(source, output, overwrite)
+            _move_into_place(staging, output)
     except OSError as err:
         raise DistqaError(f"cannot write the split into {output} ({err.strerror or err})") from None
     finally:
