@@ -115,6 +115,25 @@ def test_a_run_copied_with_its_links_followed_resumes_and_its_best_is_a_link_aga
     assert (copied / "best" / "notes.txt").read_text() == "mine"
 
 
+def test_a_checkpoint_gone_between_its_check_and_its_read_is_one_line(tmp_path, monkeypatch):
+    """`distqa export` while a live run prunes (or sets aside) the checkpoint it just verified: a
+    FileNotFoundError traceback from reading its trainer state."""
+    import shutil
+
+    from distqa import best
+
+    root = run(tmp_path / "run", "train.max_steps=4")
+    real = best.read_trainer_state
+
+    def pruned_first(folder):
+        shutil.rmtree(folder)
+        return real(folder)
+
+    monkeypatch.setattr(best, "read_trainer_state", pruned_first)
+    with pytest.raises(DistqaError, match=r"checkpoint .*step-4 disappeared as it was read \(No such file"):
+        resolve_checkpoint(root / "step-4")
+
+
 def test_min_mode_and_a_new_best_moves_the_pointer(tmp_path):
     root = run(tmp_path / "run", "train.max_steps=8", "train.best_mode=min")
     assert os.readlink(root / "best") == "step-2"  # 0.5 is the lowest

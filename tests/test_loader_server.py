@@ -4,6 +4,7 @@ cannot receive is named in one line, and the server imports the task's modules o
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import subprocess
 import sys
@@ -120,3 +121,74 @@ def test_one_process_forks_its_workers_itself():
     for info, method in ((one, "fork"), (RANK0_OF_2, "forkserver")):
         batches = sampler.training_batches(list(range(8)), list, cfg, info, 0, 0)
         assert batches._workers[0]._popen.method == method
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("DataLoader worker (pid 31952) exited unexpectedly", "(pid 31952) exited unexpectedly: most often the out-of"),
+        ("DataLoader worker (pid(s) 12, 13) exited unexpectedly", "(pid 12, 13) exited unexpectedly: most often"),
+        ("DataLoader worker (pid 9) is killed by signal: Killed. ", "(pid 9) was killed by signal Killed: most often"),
+        (
+            "DataLoader worker (pid 9) is killed by signal: Bus error. It is possible that dataloader's workers are "
+            "out of shared memory. Please try to raise your shared memory limit.",
+            "(pid 9) was killed by signal Bus error: the workers ran out of shared memory (/dev/shm",
+        ),
+    ],
+)
+def test_torch_s_words_for_a_dead_worker_become_one_line(text, said):
+    """torch's own messages (torch/utils/data/dataloader.py, libtorch_python's signal handling)."""
+    from distqa.loader_server import as_worker_loss
+
+    line = str(as_worker_loss(RuntimeError(text)))
+    assert said in line and line.endswith("then run the same command again to resume from the newest checkpoint")
+    assert as_worker_loss(RuntimeError("CUDA out of memory")) is None
+
+
+@pytest.mark.safety  # a real run, one of its loader workers killed: about 15 seconds
+def test_a_loader_worker_killed_mid_run_is_one_line_and_the_same_command_resumes(tmp_path):
+    """The OOM killer's usual victim: the run ended in a traceback of some 75 lines."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "distqa", "train", "model.name=tiny", "task.max_seq_len=64"]
+    cmd += ["task.dummy_size=4096", "data.num_workers=2", "train.log_every=1", "train.checkpoint_every=10"]
+    run = subprocess.Popen(
+        [*cmd, "train.max_steps=400", f"output_dir={out}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "step-10").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = [
+            pid
+            for pid in map(int, subprocess.run(["pgrep", "-f", "."], capture_output=True, text=True).stdout.split())
+            if Path(f"/proc/{pid}/comm").exists()
+            and Path(f"/proc/{pid}/comm").read_text().strip() == "pt_data_worker"
+            and _descends_from(pid, run.pid)
+        ]
+        assert workers, "no loader worker of the run was found"
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = run.communicate(timeout=60)
+    finally:
+        run.kill()
+    lines = err.strip().splitlines()
+    assert run.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert lines[-1].startswith(f"distqa: error: a DataLoader worker (pid {workers[0]}) "), lines[-1]
+    resumed = subprocess.run(
+        [*cmd, "train.max_steps=30", f"output_dir={out}"], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False

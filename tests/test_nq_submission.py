@@ -26,6 +26,29 @@ def test_exact_format_and_order(tmp_path):
     assert not list(tmp_path.glob("*.partial"))
 
 
+def test_two_predictions_into_one_output_each_write_a_whole_file(tmp_path, monkeypatch):
+    """Both wrote `submission.csv.partial`: the one renamed in last could hold the other's rows, or
+    its rename found the file gone. Each now writes a file of its own; the last rename wins whole."""
+    from distqa.nq import submission
+
+    path = tmp_path / "submission.csv"
+    first, second = {"1": ("1:2", "")}, {"2": ("", "YES"), "3": ("4:5", "")}
+    real = submission.os.replace
+    calls = []
+
+    def meanwhile(src, dst):
+        calls.append(src)
+        if len(calls) == 1:  # the other prediction writes and renames in before this one
+            write_submission(path, second)
+        real(src, dst)
+
+    monkeypatch.setattr(submission.os, "replace", meanwhile)
+    write_submission(path, first)
+    assert len(set(calls)) == 2  # two files of their own
+    assert read_submission(path) == {"1_long": "1:2", "1_short": ""}
+    assert not list(tmp_path.glob("*.partial"))
+
+
 def test_round_trip_through_read_submission(tmp_path):
     predictions = {"-7853356005143141653": ("6:18", "YES"), "-545833482873225036": ("105:200", ""), "3": ("", "")}
     path = tmp_path / "out" / "submission.csv"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import os
+import re
 import select
 import sys
 import threading
@@ -150,3 +151,30 @@ def _exit_when_gone(pid: int) -> None:
         while not _ended(pid):
             time.sleep(1.0)
     os._exit(0)
+
+
+# torch's words when a DataLoader worker process is gone ("DataLoader worker (pid 123) is killed by
+# signal: Killed.", "... exited unexpectedly"): the OOM killer's usual victim, the biggest process
+# but one.
+_WORKER_GONE = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal: [\w ]+|exited unexpectedly)"
+)
+
+
+def as_worker_loss(err: BaseException) -> DistqaError | None:
+    """`err` said as one line when a DataLoader worker of this process died; None for anything else."""
+    found = _WORKER_GONE.search(str(err))
+    if found is None:
+        return None
+    how = found.group(2).replace("is killed by signal: ", "was killed by signal ")
+    if "shared memory" in str(err):  # a Bus error where /dev/shm is full (docker's default is 64 MB)
+        cause = "the workers ran out of shared memory (/dev/shm: docker run --shm-size, or lower data.num_workers)"
+    else:
+        cause = (
+            "most often the out-of-memory killer (the kernel log says so): lower data.num_workers or "
+            "train.batch_size, or give the job more memory"
+        )
+    return DistqaError(
+        f"a DataLoader worker (pid {found.group(1).strip()}) {how}: {cause}; then run the same command again "
+        "to resume from the newest checkpoint"
+    )

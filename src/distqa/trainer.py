@@ -30,6 +30,7 @@ from distqa.errors import DistqaError, EvaluationFailed, Preempted
 from distqa.evaluate_again import evaluate_again
 from distqa.evaluation import run_evaluation
 from distqa.finish import export_final, is_exported, plot_run, summary
+from distqa.loader_server import as_worker_loss
 from distqa.metrics import MetricsWriter, ThroughputMeter
 from distqa.optim import build_optimizer, build_scheduler
 from distqa.outdir import archive_config, claim, write_text
@@ -93,8 +94,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.ckpt_root, self.cfg, self.info, sharded=self.sharded, lock=self.lock)
         try:
             return self._fit()
-        except RuntimeError as err:  # torch.distributed's errors are RuntimeErrors
-            lost = as_peer_loss(err, self.step) if self.info.is_distributed else None
+        except RuntimeError as err:  # torch.distributed's errors are RuntimeErrors, the DataLoader's too
+            lost = (as_peer_loss(err, self.step) if self.info.is_distributed else None) or as_worker_loss(err)
             if lost is None:
                 raise
             raise lost from err

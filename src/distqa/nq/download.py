@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,9 +215,16 @@ def _move_into_place(source: io.BufferedIOBase | Path, target: Path) -> bool:
     if isinstance(source, Path):
         os.rename(source, target)  # same folder tree, so a rename, not a copy
         return True
-    partial = target.with_name(f".{target.name}.partial")
-    with partial.open("wb") as out:
-        shutil.copyfileobj(source, out, length=1 << 24)
+    # A name of its own: two downloads into one folder each write their own copy, then the first
+    # renamed in is kept.
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    partial = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(source, out, length=1 << 24)
+    except BaseException:  # a full disk, an interrupt: no copy of its own left behind
+        partial.unlink(missing_ok=True)
+        raise
     # Checked again: another process (or the user) may have put the file there meanwhile.
     if target.exists():
         partial.unlink()

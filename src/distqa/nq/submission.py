@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -98,11 +99,9 @@ def check_output_path(output: str | os.PathLike, *, input_path: str | os.PathLik
         raise DistqaError(f"--output {path} cannot be written: {folder} is not writable: choose another --output")
     # Its folder created and a file made there now, not after the model's work: a read-only mount
     # that os.access does not see, or a folder that cannot be created, fails here.
-    partial = _partial(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial.open("w").close()
-        partial.unlink()
+        _partial(path).unlink()
     except OSError as err:
         raise DistqaError(
             f"--output {path} cannot be written ({err.strerror or err}): choose another --output"
@@ -110,8 +109,12 @@ def check_output_path(output: str | os.PathLike, *, input_path: str | os.PathLik
 
 
 def _partial(path: Path) -> Path:
-    """Where a submission is written before it is renamed to `path`."""
-    return path.with_name(path.name + ".partial")
+    """A new file of its own beside `path`, where a submission is written before it is renamed to
+    `path`: two predictions given one --output each write their own (one name for both interleaved
+    their rows, and the one renamed last held some of the other's)."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    return Path(name)
 
 
 def write_submission(path: str | os.PathLike, predictions: Mapping[str, tuple[str, str]]) -> None:
@@ -123,9 +126,10 @@ def write_submission(path: str | os.PathLike, predictions: Mapping[str, tuple[st
     """
     rows = submission_rows(predictions)
     path = Path(path)
-    partial = _partial(path)
+    partial: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        partial = _partial(path)
         # lineterminator "\n": what pandas writes on Linux and what sample_submission.csv uses.
         with partial.open("w", encoding="utf-8", newline="") as f:
             writer = csv.writer(f, lineterminator="\n")
@@ -138,4 +142,5 @@ def write_submission(path: str | os.PathLike, predictions: Mapping[str, tuple[st
             "choose another --output"
         ) from err
     finally:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
