@@ -61,6 +61,26 @@ def test_the_lock_of_a_killed_holder_is_free_though_its_forked_child_lives(tmp_p
         os.kill(child, signal.SIGKILL)
 
 
+def test_a_forked_child_that_leaves_the_lock_s_block_closes_nothing(tmp_path):
+    """Its copy of the descriptor was closed at the fork, and the number may be another file's by
+    then: the child's way out of the block must not close it again."""
+    from distqa.durable import held_exclusively
+
+    pid = None
+    try:
+        with held_exclusively(tmp_path / "folder.lock", lambda: None):
+            pid = os.fork()
+    except OSError:
+        if pid == 0:
+            os._exit(3)  # the child's close failed: EBADF
+        raise
+    if pid == 0:
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not locked_by_someone(tmp_path / "folder.lock")
+
+
 def big_input(path: Path, copies: int) -> Path:
     """The 10 fixture documents `copies` times over, each copy's ids made unique."""
     lines = (TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl").read_text().splitlines()

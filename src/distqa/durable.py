@@ -75,7 +75,7 @@ def _drop_held_locks() -> None:
     for fd in _HELD:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _HELD.clear()
+    _HELD.clear()  # (a child that went on to leave the `with` then closes none: the numbers may be reused)
 
 
 os.register_at_fork(after_in_child=_drop_held_locks)
@@ -93,6 +93,7 @@ def held_exclusively(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[N
     else:
         fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     _HELD.add(fd)
+    owner = os.getpid()
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -101,5 +102,6 @@ def held_exclusively(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[N
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        _HELD.discard(fd)
-        os.close(fd)  # releases the lock
+        if os.getpid() == owner:  # (a forked child closed its copy at the fork)
+            _HELD.discard(fd)
+            os.close(fd)  # releases the lock

@@ -53,7 +53,7 @@ def _generate(shards: list[dict[str, Any]]) -> Any:
     A user-facing error (a malformed line) is written to the shard's stats file instead of being
     raised: across the process pool `datasets` would wrap it and lose the message.
     """
-    if shards and os.getpid() != shards[0]["parent"]:  # a pool worker: it shares its parent's folder lock
+    if shards and os.getpid() != shards[0]["parent"]:  # a pool worker: it ends with its parent, not waits for it
         die_with_parent(shards[0]["parent"])
     for shard in shards:
         tokenizer = AutoTokenizer.from_pretrained(shard["tokenizer"])
