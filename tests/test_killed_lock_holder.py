@@ -19,16 +19,17 @@ import pytest
 from conftest import TESTS, subprocess_env
 from distqa.nq.feature_folder import LOCK_FILE
 
-HOLDER = """
+HOLDER = r"""
 import os, sys, time
 from pathlib import Path
 from distqa.durable import held_exclusively
 with held_exclusively(Path(sys.argv[1]), lambda: None):
     child = os.fork()
     if child == 0:  # as a pool worker: it lives on, doing its share
+        os.write(1, b"child\n")  # (its at-fork hooks have run by now; one write: lines do not mix)
         time.sleep(60)
         os._exit(0)
-    print(child, flush=True)
+    os.write(1, f"{child}\n".encode())
     time.sleep(60)
 """
 
@@ -49,7 +50,8 @@ def test_the_lock_of_a_killed_holder_is_free_though_its_forked_child_lives(tmp_p
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True, env=subprocess_env()
     )
-    child = int(holder.stdout.readline())
+    said = {holder.stdout.readline().strip() for _ in range(2)}  # the child's pid, and the child under way
+    child = int(next(line for line in said if line != "child"))
     try:
         assert locked_by_someone(lock)  # held while the holder lives
         holder.kill()
