@@ -56,7 +56,7 @@ def test_output_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path, capsys
 def test_more_processes_than_cpus_are_said_and_capped(tmp_path, capsys, minilm_dir):
     """--num-proc 50 on the 10-line sample started 50 processes, and 10**11 filled the memory (its
     list of byte ranges) before anything was read."""
-    from distqa.data_identity import usable_cpus
+    from distqa.dist import usable_cpus
 
     capsys.readouterr()
     args = ["prepare", "--input", str(SAMPLE), "--output", str(tmp_path / "out"), f"model.tokenizer={minilm_dir}"]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from distqa.dist import DistInfo, all_gather_objects
+from distqa.dist import DistInfo, all_gather_objects, usable_cpus
 from distqa.errors import DistqaError
 
 DIGEST_CHARS = 32  # 128 bits; fingerprints of the earlier, sampling scheme had 16
@@ -131,11 +131,6 @@ def arrow_fingerprint(dataset: Any, threads: int | None = None) -> str:
     if indices is not None:
         h.update(f"indices:{_leaf_digest(indices.table)}".encode())
     return h.hexdigest()[:DIGEST_CHARS]
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, which containers and launchers set)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _leaf_digest(table: Any) -> str:

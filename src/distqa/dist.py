@@ -230,13 +230,15 @@ def local_main_first(info: DistInfo) -> Iterator[None]:
         barrier()
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, which honours taskset and container CPU sets
+    (every CPU of the host where there is none: not on Linux)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpus_per_local_rank() -> int:
     """The CPUs this process may run on, shared among the processes torchrun started on this node."""
-    try:
-        cpus = len(os.sched_getaffinity(0))  # honours taskset and container CPU sets
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, _env_int("LOCAL_WORLD_SIZE", 1)))
+    return max(1, usable_cpus() // max(1, _env_int("LOCAL_WORLD_SIZE", 1)))
 
 
 def default_num_workers() -> int:

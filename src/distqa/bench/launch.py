@@ -31,7 +31,7 @@ from distqa import rdzv_check
 from distqa.bench.profile import PROFILED_STEPS
 from distqa.bench.report import add_scaling, implausible, plot, summarize
 from distqa.config import Config
-from distqa.data_identity import usable_cpus
+from distqa.dist import usable_cpus
 from distqa.errors import ConfigError, DistqaError
 from distqa.registry import load_config
 

@@ -109,7 +109,7 @@ def _prepare(args: argparse.Namespace) -> None:
 
     if args.num_proc < 1:
         raise ConfigError(f"--num-proc={args.num_proc} must be >= 1")
-    from distqa.data_identity import usable_cpus
+    from distqa.dist import usable_cpus
 
     if args.num_proc > (cpus := usable_cpus()):  # more tokenize no faster; 10**11 of them filled the memory
         print(f"--num-proc {args.num_proc} is more than the {cpus} CPU(s) this process may use: {cpus} process(es)")

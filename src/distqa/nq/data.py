@@ -11,8 +11,8 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from distqa.config import Config
-from distqa.data_identity import arrow_fingerprint, fingerprint, usable_cpus
-from distqa.dist import print0
+from distqa.data_identity import arrow_fingerprint, fingerprint
+from distqa.dist import print0, usable_cpus
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS
 from distqa.models import pad_collate as generic_pad_collate
