@@ -22,6 +22,7 @@ from distqa.nq.data import (
     pad_collate,
     resolve_features,
     train_data_fingerprint,
+    warn_overlap,
 )
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
@@ -92,6 +93,8 @@ class NQTask(Task):
                 **self._special_ids(),
             )
         folder = resolve_features(self.cfg, data.train, self.tokenizer, training=True)
+        if self._gold is not None:
+            warn_overlap(folder, self._gold.examples.keys(), train=data.train, valid=str(data.valid))
         return FeatureDataset(folder, TRAIN_COLUMNS)
 
     def data_fingerprint(self, dataset: Dataset) -> str:
