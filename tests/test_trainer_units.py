@@ -231,3 +231,26 @@ def test_the_replica_checksum_is_exact_whatever_the_thread_count():
     changed = weights.clone()
     changed.view(-1)[777] = torch.nextafter(changed.view(-1)[777], torch.tensor(10.0))  # one ulp
     assert not torch.equal(_checksum(changed), one)
+
+
+def test_samples_per_s_leaves_out_the_time_a_checkpoint_takes_to_save(tmp_path, monkeypatch):
+    """A save inside a log window (checkpoint_every=2, log_every=2: step 2's save is in the window
+    that ends at step 4) counted as training time, as evaluation does not: each window after a save
+    showed a dip that was not the training's."""
+    import time
+
+    from distqa.checkpoint_manager import CheckpointManager
+
+    slow_s, saved = 2.0, CheckpointManager.save
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(slow_s)
+        return saved(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "save", slow_save)
+    out = run(tmp_path, "slow", "train.max_steps=4", "train.log_every=2", "train.checkpoint_every=2")
+    window = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1]
+    assert window["step"] == 4
+    # 2 steps of 2 examples each: the window's time follows from its rate. Two tiny steps take far
+    # less than the save's sleep, which was counted in whole before.
+    assert 4 / window["samples_per_s"] < slow_s / 2, window

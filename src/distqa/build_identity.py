@@ -89,6 +89,28 @@ def config_identity(model: nn.Module) -> dict[str, str]:
     return identity
 
 
+# Keys of a Hugging Face config that do not decide what the trained model computes: where it came
+# from and with which version, flags of what a forward returns, how weights are initialised (they
+# come from the checkpoint), and the dropout rates (model.dropout sets them, applied on resume).
+_NOT_COMPUTED = {
+    "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "use_cache",
+    "return_dict", "output_attentions", "output_hidden_states", "gradient_checkpointing", "initializer_range",
+}  # fmt: skip
+
+
+def model_settings(model: nn.Module) -> dict[str, Any] | None:
+    """The model's Hugging Face config as JSON values, less `_NOT_COMPUTED` and the dropout rates;
+    None for a model without one. Checkpoints keep it: a resume or an export builds the model again
+    from model.name's files, and a config.json edited since (another activation, layer_norm_eps or
+    position embedding) loads the same tensors into another computation
+    (`resume.check_model_settings`)."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_dict"):
+        return None
+    text = json.dumps(config.to_dict(), sort_keys=True, default=lambda value: type(value).__qualname__)
+    return {key: value for key, value in json.loads(text).items() if key not in _NOT_COMPUTED and "dropout" not in key}
+
+
 def weight_summary(model: nn.Module) -> dict[str, tuple[float, float, float]]:
     """Sum, L1 and L2 norm of every tensor of the model's state, in float64: weights from other files
     differ in all three, rounding in none beyond `_WEIGHTS_RTOL`. Called on the freshly built model,
@@ -137,14 +159,14 @@ def tokenizer_hash(tokenizer: Any) -> str | None:
     return hashlib.sha256(json.dumps(state, sort_keys=True, default=repr).encode()).hexdigest()
 
 
-def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> dict[str, str]:
+def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> tuple[dict[str, str], dict[str, Any] | None]:
     """Raise the same one-line ConfigError on every rank unless every rank runs the same code and
     built the same model (`Task.identity` adds the task's own parts: its tokenizer). Every rank
-    must call it, with the model as `Task.build_model` returned it. Returns `Task.identity`, which
-    checkpoints keep for a resume to compare (`resume.check_continuation`)."""
-    task_identity = task.identity()
+    must call it, with the model as `Task.build_model` returned it. Returns `Task.identity` and
+    `model_settings`, which checkpoints keep for a resume and an export to compare (`distqa.resume`)."""
+    task_identity, settings = task.identity(), model_settings(model)
     if not info.is_distributed:
-        return task_identity
+        return task_identity, settings
     mine = {**code_identity(task), **config_identity(model), **task_identity}
     gathered = all_gather_objects((mine, weight_summary(model)), info)
     # Hashes shown by their first 12 characters, versions whole; named as the settings' are.
@@ -160,7 +182,7 @@ def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> dict[str, 
             f"other than rank 0's, e.g. {first[0]})"
         )
     if not parts:
-        return task_identity
+        return task_identity, settings
     raise ConfigError(
         f"the processes of this run did not build the same thing: {'; '.join(parts)}: every node must run "
         "the same image or installation of distqa and find the same files for model.name and model.tokenizer"

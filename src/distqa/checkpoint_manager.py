@@ -55,6 +55,8 @@ class TrainerState:
     valid_identity: dict[str, Any] | None = None
     # `Task.identity` (the tokenizer's hash): a resume compares it (`resume.check_continuation`).
     task_identity: dict[str, str] | None = None
+    # `build_identity.model_settings`: the model's config, compared on resume and export.
+    model_settings: dict[str, Any] | None = None
     step: int = 0  # the last finished step
     # train.best_metric's record so far: {"metric", "mode", "value", "step"} (`distqa.best`).
     best: dict[str, Any] | None = None
@@ -75,6 +77,7 @@ class TrainerState:
             "data": self.data_identity,
             "valid_data": self.valid_identity,
             "task_identity": self.task_identity,
+            "model_settings": self.model_settings,
             "log_window": self.meter.window(),
             "grad_norm_window": self.meter.norm_window(),
             "best": self.best,

@@ -22,6 +22,7 @@ from torch import nn
 
 from distqa import sharded
 from distqa.best import BEST_NAME, resolve_checkpoint
+from distqa.build_identity import model_settings
 from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
 from distqa.config import Config
 from distqa.console import quiet_libraries
@@ -30,7 +31,7 @@ from distqa.errors import DistqaError
 from distqa.outdir import export_atomically
 from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
-from distqa.resume import check_task_identity
+from distqa.resume import check_model_settings, check_task_identity
 from distqa.task_settings import SETTINGS_FILE
 
 # What the checkpoint's settings name that an export does not need, and may no longer exist.
@@ -128,6 +129,13 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     # task compares. (An attribute a task without such state ignores.)
     task.weights_step = state["step"]
     model = task.build_model()
+    check_model_settings(
+        directory,
+        state.get("model_settings"),
+        model_settings(model),
+        f"than model.name={cfg.model.name!r} holds now",
+        "put back the files it was trained with, then export again",
+    )
     try:
         if (directory / sharded.METADATA_FILE).is_file():
             load_sharded_weights(directory, model)

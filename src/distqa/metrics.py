@@ -15,6 +15,7 @@ import os
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,19 @@ class ThroughputMeter:
 
     def restart_clock(self) -> None:
         self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The block's time is not training time (a checkpoint's save, which may fall anywhere in a
+        log window): the window's clock skips it. On a GPU the queued steps finish first, so that
+        their time is counted and only the block's own is left out."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._start += time.perf_counter() - began
 
     def window(self) -> list[float]:
         """[loss sum, micro-batches] of the open log window over every rank, for a checkpoint.

@@ -199,6 +199,7 @@ def check_continuation(
     total_steps: int,
     data: dict[str, Any],
     task_identity: dict[str, str] | None = None,
+    model_settings: dict[str, Any] | None = None,
 ) -> bool:
     """Once the data is built: refuse other data, another tokenizer or too few steps; True when the
     checkpoint is the end of this run already (nothing to train). Warns about settings applied from
@@ -210,6 +211,7 @@ def check_continuation(
         )
     # The tokenizer first: NQ's features, made by it, would show as other data.
     check_task_identity(directory, state.get("task_identity"), task_identity or {}, "than this run builds")
+    check_model_settings(directory, state.get("model_settings"), model_settings, "than this run builds")
     _check_data(directory, state.get("data"), data, cfg)
     _refuse_finished_with_other_settings(state, cfg, total_steps)
     if state["step"] == total_steps:
@@ -242,6 +244,27 @@ def check_task_identity(
         shown = "; ".join(f"{key}: {str(saved[key])[:12]} then, {now[key][:12]} now" for key in differ)
         raise ConfigError(
             f"checkpoint {directory} was trained with another {', '.join(differ)} {builder} ({shown}): {fix}"
+        )
+
+
+def check_model_settings(
+    directory: Path,
+    saved: Any,
+    now: dict[str, Any] | None,
+    builder: str,
+    fix: str = "give model.name the files it was trained with, or start afresh with train.resume=never",
+) -> None:
+    """As `check_task_identity`, for the model's config (`build_identity.model_settings`): a key
+    both hold with other values refuses. A key one of them lacks is left alone: another version
+    of transformers adds or drops keys of its own (a checkpoint from before these were kept has none)."""
+    if not isinstance(saved, dict) or now is None:
+        return
+    differ = sorted(key for key in saved.keys() & now.keys() if saved[key] != now[key])
+    if differ:
+        shown = "; ".join(f"{key}: {saved[key]!r} then, {now[key]!r} now" for key in differ[:4])
+        more = f"; and {len(differ) - 4} more" if len(differ) > 4 else ""
+        raise ConfigError(
+            f"checkpoint {directory} was trained with another model config {builder} ({shown}{more}): {fix}"
         )
 
 

@@ -64,9 +64,8 @@ class Trainer:
         save_outputs: bool = True,
         keep_sigterm_handler: bool = False,
     ) -> None:
-        self.cfg, self.task, self.info = cfg, task, info
+        self.cfg, self.task, self.info, self.save_outputs = cfg, task, info, save_outputs
         self.timer = timer or StepTimer.off(info.device)
-        self.save_outputs = save_outputs
         # The CLI's process keeps the SIGTERM handler (record only) once the run is done: a SIGTERM
         # after the last step is no failure. In-process callers (tests, bench) get theirs back.
         self.keep_sigterm_handler = keep_sigterm_handler
@@ -118,6 +117,7 @@ class Trainer:
             total_steps=self.total_steps,
             data=self.data_identity,
             task_identity=self.task_identity,
+            model_settings=self.model_settings,
         )
         # (finished: the same on every rank.) train.resume=PATH: output_dir then holds PATH's line
         # alone (later ones, or another run, set aside), finished or not: nothing lands beside another's.
@@ -154,8 +154,8 @@ class Trainer:
         seed_everything(cfg.seed)
         with local_main_first(info):
             self.raw_model = self.task.build_model()
-        # As built, on the CPU: the same code, weights and tokenizer on every rank (and on resume, the tokenizer).
-        self.task_identity = check_same_build(self.raw_model, self.task, info)
+        # As built, on the CPU: the same code, weights and tokenizer on every rank (on resume: tokenizer, config).
+        self.task_identity, self.model_settings = check_same_build(self.raw_model, self.task, info)
         if not self.sharded:  # FSDP moves it to the device itself, one unit at a time, as it shards it
             self.raw_model.to(info.device)
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
@@ -188,6 +188,7 @@ class Trainer:
             self.data_identity,
             valid_identity=self.valid_identity,
             task_identity=self.task_identity,
+            model_settings=self.model_settings,
         )
         self.parts = Parts(self.raw_model, self.optimizer, scheduler, scaler, self.task, self.state, comm_hook)
         self.checkpoints.track(self.parts)
@@ -291,7 +292,8 @@ class Trainer:
             stop.check_finite(step, self.parts.checked_tensors(with_optimizer=True), self.hint)
         state.evaluation_pending = failed is not None  # (saved: the resume runs it first)
         if plan.save:
-            self.hint = diverged_hint(self.cfg.train, self.checkpoints.save())
+            with self.meter.paused():  # samples/s counts training, not saving (as evaluation is left out)
+                self.hint = diverged_hint(self.cfg.train, self.checkpoints.save())
         if failed is not None:
             saved = f"; checkpoint {root}/step-{step} written first: the same command evaluates it again"
             saved = saved if plan.save else ""

@@ -1,0 +1,66 @@
+"""A resume or an export builds the model again from model.name's files: a config.json edited since
+(another activation here) loaded the same tensors into another computation, and the run went on,
+or the export packaged it, with exit 0. The checkpoint keeps the config it was trained with; keys
+that do not decide what the model computes (dropout, the transformers version) may change."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from transformers import BertConfig, BertModel
+
+from conftest import SMALL
+from distqa.errors import ConfigError
+from distqa.export import export_checkpoint
+from distqa.models import RANDOM_MODELS
+from distqa.registry import load_config
+from distqa.trainer import train
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture()
+def folder_run(tmp_path, minilm_dir):
+    """A tiny BERT saved as a local model folder (with MiniLM's tokenizer), trained 2 steps on the
+    DummyDataset: checkpoints/step-2."""
+    folder = tmp_path / "mdl"
+    BertModel(BertConfig(**RANDOM_MODELS["tiny"])).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(minilm_dir / name, folder / name)
+    args = [*SMALL, f"model.name={folder}", "train.batch_size=2", f"output_dir={tmp_path / 'run'}"]
+    train(load_config(None, [*args, "train.max_steps=2", "train.checkpoint_every=2"]))
+    return folder, args
+
+
+def edit(folder, **values) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(values)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_resume_refuses_a_model_config_edited_since_the_checkpoint(folder_run):
+    folder, args = folder_run
+    edit(folder, hidden_act="relu", layer_norm_eps=1e-5)
+    with pytest.raises(ConfigError, match="trained with another model config than this run builds") as caught:
+        train(load_config(None, [*args, "train.max_steps=4"]))
+    assert "hidden_act: 'gelu' then, 'relu' now; layer_norm_eps: 1e-12 then, 1e-05 now" in str(caught.value)
+
+
+def test_an_export_refuses_a_model_config_edited_since_the_checkpoint(folder_run, tmp_path):
+    folder, _ = folder_run
+    step = tmp_path / "run" / "checkpoints" / "step-2"
+    assert (export_checkpoint(str(step), str(tmp_path / "before")) / "config.json").is_file()
+    edit(folder, hidden_act="relu")
+    with pytest.raises(ConfigError, match=f"another model config than model.name='{folder}' holds now") as caught:
+        export_checkpoint(str(step), str(tmp_path / "after"))
+    assert "put back the files it was trained with" in str(caught.value)
+    assert not (tmp_path / "after").exists()
+
+
+def test_dropout_and_the_transformers_version_may_change_on_resume(folder_run, tmp_path):
+    folder, args = folder_run
+    edit(folder, hidden_dropout_prob=0.2, transformers_version="4.0.0")
+    train(load_config(None, [*args, "train.max_steps=4"]))
+    assert (tmp_path / "run" / "checkpoints" / "step-4").is_dir()
