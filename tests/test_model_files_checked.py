@@ -132,14 +132,20 @@ def test_the_thresholds_may_be_removed_or_tuned_but_not_be_a_folder_or_name_a_ke
     assert status == 0, lines
 
 
-def test_a_config_json_that_is_no_object_is_one_line(nq_run, tmp_path, capsys):
-    """A model folder of no export (no distqa_source.json): transformers' TypeError was a traceback."""
+@pytest.mark.parametrize(
+    "content, said",
+    [(b"[]", "holds an array, where a config is a JSON object"), (b"\xff\x00{", "is not JSON")],
+    ids=["a-list", "bytes"],
+)
+def test_a_config_json_that_is_no_object_is_one_line_naming_it(nq_run, tmp_path, capsys, content, said):
+    """A model folder of no export (no distqa_source.json): transformers' TypeError was a traceback,
+    then a line that blamed the tokenizer (which reads config.json first, for its class)."""
     model = copied(tmp_path, nq_run)
     (model / "distqa_source.json").unlink()
-    (model / "config.json").write_text("[]")
+    (model / "config.json").write_bytes(content)
     status, lines = predict(tmp_path, capsys, model)
     assert status == 2 and lines[-1].startswith(f"distqa: error: cannot load tokenizer from the folder {model}")
-    assert "must be a mapping, not list" in lines[-1]
+    assert f"its config.json {said}; set model.tokenizer to a folder that holds a whole model" in lines[-1]
 
 
 def test_a_model_replaced_while_predict_reads_it_is_refused(nq_run, tmp_path, capsys, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,6 +63,12 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
     from huggingface_hub import constants
 
     reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if os.path.isdir(name) and (broken := _damaged_config(Path(name) / "config.json")):
+        # Read first by the tokenizer too (for its class): named as what it is, not as a tokenizer's fault.
+        return DistqaError(
+            f"cannot load {what} from the folder {name}: its config.json {broken}; set {key} to a folder "
+            "that holds a whole model, or put back its config.json"
+        )
     if os.path.isdir(name):  # nothing was downloaded: the folder itself lacks a file, or holds a damaged one
         return DistqaError(
             f"cannot load {what} from the folder {name} ({reason}): it does not hold a whole {what}; "
@@ -78,6 +85,23 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
         f"cannot load {what} {name!r} ({reason}). {where}; "
         f"or set HF_HOME to a cache that holds it (now {constants.HF_HOME}); or set {key} to a local folder"
     )
+
+
+def _damaged_config(path: Path) -> str | None:
+    """What is wrong with a model folder's config.json that is there but cannot be a config (None:
+    it is absent, or reads as a JSON object)."""
+    try:
+        text = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON
+        return "is not JSON"
+    if isinstance(value, dict):
+        return None
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return f"holds {kinds.get(type(value), 'null')}, where a config is a JSON object"
 
 
 def hf_config(cfg: ModelConfig, **overrides: Any) -> PretrainedConfig:
