@@ -19,7 +19,7 @@ from conftest import ROOT, SMALL, TESTS, run_train, subprocess_env
 from distqa.cli import main
 from distqa.errors import DistqaError
 from distqa.nq.evaluate import window_bests
-from distqa.nq.features import NO, SHORT, YES
+from distqa.nq.features import LONG, NO, SHORT, YES
 from distqa.nq.postprocess import (
     ExamplePrediction,
     WindowBest,
@@ -182,6 +182,8 @@ def test_predict_example_picks_the_best_window_and_its_candidate():
     assert (pred.long, pred.short, pred.score) == ("20:30", "22:24", 3.0)  # top-level preferred to nested
     pred = predict_example([WindowBest("1", 1.0, 40, 41, NO)], example([(0, 12, True)]))
     assert (pred.long, pred.short) == ("", "NO")  # no candidate holds the span: NO names none
+    pred = predict_example([WindowBest("1", 2.0, 3, 9, LONG)], example([(0, 12, True)]))
+    assert (pred.long, pred.short) == ("0:12", "")  # "a long answer only": its span is no short answer
     assert predict_example([], example([])).score == -math.inf
 
 

@@ -6,9 +6,10 @@ than "no answer in this window"). Per example: the best span over its windows th
 long-answer candidate (NQ's short answers always do; one outside all of them could only be wrong),
 or whose window answers YES or NO.
 The long answer is the top-level candidate that contains it; the short answer is the span itself,
-or YES/NO when the answer-type head of that window says so. A prediction is only written when its
-score clears a threshold, one for long and one for short answers, chosen together on the
-validation set to maximise the competition's micro F1 over both (`distqa.nq.evaluate.best_pair`).
+YES/NO when the answer-type head of that window says so, or none when it says "long answer only".
+A prediction is only written when its score clears a threshold, one for long and one for short
+answers, chosen together on the validation set to maximise the competition's micro F1 over both
+(`distqa.nq.evaluate.best_pair`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from distqa.nq.features import NO, YES
+from distqa.nq.features import LONG, NO, YES
 from distqa.nq.reader import NQExample
 
 
@@ -102,6 +103,11 @@ def predict_example(windows: list[WindowBest], example: NQExample) -> ExamplePre
         short = "YES"
     elif best.answer_type == NO:
         short = "NO"
+    elif best.answer_type == LONG:
+        # The type head says: a long answer without a short one. Its span (the paragraph's first
+        # sub-words, cut at max_answer_len) is no short answer: written, it could only be a false
+        # positive, kept by the same threshold that keeps YES/NO and short answers of equal score.
+        short = ""
     else:
         short = f"{best.start_token}:{best.end_token}"
     return ExamplePrediction(long, short, best.score)
