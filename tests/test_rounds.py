@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from distqa.errors import DistqaError
 from distqa.peer_watch import PeerWatch
 from distqa.rounds import Round, RoundTimeout, as_peer_loss, came_back, join_round
 
@@ -151,3 +152,40 @@ def test_a_member_that_came_back_ends_the_survivors_round_within_one_watch_inter
         node_0 = join_all(store, [0, 1], {0: 1, 1: 0})
         assert {r.number for r in node_0.values()} == {1}
         assert {f.result(timeout=10).number for f in waiting} == {1}
+
+
+def test_a_node_that_counts_another_world_is_refused_at_once(store):
+    """NNODES=2 on node 0 and NNODES=3 on node 1: each side waited for a count the other never
+    reaches, then timed out naming ranks that never existed."""
+    with ThreadPoolExecutor(1) as pool:
+        node_0 = pool.submit(join_round, client(store), 0, WORLD, 0, 0, 3.0)
+        time.sleep(0.5)
+        start = time.monotonic()
+        with pytest.raises(DistqaError, match=r"^node 1 \(.*\) counts 6 processes in the run, node 0 \(.*\) 4: start"):
+            join_round(client(store), 4, 6, 1, 0, 20.0)
+        assert time.monotonic() - start < 2
+        with pytest.raises(RoundTimeout):
+            node_0.result(timeout=60)
+
+
+def test_two_nodes_given_one_node_rank_are_refused(store):
+    """Both started with NODE_RANK=1: ranks 2 and 3 twice. A second process of a rank moves every
+    process of it to a later round (it looks like a rank started again), where both counted in: the
+    count of 4 could be complete without node 0, and the process group met two processes of a rank.
+    Now the one of the two that comes second into a round is refused, naming the rank."""
+
+    def outcome(rank: int) -> BaseException | None:
+        try:
+            join_round(client(store), rank, WORLD, 1, 0, 3.0)
+        except BaseException as err:  # noqa: BLE001 - what each process ends with
+            return err
+        return None
+
+    with ThreadPoolExecutor(3) as pool:
+        first = [pool.submit(outcome, rank) for rank in (2, 3)]
+        time.sleep(0.5)
+        again = pool.submit(outcome, 2)
+        ends = [str(future.result(timeout=60)) for future in [*first, again]]
+    twice = [end for end in ends if end.startswith("rank 2 was started twice in restart round 1: by node 1 (")]
+    assert len(twice) == 1, ends
+    assert twice[0].endswith("give every node a NODE_RANK of its own, 0 to NNODES-1")

@@ -29,6 +29,8 @@ with the same line instead of waiting the timeout again each.
 from __future__ import annotations
 
 import re
+import secrets
+import socket
 import time
 from dataclasses import dataclass
 
@@ -108,6 +110,7 @@ def join_round(
     _given_up(store)
     store.set(f"{_KEY}node-of/{rank}", str(node))  # kept across rounds: names a rank that goes missing
     deadline = time.monotonic() + timeout_s
+    me = f"{node}|{socket.gethostname()}|{secrets.token_hex(4)}"  # this process's claim on its rank
     need = _get_int(store, f"{_KEY}last/{rank}", -1) + 1
     while True:
         _move_current_to(store, need)
@@ -115,6 +118,7 @@ def join_round(
         prefix = f"{_KEY}{number}/"
         store.set(f"{_KEY}last/{rank}", str(number))  # before counting in: a death after it ends the round
         store.set(f"{prefix}node-{node}", str(local_restarts))
+        _check_members(store, prefix, number, rank, world_size, me)
         # Two counts: `joined` reaches world_size also when a member died while it waited; `ready`
         # is counted only by members that saw `joined` complete, i.e. were alive when all were in.
         if _count_in(store, prefix, "joined", rank, number, world_size, deadline, timeout_s, poll_s):
@@ -126,6 +130,31 @@ def join_round(
                         nodes[home] = _get_int(store, f"{prefix}node-{home}", 0)
                 return Round(number, nodes)
         need = number + 1
+
+
+def _check_members(store: dist.Store, prefix: str, number: int, rank: int, world_size: int, me: str) -> None:
+    """Every member of a round counts the same world, and each rank is one process. A node started
+    with another NNODES or NPROC_PER_NODE waited for a count the others never reach, or went ahead
+    early; two nodes given one NODE_RANK ran every rank of it twice (the count complete before the
+    other node was in). Either ended after RDZV_TIMEOUT, or in the process group's own start, naming
+    ranks that never existed. A new process of a rank joins a later round, so a rank claimed in
+    this one is claimed by another process."""
+    node, host, _ = me.split("|")
+    first = store.compare_set(f"{prefix}world", "", f"{world_size}|{node}|{host}").decode()
+    size, their_node, their_host = first.split("|")
+    if int(size) != world_size:
+        raise DistqaError(
+            f"node {node} ({host}) counts {world_size} processes in the run, node {their_node} ({their_host}) "
+            f"{size}: start every node with the same NNODES and NPROC_PER_NODE (the run has NNODES x "
+            "NPROC_PER_NODE processes)"
+        )
+    held = store.compare_set(f"{prefix}joined-{rank}", "", me).decode()
+    if held != me:
+        their_node, their_host, _ = held.split("|")
+        raise DistqaError(
+            f"rank {rank} was started twice in restart round {number}: by node {their_node} ({their_host}) and by "
+            f"node {node} ({host}): give every node a NODE_RANK of its own, 0 to NNODES-1"
+        )
 
 
 def _count_in(
@@ -141,7 +170,8 @@ def _count_in(
 ) -> bool:
     """Count this rank in `counter`, then wait for all: True when complete, False when the round is
     dead (the current round moved past it: one of its members died and came back)."""
-    store.set(f"{prefix}{counter}-{rank}", "1")  # who is in: named when others are missing
+    if counter != "joined":  # (joined-RANK holds the rank's claim: `_check_members`)
+        store.set(f"{prefix}{counter}-{rank}", "1")  # who is in: named when others are missing
     store.add(prefix + counter, 1)
     while int(store.get(prefix + counter)) < world_size:
         _given_up(store)
