@@ -141,8 +141,8 @@ def _check_members(store: dist.Store, prefix: str, number: int, rank: int, world
     this one is claimed by another process."""
     node, host, _ = me.split("|")
     first = store.compare_set(f"{prefix}world", "", f"{world_size}|{node}|{host}").decode()
-    size, their_node, their_host = first.split("|")
-    if int(size) != world_size:
+    size, their_node, their_host = (first.split("|") + ["?", "?", "?"])[:3]  # (a value of another kind: "?")
+    if size != str(world_size):
         raise DistqaError(
             f"node {node} ({host}) counts {world_size} processes in the run, node {their_node} ({their_host}) "
             f"{size}: start every node with the same NNODES and NPROC_PER_NODE (the run has NNODES x "
@@ -150,7 +150,7 @@ def _check_members(store: dist.Store, prefix: str, number: int, rank: int, world
         )
     held = store.compare_set(f"{prefix}joined-{rank}", "", me).decode()
     if held != me:
-        their_node, their_host, _ = held.split("|")
+        their_node, their_host = (held.split("|") + ["?", "?"])[:2]
         raise DistqaError(
             f"rank {rank} was started twice in restart round {number}: by node {their_node} ({their_host}) and by "
             f"node {node} ({host}): give every node a NODE_RANK of its own, 0 to NNODES-1"
