@@ -111,13 +111,27 @@ def test_a_prepare_killed_mid_build_with_a_pool_is_built_again_by_the_same_comma
         assert len(children) >= 2 and first.poll() is None, "the build ended before its pool was seen"
         first.kill()  # the parent alone, as the OOM killer does
         first.wait(timeout=10)
+        # Its pool's processes die with it: the workers, and the pool's manager, which was left an
+        # idle orphan for good.
+        deadline = time.monotonic() + 10
+        while (alive := [pid for pid in children if running(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in alive]
         again = subprocess.run(command, capture_output=True, text=True, timeout=120, env=subprocess_env())
         assert again.returncode == 0, again.stdout + again.stderr
         assert "waiting for another process" not in again.stdout and "wrote " in again.stdout
         assert not locked_by_someone(out / LOCK_FILE)
     finally:
-        for pid in children:  # what outlived its parent (the pool's manager) is this test's to end
+        for pid in children:  # what outlived its parent is this test's to end
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def running(pid: int) -> bool:
+    """The process exists and is no zombie (an orphan's end is reaped by init, maybe not at once)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

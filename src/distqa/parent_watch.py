@@ -1,14 +1,16 @@
-"""A torchrun worker that outlives its agent stops itself (`watch_parent`); a pool worker dies
-with the process that forked it (`die_with_parent`)."""
+"""A torchrun worker that outlives its agent stops itself (`watch_parent`); a pool's processes die
+with the process that forked them (`die_with_parent`, `children_die_with_me`)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 
 def watch_parent(grace_s: float = 10.0) -> None:
@@ -62,3 +64,29 @@ def die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:  # the parent died before the signal was asked for
         os._exit(1)
+
+
+_watching: list[int] = []  # this process's pid while a `children_die_with_me` block runs
+
+
+def _after_fork_in_child() -> None:
+    if _watching:
+        parent = _watching[-1]
+        _watching.clear()  # only the direct children: a pool worker's own forks are its business
+        die_with_parent(parent)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def children_die_with_me() -> Iterator[None]:
+    """Every process forked in the block dies with this one: a `datasets` pool's workers, and its
+    manager, which no code of ours runs in. Seen: `distqa prepare --num-proc 2` SIGKILLed, its
+    workers ended (they called `die_with_parent`), and the pool's manager stayed, an idle orphan of
+    init for good. (Processes started by fork and exec, such as `subprocess`, run no fork hook.)"""
+    _watching.append(os.getpid())
+    try:
+        yield
+    finally:
+        _watching.pop()

@@ -26,7 +26,7 @@ from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer
 from distqa.nq.feature_stamp import fingerprint, load_features
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, refuse_unreadable_start, shown_lines
-from distqa.parent_watch import die_with_parent
+from distqa.parent_watch import children_die_with_me
 from distqa.rank0 import reason
 
 # Skipped lines whose numbers and reasons the fingerprint file keeps, so that a run reusing the
@@ -53,8 +53,6 @@ def _generate(shards: list[dict[str, Any]]) -> Any:
     A user-facing error (a malformed line) is written to the shard's stats file instead of being
     raised: across the process pool `datasets` would wrap it and lose the message.
     """
-    if shards and os.getpid() != shards[0]["parent"]:  # a pool worker: it ends with its parent, not waits for it
-        die_with_parent(shards[0]["parent"])
     for shard in shards:
         tokenizer = AutoTokenizer.from_pretrained(shard["tokenizer"])
         builder = FeatureBuilder(tokenizer, FeatureSettings(**shard["settings"]))
@@ -140,13 +138,14 @@ def _shard_stats(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, staging: Path) -> datasets.Dataset:
     """Every shard's features in one dataset, built by up to `num_proc` processes."""
     try:
-        dataset = datasets.Dataset.from_generator(
-            _generate,
-            features=FEATURES,
-            gen_kwargs={"shards": shards},  # a list: datasets gives each process its share
-            num_proc=min(len(shards), num_proc) if num_proc > 1 else None,
-            cache_dir=str(staging / "cache"),
-        )
+        with children_die_with_me():  # the pool's workers and its manager, if this process is killed
+            dataset = datasets.Dataset.from_generator(
+                _generate,
+                features=FEATURES,
+                gen_kwargs={"shards": shards},  # a list: datasets gives each process its share
+                num_proc=min(len(shards), num_proc) if num_proc > 1 else None,
+                cache_dir=str(staging / "cache"),
+            )
     except Exception as err:
         # A worker's own error explains more than the wrapper `datasets` raises around it.
         stats = _shard_stats(shards)
@@ -281,7 +280,6 @@ def _prepare_into(
                 "settings": dataclasses.asdict(settings),
                 "skip_bad_lines": skip_bad_lines,
                 "stats": str(staging / f"stats-{i}.json"),
-                "parent": os.getpid(),
             }
             for i, r in enumerate(byte_ranges(source, max(1, num_proc)))
         ]
