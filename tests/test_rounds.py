@@ -189,3 +189,18 @@ def test_two_nodes_given_one_node_rank_are_refused(store):
     twice = [end for end in ends if end.startswith("rank 2 was started twice in restart round 1: by node 1 (")]
     assert len(twice) == 1, ends
     assert twice[0].endswith("give every node a NODE_RANK of its own, 0 to NNODES-1")
+
+
+def test_a_node_back_in_an_elastic_run_that_went_on_without_it_skips_the_round_made_alone(store):
+    """NNODES=1:2, 2 processes a node: node 1 lost, node 0 went on alone (world 2) in round 1.
+    When node 1 comes back, its ranks (last in round 0) came to round 1 before node 0's new
+    processes moved on, and were refused for counting another world (found by a review)."""
+    join_all(store, range(WORLD), {0: 0, 1: 0})
+    with ThreadPoolExecutor(2) as pool:
+        alone = [pool.submit(join_round, client(store), rank, 2, 0, 1, 20.0) for rank in (0, 1)]
+        assert {future.result(timeout=60).number for future in alone} == {1}
+    with ThreadPoolExecutor(2) as pool:
+        late_node_0 = pool.submit(lambda: (time.sleep(0.3), join_all(store, [0, 1], {0: 2, 1: 0}))[1])
+        node_1 = join_all(store, [2, 3], {0: 2, 1: 0})
+        rounds = {**late_node_0.result(timeout=60), **node_1}
+    assert {r.number for r in rounds.values()} == {2}

@@ -116,6 +116,9 @@ def join_round(
         _move_current_to(store, need)
         number = _current(store)
         prefix = f"{_KEY}{number}/"
+        if _went_ahead(store, prefix):  # without this process: an elastic run that shrank, now growing
+            need = number + 1
+            continue
         store.set(f"{_KEY}last/{rank}", str(number))  # before counting in: a death after it ends the round
         store.set(f"{prefix}node-{node}", str(local_restarts))
         _check_members(store, prefix, number, rank, world_size, me)
@@ -130,6 +133,18 @@ def join_round(
                         nodes[home] = _get_int(store, f"{prefix}node-{home}", 0)
                 return Round(number, nodes)
         need = number + 1
+
+
+def _went_ahead(store: dist.Store, prefix: str) -> bool:
+    """The round is complete: every member it counted is ready. A process that comes to it now is
+    not one of them, whatever its rank: a node that comes back to an elastic run (NNODES=MIN:MAX)
+    which went on without it, at the round its remaining node made alone (of another world size).
+    Joining it, its processes were refused for counting another world, or (before that check)
+    waited on counters that were already complete, and the run spent a restart."""
+    if not store.check([prefix + "world", prefix + "ready"]):
+        return False
+    size = store.get(prefix + "world").decode().split("|")[0]
+    return size.isdigit() and int(store.get(prefix + "ready")) >= int(size)
 
 
 def _check_members(store: dist.Store, prefix: str, number: int, rank: int, world_size: int, me: str) -> None:
