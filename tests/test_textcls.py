@@ -13,6 +13,7 @@ import torch
 
 from conftest import run_train, subprocess_env
 from distqa.errors import ConfigError, DistqaError
+from distqa.export import export_checkpoint
 from distqa.registry import load_config
 from distqa.textcls.data import Example, read_examples
 from distqa.textcls.metric import accuracy_and_macro_f1
@@ -154,7 +155,11 @@ def task_errors(tmp_path: Path, minilm_dir: Path, *items: str) -> str:
 
 
 def test_task_refuses_dummy_data_missing_labels_and_a_random_model_without_tokenizer(tmp_path, minilm_dir):
-    assert "data.train=dummy: textcls has no synthetic data" in task_errors(tmp_path, minilm_dir, "data.train=dummy")
+    from distqa.textcls.task import TextClsTask
+
+    base = ["task.name=textcls", f"model.name={minilm_dir}", f"task.labels={LABELS}", "data.train=dummy"]
+    with pytest.raises(DistqaError, match="^data.train=dummy: textcls has no synthetic data; give a .csv"):
+        TextClsTask(load_config(None, base)).build_train_dataset()  # (at start: export builds it with dummy)
     assert "data.valid=dummy" in task_errors(tmp_path, minilm_dir, "data.valid=dummy")
     assert "needs task.labels" in task_errors(tmp_path, minilm_dir, "task.labels=null")
     assert "model.name='tiny' has no tokenizer: set model.tokenizer" in task_errors(
@@ -248,6 +253,10 @@ def test_trains_evaluates_and_exports_in_process(tmp_path, minilm_dir):
     predicted = exported_predictions(out / "model", minilm_dir, [text for text, _ in rows])
     accuracy = (predicted == torch.tensor([label for _, label in rows])).float().mean().item()
     assert accuracy == pytest.approx(final["eval_accuracy"])
+    # `distqa export` of its checkpoint (it builds the task with data.train=dummy, which textcls
+    # refused at start: no textcls checkpoint could be exported).
+    exported = export_checkpoint(str(out / "checkpoints" / "step-2"), str(tmp_path / "exported"))
+    assert torch.equal(exported_predictions(exported, minilm_dir, [text for text, _ in rows]), predicted)
 
 
 # 96 rows, 3 epochs of 3 steps at 2e-4: the in-process run measured 1.0 validation accuracy (96 rows at

@@ -76,6 +76,9 @@ class Task(ABC):
         del commands, add_settings  # no commands of its own
 
     def __init__(self, cfg: RunConfig) -> None:
+        """Check settings and load what every command needs (a tokenizer). Read no data here:
+        `distqa export` builds the task from a checkpoint's settings with data.train=dummy and
+        data.valid=null (the files may be gone), so refuse a data setting where it is read."""
         self.cfg = cfg
 
     @abstractmethod

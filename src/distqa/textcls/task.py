@@ -28,6 +28,10 @@ from distqa.textcls.metric import accuracy_and_macro_f1
 from distqa.textcls.settings import TextClsSettings
 
 
+def no_dummy(key: str) -> DistqaError:
+    return DistqaError(f"{key}=dummy: textcls has no synthetic data; give a .csv or .jsonl file")
+
+
 class TextClsTask(Task):
     Config = TextClsSettings  # task.labels, task.text_column, ...: distqa.textcls.settings
     core_settings = ("model.name", "data.train")
@@ -38,9 +42,8 @@ class TextClsTask(Task):
         self.labels = cfg.task.label_names()
         if not self.labels:
             raise DistqaError("task.name=textcls needs task.labels, the class names in order (e.g. negative,positive)")
-        for key, value in (("data.train", cfg.data.train), ("data.valid", cfg.data.valid)):
-            if value == "dummy":
-                raise DistqaError(f"{key}=dummy: textcls has no synthetic data; give a .csv or .jsonl file")
+        if cfg.data.valid == "dummy":
+            raise no_dummy("data.valid")
         self.tokenizer = load_tokenizer(cfg.model, required=True)  # text needs one: a random model must name it
 
     def build_model(self) -> nn.Module:
@@ -56,6 +59,9 @@ class TextClsTask(Task):
         return model
 
     def build_train_dataset(self) -> Dataset:
+        # Here, not at start: `distqa export` builds the task with data.train=dummy (it reads no data).
+        if self.cfg.data.train == "dummy":
+            raise no_dummy("data.train")
         return ExampleDataset(read_examples(self.cfg.data.train, "data.train", self.cfg.task))
 
     def build_eval_dataset(self) -> Dataset | None:
