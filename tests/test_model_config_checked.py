@@ -64,3 +64,12 @@ def test_dropout_and_the_transformers_version_may_change_on_resume(folder_run, t
     edit(folder, hidden_dropout_prob=0.2, transformers_version="4.0.0")
     train(load_config(None, [*args, "train.max_steps=4"]))
     assert (tmp_path / "run" / "checkpoints" / "step-4").is_dir()
+
+
+def test_edits_that_change_nothing_computed_are_no_refusal(folder_run, tmp_path):
+    """Class names (unused by a question-answering head) and the feed-forward's chunking (the same
+    numbers, computed in pieces) were refused as another model config (found by a review)."""
+    folder, args = folder_run
+    edit(folder, id2label={"0": "A", "1": "B"}, label2id={"A": 0, "B": 1}, chunk_size_feed_forward=16)
+    train(load_config(None, [*args, "train.max_steps=4"]))
+    assert (tmp_path / "run" / "checkpoints" / "step-4").is_dir()

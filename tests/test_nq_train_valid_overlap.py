@@ -60,7 +60,7 @@ def test_validation_examples_that_are_also_training_examples_are_named(tmp_path,
     shared = lines if same_file else lines[2:]
     first = min(str(json.loads(line)["example_id"]) for line in shared)
     total = 4 if same_file else 3
-    assert f"warning: {len(shared)} of the {total} examples of data.valid={valid} are also in data.train" in out
+    assert f"warning: data.train={train} trains on {len(shared)} of the {total} examples of data.valid={valid}" in out
     assert f"(first: {first})" in out
 
 

@@ -91,10 +91,13 @@ def config_identity(model: nn.Module) -> dict[str, str]:
 
 # Keys of a Hugging Face config that do not decide what the trained model computes: where it came
 # from and with which version, flags of what a forward returns, how weights are initialised (they
-# come from the checkpoint), and the dropout rates (model.dropout sets them, applied on resume).
+# come from the checkpoint), the feed-forward's chunking (the same numbers, computed in pieces), the
+# class names (a head of another size fails to load anyway), and the dropout rates (model.dropout
+# sets them, applied on resume).
 _NOT_COMPUTED = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "use_cache",
     "return_dict", "output_attentions", "output_hidden_states", "gradient_checkpointing", "initializer_range",
+    "chunk_size_feed_forward", "id2label", "label2id",
 }  # fmt: skip
 
 

@@ -127,15 +127,17 @@ def check_feature_ids(folder: Path, example_ids: Collection[str], source: str | 
 def warn_overlap(folder: Path, valid_ids: Collection[str], *, train: str, valid: str) -> None:
     """Say so (rank 0, once) when validation examples are also training examples: their eval_*
     scores measure what the model saw, not what it learned, and train.best_metric picks a step by
-    them. A warning, not a refusal: fitting a handful of examples and scoring them is a fair smoke
-    test of the pipeline (scripts/demo_nq.sh does it); a leak nobody meant must not be silent."""
+    them. Counted by the training features' ids: an example whose windows all fell to
+    task.keep_unknown's sampling is not trained on. A warning, not a refusal: fitting a handful of
+    examples and scoring them is a fair smoke test of the pipeline (scripts/demo_nq.sh does it); a
+    leak nobody meant must not be silent."""
     from distqa.nq.prepare import load_features  # see resolve_features
 
     shared = set(load_features(folder).unique("example_id")) & set(valid_ids)
     if shared:
         print0(
-            f"warning: {len(shared)} of the {len(valid_ids)} examples of data.valid={valid} are also in "
-            f"data.train={train} (first: {min(shared)}): their eval_* scores measure examples the model trains "
+            f"warning: data.train={train} trains on {len(shared)} of the {len(valid_ids)} examples of "
+            f"data.valid={valid} (first: {min(shared)}): their eval_* scores measure examples the model trains "
             "on, not what it learned (and train.best_metric picks a step by them): hold them out "
             "(`distqa split` makes disjoint files)"
         )
