@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from conftest import SMALL, TESTS
+from conftest import SMALL, TESTS, subprocess_env
 from distqa.cli import main
 from distqa.errors import DistqaError
 from distqa.export import export_checkpoint
@@ -169,3 +171,30 @@ def test_a_model_replaced_while_predict_reads_it_is_refused(nq_run, tmp_path, ca
         "run predict again"
     ), lines
     assert not (tmp_path / "sub.csv").exists()
+
+
+def test_a_damaged_config_json_in_the_hugging_face_cache_is_named_not_said_to_be_missing(tmp_path, minilm_dir):
+    """A hub id whose cached config.json is no object: the line said to download it (found by a
+    review), which a download would not fix (the cache keeps its files by content). A fresh
+    interpreter: the hub library reads HF_HOME when it is imported."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    entry = tmp_path / "hf" / "hub" / "models--acme--tinybert"
+    snapshot = entry / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(commit)
+    for name in TOKENIZER_FILES:
+        shutil.copy(minilm_dir / name, snapshot / name)
+    (snapshot / "config.json").write_text("[]")
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_HUB_OFFLINE": "1"}
+    code = (
+        "import sys; from distqa.config import ModelConfig; from distqa.models import load_tokenizer\n"
+        "try:\n    load_tokenizer(ModelConfig(name='acme/tinybert'))\n"
+        "except Exception as err:\n    print(err)\n"
+    )
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(**env))
+    assert said.stdout.strip() == (
+        "cannot load tokenizer 'acme/tinybert': its config.json in the Hugging Face cache "
+        f"({snapshot / 'config.json'}) holds an array, where a config is a JSON object; delete {entry} and "
+        "download it again, or set model.tokenizer to a local folder"
+    ), said.stdout + said.stderr

@@ -69,6 +69,14 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
             f"cannot load {what} from the folder {name}: its config.json {broken}; set {key} to a folder "
             "that holds a whole model, or put back its config.json"
         )
+    cached = None if os.path.isdir(name) else _cached_file(name, "config.json")
+    if cached is not None and (broken := _damaged_config(cached)):  # not "download it": it is there, damaged
+        # The whole entry: its snapshot links to content-named blobs, which a download would reuse.
+        entry = next((up for up in cached.parents if up.name.startswith("models--")), cached.parent)
+        return DistqaError(
+            f"cannot load {what} {name!r}: its config.json in the Hugging Face cache ({cached}) {broken}; "
+            f"delete {entry} and download it again, or set {key} to a local folder"
+        )
     if os.path.isdir(name):  # nothing was downloaded: the folder itself lacks a file, or holds a damaged one
         return DistqaError(
             f"cannot load {what} from the folder {name} ({reason}): it does not hold a whole {what}; "
@@ -85,6 +93,17 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
         f"cannot load {what} {name!r} ({reason}). {where}; "
         f"or set HF_HOME to a cache that holds it (now {constants.HF_HOME}); or set {key} to a local folder"
     )
+
+
+def _cached_file(repo_id: str, filename: str) -> Path | None:
+    """Where the Hugging Face cache holds `filename` of a hub id, if it does (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, filename)
+    except Exception:  # noqa: BLE001 - a name that is no hub id (the hub's validation errors vary)
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def _damaged_config(path: Path) -> str | None:
