@@ -76,17 +76,13 @@ def with_yes_answer(path):
     return path
 
 
-@pytest.mark.parametrize(
-    "length, stride, query",
-    [(384, 128, 64), (128, 32, 32)],
-    ids=["most-answers-in-a-window", "narrow-windows-cut-long-answers"],
-)
-def test_the_oracle_gives_every_answer_a_window_holds_and_nothing_else(tmp_path, minilm_dir, length, stride, query):
+def evaluated(tmp_path, minilm_dir, source, length, stride, query, *extra: str):
+    """The oracle through the trainer's evaluation of `source`: (answers as a submission holds
+    them, the oracle's expected answers, the evaluation's metrics)."""
     from distqa.nq.task import NQTask
 
-    source = with_yes_answer(tmp_path / "valid.jsonl")
     args = [*SMALL, f"model.tokenizer={minilm_dir}", f"task.cache_dir={tmp_path / 'cache'}", f"data.valid={source}"]
-    args += [f"task.max_seq_len={length}", f"task.doc_stride={stride}", f"task.max_query_len={query}"]
+    args += [f"task.max_seq_len={length}", f"task.doc_stride={stride}", f"task.max_query_len={query}", *extra]
     task = NQTask(load_config(None, args))
     task.build_model()
     task.build_train_dataset()  # prepares the validation windows
@@ -96,12 +92,22 @@ def test_the_oracle_gives_every_answer_a_window_holds_and_nothing_else(tmp_path,
     scored = task.compute_metrics
     task.compute_metrics = lambda outputs, step: (windows.extend(outputs), scored(outputs, step))[1]
     metrics = run_evaluation(task, model, ONE, step=1, autocast_dtype=None)
+    # The answers as `distqa predict` writes them (the thresholds chosen at the evaluation applied).
+    answers = final_answers(group_by_example(windows), GoldIndex(source).examples, task.thresholds)
+    return answers, expected, metrics
 
+
+@pytest.mark.parametrize(
+    "length, stride, query",
+    [(384, 128, 64), (128, 32, 32)],
+    ids=["most-answers-in-a-window", "narrow-windows-cut-long-answers"],
+)
+def test_the_oracle_gives_every_answer_a_window_holds_and_nothing_else(tmp_path, minilm_dir, length, stride, query):
+    source = with_yes_answer(tmp_path / "valid.jsonl")
+    answers, expected, metrics = evaluated(tmp_path, minilm_dir, source, length, stride, query)
     kinds = [select_target(example)[2] for example in NQReader(source)]
     assert {SHORT, LONG, YES, UNKNOWN} <= set(kinds), kinds  # the sample holds each kind the check is about
-    # The answers as `distqa predict` writes them (the thresholds chosen at the evaluation applied).
     gold = GoldIndex(source)
-    answers = final_answers(group_by_example(windows), gold.examples, task.thresholds)
     assert answers == expected
     for eid, (long, short) in answers.items():  # each one a gold answer: the expectation is right
         assert (not long or long in gold.gold[eid][0]) and (not short or short in gold.gold[eid][1]), eid
@@ -115,3 +121,32 @@ def test_the_oracle_gives_every_answer_a_window_holds_and_nothing_else(tmp_path,
         assert "YES" in rows.values() and metrics["eval_micro_f1"] == 1.0, metrics
     else:
         assert missed, "the narrow windows cut no long answer: they check nothing more"
+
+
+def with_a_long_short_answer(path) -> tuple[object, str]:
+    """The sample, its first short answer widened to its paragraph's text: (the file, that example's id)."""
+    lines = SAMPLE.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if select_target(parse_example(line))[2] == SHORT)
+    obj = json.loads(lines[first])
+    tokens, long = obj["document_text"].split(" "), obj["annotations"][0]["long_answer"]
+    start, end = long["start_token"], long["end_token"]
+    while tokens[start].startswith("<"):  # inside the paragraph's tags
+        start += 1
+    while tokens[end - 1].startswith("<"):
+        end -= 1
+    obj["annotations"][0]["short_answers"] = [{"start_token": start, "end_token": end}]
+    lines[first] = json.dumps(obj)
+    path.write_text("".join(line + "\n" for line in lines))
+    return path, str(obj["example_id"])
+
+
+def test_a_short_answer_longer_than_30_sub_words_is_given_with_task_max_answer_len(tmp_path, minilm_dir):
+    """Evaluation and predict gave spans of at most 30 sub-words, fixed: a longer gold short answer
+    was never given (found by a review). task.max_answer_len sets the limit."""
+    source, eid = with_a_long_short_answer(tmp_path / "valid.jsonl")
+    answers, expected, _ = evaluated(tmp_path / "30", minilm_dir, source, 384, 128, 64)
+    assert answers[eid][1] != expected[eid][1]  # the default cannot give it
+    answers, expected, metrics = evaluated(
+        tmp_path / "120", minilm_dir, source, 384, 128, 64, "task.max_answer_len=120"
+    )
+    assert answers == expected and metrics["eval_micro_f1"] == 1.0, (answers[eid], expected[eid], metrics)

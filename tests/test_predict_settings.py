@@ -37,7 +37,9 @@ def warnings(err: str) -> list[str]:
 def test_saved_settings_round_trip(tmp_path, capsys):
     from distqa.nq.task import NQTask
 
-    trained = load_config(None, ["model.name=tiny", *TRAINED, "task.max_query_len=32", "task.keep_unknown=0.25"])
+    trained = load_config(
+        None, ["model.name=tiny", *TRAINED, "task.max_query_len=32", "task.keep_unknown=0.25", "task.max_answer_len=12"]
+    )
     path = NQTask(trained).save_settings(tmp_path)
     assert path == tmp_path / SETTINGS_FILE
     saved = strict_json(path.read_text())["task"]
@@ -47,14 +49,13 @@ def test_saved_settings_round_trip(tmp_path, capsys):
     fresh = with_trained_settings(load_config(None, ["task.skip_bad_lines=true"]), tmp_path)
     assert type(fresh.task) is type(trained.task)
     # Every setting that shapes the model's inputs comes back; the run's own choices stay the command line's.
-    for key in ("name", "max_seq_len", "doc_stride", "max_query_len", "keep_unknown", "dummy_size"):
+    for key in ("name", "max_seq_len", "doc_stride", "max_query_len", "keep_unknown", "max_answer_len", "dummy_size"):
         assert getattr(fresh.task, key) == getattr(trained.task, key), key
     assert fresh.task.skip_bad_lines is True
     out, err = capsys.readouterr()
     assert err == "" and out.count("\n") == 1, out
-    assert out.endswith("task.max_seq_len=128, task.doc_stride=64, task.max_query_len=32, task.keep_unknown=0.25\n"), (
-        out
-    )
+    taken = "task.max_seq_len=128, task.doc_stride=64, task.max_query_len=32, task.keep_unknown=0.25"
+    assert out.endswith(f"{taken}, task.max_answer_len=12\n"), out
 
 
 @dataclass

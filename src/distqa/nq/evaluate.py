@@ -34,8 +34,9 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EVAL_COLUMNS = ["example_id", *MODEL_INPUTS, "token_map"]
 
 
-def window_best_spans(model: nn.Module, batch: dict[str, Any]) -> list[WindowBest]:
-    """The best span of every window of a batch (its tensors on the model's device)."""
+def window_best_spans(model: nn.Module, batch: dict[str, Any], max_answer_len: int = 30) -> list[WindowBest]:
+    """The best span of every window of a batch (its tensors on the model's device), of at most
+    `max_answer_len` sub-words (task.max_answer_len)."""
     logits = model(**{k: batch[k] for k in MODEL_INPUTS})
     return best_spans(
         logits["start_logits"].float().cpu(),
@@ -43,6 +44,7 @@ def window_best_spans(model: nn.Module, batch: dict[str, Any]) -> list[WindowBes
         logits["answer_type_logits"].float().cpu(),
         batch["token_map"].cpu(),
         batch["example_id"],
+        max_answer_len=max_answer_len,
     )
 
 
@@ -55,6 +57,7 @@ def window_bests(
     pad_id: int,
     max_len: int,
     autocast_dtype: torch.dtype | None = None,
+    max_answer_len: int = 30,
 ) -> list[WindowBest]:
     """Best span of every window of a prepared folder, in one process (`distqa predict`)."""
     from distqa.nq.prepare import load_features  # not at the top: see distqa.nq.data.resolve_features
@@ -65,7 +68,7 @@ def window_bests(
     # The trainer's evaluation mode (eval, no gradients, autocast), so predictions match its own.
     with eval_mode(model, device.type, autocast_dtype):
         for batch in loader:
-            out.extend(window_best_spans(model, to_device(batch, device)))
+            out.extend(window_best_spans(model, to_device(batch, device), max_answer_len))
     return out
 
 

@@ -212,6 +212,7 @@ def predict(
         pad_id=tokenizer.pad_token_id or 0,
         max_len=cfg.task.max_seq_len,
         autocast_dtype=autocast_dtype(scores_precision(chosen, cfg.train.precision)),
+        max_answer_len=cfg.task.max_answer_len,
     )
     answers = final_answers(group_by_example(bests), examples, thresholds)
     write_submission(output, answers)

@@ -49,6 +49,12 @@ class NQSettings:
     doc_stride: int = setting(128, "document tokens between the starts of two windows (at most a window's length)")
     max_query_len: int = setting(64, "question tokens kept (the rest is cut)")
     keep_unknown: float = setting(0.02, "fraction of training windows without the answer that are kept")
+    # Saved with the model (no resume rule): `distqa predict` then gives the spans evaluation gave,
+    # on which the thresholds were chosen.
+    max_answer_len: int = setting(
+        30,
+        "longest short answer evaluation and `distqa predict` give, in sub-words (a longer gold answer is never given)",
+    )
     skip_bad_lines: bool = setting(
         False, "skip (and count) malformed JSONL lines instead of stopping", resume="applied"
     )
@@ -67,5 +73,6 @@ class NQSettings:
         check_min("task.dummy_size", self.dummy_size, 1)
         check_min("task.doc_stride", self.doc_stride, 1)
         check_min("task.max_query_len", self.max_query_len, 1)
+        check_min("task.max_answer_len", self.max_answer_len, 1)
         if not 0.0 <= self.keep_unknown <= 1.0:
             raise ConfigError(f"task.keep_unknown={self.keep_unknown} must be in [0, 1]")

@@ -135,7 +135,7 @@ class NQTask(Task):
 
     def eval_step(self, model: nn.Module, batch: Batch) -> list[WindowBest]:
         """Each window shrinks to its best span (a few numbers) before the gather."""
-        return window_best_spans(model, batch)
+        return window_best_spans(model, batch, self.cfg.task.max_answer_len)
 
     def compute_metrics(self, outputs: list[WindowBest], step: int) -> dict[str, float]:
         """Competition F1 on data.valid; also chooses the thresholds saved with these (step's) weights."""
