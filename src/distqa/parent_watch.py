@@ -67,16 +67,26 @@ def die_with_parent(parent: int) -> None:
 
 
 _watching: list[int] = []  # this process's pid while a `children_die_with_me` block runs
+_forked_by_main_thread = [True]  # set in the parent just before each fork, read in the child
+
+
+def _before_fork() -> None:
+    _forked_by_main_thread[0] = threading.current_thread() is threading.main_thread()
 
 
 def _after_fork_in_child() -> None:
     if _watching:
         parent = _watching[-1]
         _watching.clear()  # only the direct children: a pool worker's own forks are its business
-        die_with_parent(parent)
+        # Linux sends the parent-death signal when the *thread* that forked exits: a pool's helper
+        # thread forks a worker in place of one that died, and exits at the pool's end. Seen: that
+        # worker was killed holding the task queue's lock, and the pool's terminate waited for it
+        # for ever. Only forks of the main thread, which lives as long as the process, are tied.
+        if _forked_by_main_thread[0]:
+            die_with_parent(parent)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
