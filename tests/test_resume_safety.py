@@ -158,6 +158,7 @@ ALTERNATIVES = {
     "task.max_seq_len": "32",
     "task.doc_stride": "64",
     "task.max_query_len": "32",
+    "task.max_answer_len": "20",
     "task.keep_unknown": "0.5",
     "task.skip_bad_lines": "true",
     "task.cache_dir": "CACHE",
@@ -215,6 +216,7 @@ PROMISED_REFUSED = {
     "task.max_seq_len",
     "task.doc_stride",
     "task.max_query_len",
+    "task.max_answer_len",
     "task.keep_unknown",
     "task.dummy_size",
 }

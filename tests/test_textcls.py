@@ -176,7 +176,7 @@ def test_cli_prints_one_line(tmp_path):
     assert proc.returncode != 0
     assert (
         proc.stderr.strip()
-        == "distqa: error: data.train=dummy: textcls has no synthetic data; give a .csv or .jsonl file"
+        == "distqa: error: data.train=dummy: task.name=textcls has no synthetic data; give a file of its training data"
     )
 
 

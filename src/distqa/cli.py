@@ -212,12 +212,14 @@ def build_parser(task: str | None = None, config_note: str = "") -> argparse.Arg
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
+        from distqa.config_layers import check_training_data
         from distqa.registry import load_config
 
         # Checked before the trainer (and torch with it) is imported: a mistake is said at once.
         # --check-config stops there (launch scripts run it once before torchrun, so a mistake is
         # said once, not once per rank and again in torchrun's failure report).
         cfg = load_config(args.config, args.overrides)
+        check_training_data(cfg)
         if args.check_config:
             return 0
         from distqa.trainer import train

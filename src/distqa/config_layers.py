@@ -193,6 +193,15 @@ def check_data_paths(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r} does not exist{where} ({hints[key]})")
 
 
+def check_training_data(cfg: Config) -> None:
+    """`distqa train` only (an export builds the task with data.train=dummy and reads no data):
+    data.train=dummy for a task without synthetic data is refused here, before any model loads."""
+    if cfg.data.train == "dummy" and not hasattr(cfg.task, "ensure_dummy_examples"):  # (see check_data_paths)
+        raise ConfigError(
+            f"data.train=dummy: task.name={cfg.task.name} has no synthetic data; give a file of its training data"
+        )
+
+
 def renamed_keys(cfg: Config) -> dict[str, str]:
     """Old full key -> new full key, for keys that were renamed: a task's settings class may say
     `renamed_keys: ClassVar[dict[str, str]] = {"data.max_seq_len": "task.max_seq_len"}`. An old
