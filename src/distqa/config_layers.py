@@ -194,9 +194,11 @@ def check_data_paths(cfg: Config) -> None:
 
 
 def check_training_data(cfg: Config) -> None:
-    """`distqa train` only (an export builds the task with data.train=dummy and reads no data):
-    data.train=dummy for a task without synthetic data is refused here, before any model loads."""
-    if cfg.data.train == "dummy" and not hasattr(cfg.task, "ensure_dummy_examples"):  # (see check_data_paths)
+    """`distqa train` only (an export builds the task with data.train=dummy and reads no data): the
+    default data.train=dummy, for a task whose settings say it has no synthetic data
+    (`no_synthetic_data = True`, a ClassVar), is refused here, before any model loads. (Not every
+    task without `ensure_dummy_examples` says so: a fork may make its own data whatever data.train.)"""
+    if cfg.data.train == "dummy" and getattr(type(cfg.task), "no_synthetic_data", False):
         raise ConfigError(
             f"data.train=dummy: task.name={cfg.task.name} has no synthetic data; give a file of its training data"
         )

@@ -15,6 +15,9 @@ from distqa.errors import ConfigError
 
 @dataclass
 class TextClsSettings:
+    # data.train=dummy (the default) is refused by `distqa train` before the model loads
+    # (`config_layers.check_training_data`); `distqa export` sets it, and reads no data.
+    no_synthetic_data: ClassVar[bool] = True
     # The eval_* keys the task reports (`textcls.metric`): train.best_metric is one.
     metric_names: ClassVar[tuple[str, ...]] = ("eval_accuracy", "eval_macro_f1")
 
