@@ -148,12 +148,13 @@ def _went_ahead(store: dist.Store, prefix: str) -> bool:
 
 
 def _check_members(store: dist.Store, prefix: str, number: int, rank: int, world_size: int, me: str) -> None:
-    """Every member of a round counts the same world, and each rank is one process. A node started
-    with another NNODES or NPROC_PER_NODE waited for a count the others never reach, or went ahead
-    early; two nodes given one NODE_RANK ran every rank of it twice (the count complete before the
-    other node was in). Either ended after RDZV_TIMEOUT, or in the process group's own start, naming
-    ranks that never existed. A new process of a rank joins a later round, so a rank claimed in
-    this one is claimed by another process."""
+    """Every member of a round counts the same world, and each rank is one process. Two nodes given
+    one NODE_RANK ran every rank of it twice (the count complete before the other node was in).
+    Processes that count different worlds (torchrun's agent 0 assigns ranks from every node's own
+    process count, unless TORCH_ELASTIC_WORKER_IDENTICAL=1 has each compute its own) waited for a
+    count the others never reach. Either ended after RDZV_TIMEOUT, or in the process group's own
+    start, naming ranks that never existed. A new process of a rank joins a later round, so a rank
+    claimed in this one is claimed by another process."""
     node, host, _ = me.split("|")
     first = store.compare_set(f"{prefix}world", "", f"{world_size}|{node}|{host}").decode()
     size, their_node, their_host = (first.split("|") + ["?", "?", "?"])[:3]  # (a value of another kind: "?")
