@@ -72,14 +72,19 @@ def code_identity(task: Task) -> dict[str, str]:
     return identity
 
 
+def _config_text(config: Any) -> str:
+    """A Hugging Face config as JSON text, keys sorted. A value JSON cannot hold counts by its type
+    (its repr may hold an address, other in every process)."""
+    return json.dumps(config.to_dict(), sort_keys=True, default=lambda value: type(value).__qualname__)
+
+
 def config_identity(model: nn.Module) -> dict[str, str]:
     """The model's Hugging Face config, when it has one: settings such as `layer_norm_eps` change what
-    is computed and are no weights. A value JSON cannot hold counts by its type (its repr may hold
-    an address, other in every process)."""
+    is computed and are no weights."""
     config = getattr(model, "config", None)
     if not hasattr(config, "to_dict"):
         return {}
-    text = json.dumps(config.to_dict(), sort_keys=True, default=lambda value: type(value).__qualname__)
+    text = _config_text(config)
     identity = {"model config": hashlib.sha256(text.encode()).hexdigest()}
     # The attention kernel transformers picked where model.attn_implementation is unset (what the
     # node's packages allow): to_dict leaves it out, and kernels differ in their rounding.
@@ -110,8 +115,8 @@ def model_settings(model: nn.Module) -> dict[str, Any] | None:
     config = getattr(model, "config", None)
     if not hasattr(config, "to_dict"):
         return None
-    text = json.dumps(config.to_dict(), sort_keys=True, default=lambda value: type(value).__qualname__)
-    return {key: value for key, value in json.loads(text).items() if key not in _NOT_COMPUTED and "dropout" not in key}
+    values = json.loads(_config_text(config))
+    return {key: value for key, value in values.items() if key not in _NOT_COMPUTED and "dropout" not in key}
 
 
 def weight_summary(model: nn.Module) -> dict[str, tuple[float, float, float]]:

@@ -63,24 +63,24 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
     from huggingface_hub import constants
 
     reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    if os.path.isdir(name) and (broken := _damaged_config(Path(name) / "config.json")):
-        # Read first by the tokenizer too (for its class): named as what it is, not as a tokenizer's fault.
+    if os.path.isdir(name):  # nothing was downloaded: the folder itself lacks a file, or holds a damaged one
+        if broken := _damaged_config(Path(name) / "config.json"):
+            # Read first by the tokenizer too (for its class): named as what it is, not as a tokenizer's fault.
+            return DistqaError(
+                f"cannot load {what} from the folder {name}: its config.json {broken}; set {key} to a folder "
+                "that holds a whole model, or put back its config.json"
+            )
         return DistqaError(
-            f"cannot load {what} from the folder {name}: its config.json {broken}; set {key} to a folder "
-            "that holds a whole model, or put back its config.json"
+            f"cannot load {what} from the folder {name} ({reason}): it does not hold a whole {what}; "
+            f"set {key} to a folder that does"
         )
-    cached = None if os.path.isdir(name) else _cached_file(name, "config.json")
+    cached = _cached_file(name, "config.json")
     if cached is not None and (broken := _damaged_config(cached)):  # not "download it": it is there, damaged
         # The whole entry: its snapshot links to content-named blobs, which a download would reuse.
         entry = next((up for up in cached.parents if up.name.startswith("models--")), cached.parent)
         return DistqaError(
             f"cannot load {what} {name!r}: its config.json in the Hugging Face cache ({cached}) {broken}; "
             f"delete {entry} and download it again, or set {key} to a local folder"
-        )
-    if os.path.isdir(name):  # nothing was downloaded: the folder itself lacks a file, or holds a damaged one
-        return DistqaError(
-            f"cannot load {what} from the folder {name} ({reason}): it does not hold a whole {what}; "
-            f"set {key} to a folder that does"
         )
     offline = os.environ.get("HF_HUB_OFFLINE", "")
     if offline.upper() in ("1", "ON", "YES", "TRUE"):
