@@ -164,7 +164,7 @@ def test_predict_runs_in_the_trainer_s_evaluation_mode(monkeypatch):
     rows |= {"attention_mask": [[1] * 6] * 3, "token_type_ids": [[0] * 6] * 3}
     monkeypatch.setattr("distqa.nq.prepare.load_features", lambda folder: datasets.Dataset.from_dict(rows))
     model = ModeProbe()
-    kwargs = {"device": torch.device("cpu"), "batch_size": 2, "pad_id": 0, "max_len": 8}
+    kwargs = {"device": torch.device("cpu"), "batch_size": 2, "pad_id": 0, "max_len": 8, "max_answer_len": 30}
     bests = window_bests(model, Path("unused"), **kwargs, autocast_dtype=torch.bfloat16)
     assert [b.example_id for b in bests] == ["1", "2", "3"]
     assert model.seen == [(False, False, True)] * 2 and model.training

@@ -34,9 +34,10 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EVAL_COLUMNS = ["example_id", *MODEL_INPUTS, "token_map"]
 
 
-def window_best_spans(model: nn.Module, batch: dict[str, Any], max_answer_len: int = 30) -> list[WindowBest]:
+def window_best_spans(model: nn.Module, batch: dict[str, Any], max_answer_len: int) -> list[WindowBest]:
     """The best span of every window of a batch (its tensors on the model's device), of at most
-    `max_answer_len` sub-words (task.max_answer_len)."""
+    `max_answer_len` sub-words (task.max_answer_len: no default here, so that predict cannot give
+    other spans than the evaluation that chose its thresholds)."""
     logits = model(**{k: batch[k] for k in MODEL_INPUTS})
     return best_spans(
         logits["start_logits"].float().cpu(),
@@ -56,8 +57,8 @@ def window_bests(
     batch_size: int,
     pad_id: int,
     max_len: int,
+    max_answer_len: int,
     autocast_dtype: torch.dtype | None = None,
-    max_answer_len: int = 30,
 ) -> list[WindowBest]:
     """Best span of every window of a prepared folder, in one process (`distqa predict`)."""
     from distqa.nq.prepare import load_features  # not at the top: see distqa.nq.data.resolve_features

@@ -42,8 +42,8 @@ def best_spans(
     token_maps: torch.Tensor,
     example_ids: list[str],
     *,
+    max_answer_len: int,
     top_k: int = 20,
-    max_answer_len: int = 30,
 ) -> list[WindowBest]:
     """Best span of each window of a batch (tensors of shape (batch, seq); token_map -1 = not document)."""
     out = []
