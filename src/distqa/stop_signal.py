@@ -13,6 +13,8 @@ diverged run must never be checkpointed, exported, or picked for a resume).
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
 import time
 from collections.abc import Iterable
@@ -97,6 +99,10 @@ class StopSignal:
         the run's train.resume, which says what the same command would do again."""
         waited = self.seconds_since()
         late = f" (later than train.term_grace_s={grace_s:g} s: raise it)" if waited > grace_s else ""
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a process that ends after this (not a test's own)
+            # It should be gone within seconds. Seen twice under load: one rank still running 30 s
+            # after its checkpoint, until torchrun killed it, and nothing said where it waited.
+            faulthandler.dump_traceback_later(20, exit=False)
         return Preempted(
             f"stopped by {self.signal_name} at step {step} of {total_steps}; checkpoint {checkpoint} written "
             f"{waited:.1f} s after the signal{late}; {how_to_resume(resume)}"
