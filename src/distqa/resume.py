@@ -237,9 +237,7 @@ def check_task_identity(
     folder replaced): a tokenizer that gives other ids would train on, or be exported beside the
     weights, as if nothing changed. `builder` says who built `now` ("than this run builds").
     (Checkpoints written before identities were kept have none.)"""
-    if not isinstance(saved, dict):
-        return
-    differ = sorted(key for key in saved.keys() & now.keys() if saved[key] != now[key])
+    differ = _differing(saved, now)
     if differ:
         shown = "; ".join(f"{key}: {str(saved[key])[:12]} then, {now[key][:12]} now" for key in differ)
         raise ConfigError(
@@ -254,18 +252,24 @@ def check_model_settings(
     builder: str,
     fix: str = "give model.name the files it was trained with, or start afresh with train.resume=never",
 ) -> None:
-    """As `check_task_identity`, for the model's config (`build_identity.model_settings`): a key
-    both hold with other values refuses. A key one of them lacks is left alone: another version
-    of transformers adds or drops keys of its own (a checkpoint from before these were kept has none)."""
-    if not isinstance(saved, dict) or now is None:
-        return
-    differ = sorted(key for key in saved.keys() & now.keys() if saved[key] != now[key])
+    """As `check_task_identity`, for the model's config (`build_identity.model_settings`). A key
+    one of them lacks is left alone: another version of transformers adds or drops keys of its own
+    (a checkpoint from before these were kept has none)."""
+    differ = _differing(saved, now)
     if differ:
         shown = "; ".join(f"{key}: {saved[key]!r} then, {now[key]!r} now" for key in differ[:4])
         more = f"; and {len(differ) - 4} more" if len(differ) > 4 else ""
         raise ConfigError(
             f"checkpoint {directory} was trained with another model config {builder} ({shown}{more}): {fix}"
         )
+
+
+def _differing(saved: Any, now: dict[str, Any] | None) -> list[str]:
+    """The keys both records hold with other values, sorted; none where the checkpoint kept no
+    record (`saved` is not a dict) or this run builds none (`now` is None)."""
+    if not isinstance(saved, dict) or now is None:
+        return []
+    return sorted(key for key in saved.keys() & now.keys() if saved[key] != now[key])
 
 
 def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -> None:
