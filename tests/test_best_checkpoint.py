@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from distqa.export import export_checkpoint
 from distqa.metrics import plot_metrics
 from distqa.registry import load_config
 from distqa.trainer import train
-from toy_task import BlobsDataset, ToyClassificationTask
+from toy_task import BlobsDataset, ToyClassificationTask, ToySettings
 
 
 class ScriptedEvalTask(ToyClassificationTask):
@@ -37,6 +39,43 @@ class ScriptedEvalTask(ToyClassificationTask):
         return {"eval_score": self.SCORES[step], "eval_other": 1.0}
 
 
+class ScriptedLossTask(ScriptedEvalTask):
+    """Scripted the other way: a validation loss, lowest at step 4, highest at step 12 (the last)."""
+
+    LOSSES = {2: 0.5, 4: 0.1, 6: 0.3, 8: 0.4, 10: 0.2, 12: 0.6}
+
+    def compute_metrics(self, outputs, step):
+        return {"eval_loss": self.LOSSES[step], "eval_other": 1.0}
+
+
+@dataclass
+class DeclaredSettings(ToySettings):
+    # A fork's declaration: eval_score improves downwards, eval_cut is no score.
+    metric_names: ClassVar[dict[str, str | None]] = {"eval_score": "min", "eval_cut": None}
+
+
+class DeclaredTask(ScriptedEvalTask):
+    Config = DeclaredSettings
+
+
+@dataclass
+class NamesOnlySettings(ToySettings):
+    metric_names: ClassVar[tuple[str, ...]] = ("eval_score", "eval_loss")  # names, no directions
+
+
+class NamesOnlyTask(ScriptedEvalTask):
+    Config = NamesOnlySettings
+
+
+@dataclass
+class MisdeclaredSettings(ToySettings):
+    metric_names: ClassVar[dict[str, str | None]] = {"eval_score": "higher"}
+
+
+class MisdeclaredTask(ScriptedEvalTask):
+    Config = MisdeclaredSettings
+
+
 BASE = [
     "task.name=test_best_checkpoint:ScriptedEvalTask",
     "task.size=256",
@@ -48,6 +87,7 @@ BASE = [
     "train.checkpoint_every=3",  # step 4, the best, is no planned checkpoint: it is saved for being the best
     "train.keep_checkpoints=1",
     "train.best_metric=eval_score",
+    "train.best_mode=max",  # a toy task declares no direction for its metrics
 ]
 
 
@@ -145,11 +185,12 @@ def test_min_mode_and_a_new_best_moves_the_pointer(tmp_path):
 def test_best_metric_mistakes_are_one_line(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"train.best_metric='score' must name an evaluation metric, eval_KEY"):
         load_config(None, ["train.best_metric=score"])
-    with pytest.raises(ConfigError, match=r"train.best_mode='up' is not one of max, min"):
+    with pytest.raises(ConfigError, match=r"train.best_mode='up' is not one of auto, max, min"):
         load_config(None, ["train.best_mode=up"])
     toy = ["task.name=toy_task:ToyClassificationTask", "task.size=64", "data.num_workers=0", "train.max_steps=2"]
     with pytest.raises(ConfigError, match=r"needs an evaluation, and this task evaluates nothing: set data.valid"):
-        train(load_config(None, [*toy, f"output_dir={tmp_path / 'a'}", "train.best_metric=eval_f1"]))
+        given = ["train.best_metric=eval_f1", "train.best_mode=max"]
+        train(load_config(None, [*toy, f"output_dir={tmp_path / 'a'}", *given]))
     # train.eval_every with nothing to evaluate was silently ignored: it is said, and the run trains.
     capsys.readouterr()
     train(load_config(None, [*toy, f"output_dir={tmp_path / 'e'}", "train.eval_every=1"]))
@@ -227,3 +268,61 @@ def test_a_new_best_adds_a_checked_save_and_keeps_a_stop_requests_check():
     assert planned.on_new_best() == planned  # its optimizer state is checked with the weights already
     stopping = plain.on_stop_request(True).on_new_best()
     assert stopping.stop and stopping.save and stopping.check_optimizer
+
+
+def test_a_loss_keeps_its_lowest_value_as_best_without_best_mode(tmp_path):
+    """train.best_metric=eval_loss alone: the default direction kept the highest loss (max), so
+    checkpoints/best and `distqa export` of it gave the worst weights, exit 0."""
+    root = tmp_path / "run"
+    cfg = load_config(None, [*BASE[:-2], "task.name=test_best_checkpoint:ScriptedLossTask",
+                             "train.best_metric=eval_loss", "train.max_steps=12", f"output_dir={root}"])  # fmt: skip
+    assert cfg.train.best_mode == "min"
+    train(cfg)
+    assert os.readlink(root / "checkpoints" / "best") == "step-4"  # loss 0.1; max kept step 12's 0.6
+    state = json.loads((root / "checkpoints" / "step-4" / "trainer_state.json").read_text())
+    assert state["best"] == {"metric": "eval_loss", "mode": "min", "value": pytest.approx(0.1), "step": 4}
+
+
+def direction(task, metric, *more):
+    return load_config(None, [f"task.name={task}", f"train.best_metric={metric}", *more]).train.best_mode
+
+
+def test_best_mode_auto_takes_the_direction_the_task_declares_or_refuses(tmp_path):
+    assert direction("nq", "eval_micro_f1") == "max"
+    assert direction("textcls", "eval_macro_f1", "task.labels=a,b") == "max"
+    assert direction("test_best_checkpoint:DeclaredTask", "eval_score") == "min"  # a fork's declaration
+    assert direction("test_best_checkpoint:DeclaredTask", "eval_score", "train.best_mode=max") == "max"  # said
+    assert direction("test_best_checkpoint:NamesOnlyTask", "eval_loss") == "min"
+    # Nothing says which way a score improves: one line at start, never a guess.
+    with pytest.raises(ConfigError) as unknown:
+        direction("test_best_checkpoint:NamesOnlyTask", "eval_score")
+    assert str(unknown.value) == (
+        "train.best_metric='eval_score': the task does not say whether a higher or a lower value is better "
+        "(its settings' metric_names give no direction): set train.best_mode=max or train.best_mode=min"
+    )
+    with pytest.raises(ConfigError, match=r"'eval_score': the task does not say whether a higher or a lower"):
+        direction("toy_task:ToyClassificationTask", "eval_score")  # no metric_names at all
+    # NQ's thresholds are chosen on the validation set: no score to keep a checkpoint by.
+    with pytest.raises(ConfigError, match=r"'eval_long_threshold' is no score this task improves .*best_mode=max"):
+        direction("nq", "eval_long_threshold")
+    assert direction("nq", "eval_long_threshold", "train.best_mode=min") == "min"
+    with pytest.raises(ConfigError) as bad:
+        direction("test_best_checkpoint:MisdeclaredTask", "eval_score")
+    assert str(bad.value) == (
+        "MisdeclaredSettings.metric_names gives 'eval_score' the direction 'higher': use 'max' (higher is "
+        "better), 'min' (lower is better) or None (not a score)"
+    )
+    assert load_config(None, []).train.best_mode == "auto"  # no best_metric: nothing to decide
+
+
+def test_a_resume_after_the_old_default_starts_the_loss_record_afresh(tmp_path, capsys):
+    """A checkpoint whose record kept eval_loss by max (the old default) is no record of min: the
+    resumed run's best is the lowest loss from then on, not the highest of before."""
+    root = tmp_path / "run"
+    loss = [*BASE[:-2], "task.name=test_best_checkpoint:ScriptedLossTask", "train.best_metric=eval_loss"]
+    train(load_config(None, [*loss, "train.best_mode=max", "train.max_steps=8", f"output_dir={root}"]))
+    assert os.readlink(root / "checkpoints" / "best") == "step-2"  # loss 0.5, the highest: what max kept
+    capsys.readouterr()
+    train(load_config(None, [*loss, "train.max_steps=12", f"output_dir={root}"]))
+    assert "changed settings, applied from step 8 on: train.best_mode ('max' -> 'min')" in capsys.readouterr().out
+    assert os.readlink(root / "checkpoints" / "best") == "step-10"  # 0.2: the lowest after the resume at 8

@@ -63,6 +63,7 @@ BASE = [
     "train.log_every=1",
     "train.checkpoint_every=3",
     "train.best_metric=eval_score",
+    "train.best_mode=max",  # a toy task declares no direction for its metrics
 ]
 
 

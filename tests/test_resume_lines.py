@@ -68,6 +68,7 @@ BASE = [
     "train.eval_every=2",
     "train.checkpoint_every=2",
     "train.best_metric=eval_score",
+    "train.best_mode=max",  # a toy task declares no direction for its metrics
 ]
 
 

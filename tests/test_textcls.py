@@ -190,7 +190,7 @@ def test_accuracy_and_macro_f1():
     assert metrics["eval_macro_f1"] == pytest.approx((0.8 + 2 / 3) / 2)
     from distqa.textcls.settings import TextClsSettings
 
-    assert tuple(metrics) == TextClsSettings.metric_names  # what train.best_metric is checked against
+    assert tuple(metrics) == tuple(TextClsSettings.metric_names)  # what train.best_metric is checked against
     # a class only predicted (never present) counts, with F1 0
     assert accuracy_and_macro_f1([2, 0], [0, 0], num_labels=3)["eval_macro_f1"] == pytest.approx((2 / 3 + 0) / 2)
 

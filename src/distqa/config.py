@@ -202,7 +202,10 @@ class TrainConfig:
         resume="applied",
     )
     best_mode: str = setting(
-        "max", "max | min: whether a higher or a lower train.best_metric is better", resume="applied"
+        "auto",
+        "auto | max | min: whether a higher or a lower train.best_metric is better; auto: as the task "
+        "declares for that metric (metric_names), min for a name ending in 'loss', else refused",
+        resume="applied",
     )
 
     def __post_init__(self) -> None:
@@ -225,7 +228,7 @@ class TrainConfig:
             )
         check_min("train.keep_checkpoints", self.keep_checkpoints, 0)
         check_min("train.term_grace_s", self.term_grace_s, 0.0, strict=True)
-        _check_choice("train.best_mode", self.best_mode, ("max", "min"))
+        _check_choice("train.best_mode", self.best_mode, ("auto", "max", "min"))
         if self.best_metric is not None and not self.best_metric.startswith("eval_"):
             raise ConfigError(
                 f"train.best_metric={self.best_metric!r} must name an evaluation metric, eval_KEY (e.g. eval_f1)"

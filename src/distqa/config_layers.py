@@ -165,16 +165,56 @@ def load_config(
 
 def check_best_metric(cfg: Config) -> None:
     """train.best_metric is one the task reports, where its settings class says which
-    (`metric_names: ClassVar[tuple[str, ...]]`): a misspelt name would fail at the first
-    evaluation, hours into a run."""
-    names = tuple(getattr(type(cfg.task), "metric_names", ()))
+    (`metric_names`): a misspelt name would fail at the first evaluation, hours into a run. And
+    train.best_mode=auto becomes the direction in which that metric improves (`best_direction`)."""
+    names, directions = metric_directions(type(cfg.task))
     metric = cfg.train.best_metric
-    if metric is None or not names or metric in names:
+    if metric is None:
         return
-    close = difflib.get_close_matches(metric, names, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    reported = ", ".join(names)
-    raise ConfigError(f"train.best_metric={metric!r} is not a metric this task reports{hint}: one of {reported}")
+    if names and metric not in names:
+        close = difflib.get_close_matches(metric, names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        reported = ", ".join(names)
+        raise ConfigError(f"train.best_metric={metric!r} is not a metric this task reports{hint}: one of {reported}")
+    if cfg.train.best_mode == "auto":
+        cfg.train.best_mode = best_direction(metric, directions)
+
+
+def metric_directions(settings: type) -> tuple[tuple[str, ...], dict[str, str | None]]:
+    """A task's `metric_names` (a ClassVar of its settings class): the eval_* keys it reports, and
+    the direction of those it declares one for. It may map each key to the way it improves, "max"
+    or "min" (None: no score, e.g. a threshold the evaluation chose), or be a plain sequence of
+    names, whose directions are then unknown."""
+    names = getattr(settings, "metric_names", ())
+    if not isinstance(names, dict):
+        return tuple(names), {}
+    for name, direction in names.items():
+        if direction not in ("max", "min", None):
+            raise ConfigError(
+                f"{settings.__name__}.metric_names gives {name!r} the direction {direction!r}: use 'max' "
+                "(higher is better), 'min' (lower is better) or None (not a score)"
+            )
+    return tuple(names), dict(names)
+
+
+def best_direction(metric: str, directions: dict[str, str | None]) -> str:
+    """The direction of train.best_mode=auto. A guess would keep the worst checkpoint as `best`
+    (the old default, max, did so for eval_loss, exit 0), so only what is known decides: the
+    task's declaration, or a loss (lower is better, as Hugging Face's Trainer also assumes)."""
+    if metric in directions:
+        direction = directions[metric]
+        if direction is None:
+            raise ConfigError(
+                f"train.best_metric={metric!r} is no score this task improves (its metric_names give it no "
+                "direction): pick another metric, or set train.best_mode=max or min if you mean it"
+            )
+        return direction
+    if metric.endswith("loss"):
+        return "min"
+    raise ConfigError(
+        f"train.best_metric={metric!r}: the task does not say whether a higher or a lower value is better "
+        "(its settings' metric_names give no direction): set train.best_mode=max or train.best_mode=min"
+    )
 
 
 def check_data_paths(cfg: Config) -> None:

@@ -36,14 +36,16 @@ class NQSettings:
         "with `distqa split --input data/simplified-nq-train.jsonl --valid 2000 --output data/split`"
     }
 
-    # The eval_* keys the task reports (`nq.evaluate.score_predictions`): train.best_metric is one.
-    metric_names: ClassVar[tuple[str, ...]] = (
-        "eval_micro_f1",
-        "eval_long_f1",
-        "eval_short_f1",
-        "eval_long_threshold",
-        "eval_short_threshold",
-    )
+    # The eval_* keys the task reports (`nq.evaluate.score_predictions`), each with the way it
+    # improves: train.best_metric is one, and train.best_mode=auto takes its direction from here
+    # (the thresholds are no scores: chosen on the validation set, neither higher nor lower is better).
+    metric_names: ClassVar[dict[str, str | None]] = {
+        "eval_micro_f1": "max",
+        "eval_long_f1": "max",
+        "eval_short_f1": "max",
+        "eval_long_threshold": None,
+        "eval_short_threshold": None,
+    }
 
     max_seq_len: int = setting(512, "tokens per input sequence, special tokens included")
     doc_stride: int = setting(128, "document tokens between the starts of two windows (at most a window's length)")

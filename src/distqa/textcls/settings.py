@@ -18,8 +18,9 @@ class TextClsSettings:
     # data.train=dummy (the default) is refused by `distqa train` before the model loads
     # (`config_layers.check_training_data`); `distqa export` sets it, and reads no data.
     no_synthetic_data: ClassVar[bool] = True
-    # The eval_* keys the task reports (`textcls.metric`): train.best_metric is one.
-    metric_names: ClassVar[tuple[str, ...]] = ("eval_accuracy", "eval_macro_f1")
+    # The eval_* keys the task reports (`textcls.metric`), each with the way it improves:
+    # train.best_metric is one, and train.best_mode=auto takes its direction from here.
+    metric_names: ClassVar[dict[str, str | None]] = {"eval_accuracy": "max", "eval_macro_f1": "max"}
 
     labels: str | None = setting(
         None,
