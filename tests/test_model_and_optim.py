@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -78,6 +79,38 @@ def test_no_weight_decay_on_bias_and_layernorm():
     assert not any(n.endswith(".bias") or "LayerNorm" in n for n in decayed)
     assert "qa.bert.embeddings.LayerNorm.weight" in exempt
     assert "qa.qa_outputs.weight" in decayed and "answer_type_head.weight" in decayed
+
+
+def test_a_tied_parameter_is_stepped_once_per_step():
+    """BART's shared embedding is also its encoder's and decoder's embed_tokens: listed once per
+    module that holds it, AdamW updated it three times per step (step count 3, three times the
+    update), with only torch's warning. One step must equal AdamW over each parameter once."""
+    from transformers import AutoModelForSequenceClassification, BartConfig
+
+    small = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2)
+    config = BartConfig(**small, encoder_ffn_dim=16, decoder_ffn_dim=16, vocab_size=50, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    shared = model.get_input_embeddings().weight
+    assert model.model.encoder.embed_tokens.weight is shared is model.model.decoder.embed_tokens.weight
+    groups = parameter_groups(model, 0.01)
+    listed = [id(p) for group in groups for p in group["params"]]
+    assert sorted(listed) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+
+    reference = copy.deepcopy(model)
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.01)
+    optimizers = [build_optimizer(model, cfg, torch.device("cpu")), torch.optim.AdamW(
+        [{"params": [p for n, p in reference.named_parameters() if ".bias" not in n and "norm" not in n]},
+         {"params": [p for n, p in reference.named_parameters() if ".bias" in n or "norm" in n], "weight_decay": 0.0}],
+        lr=1e-2, weight_decay=0.01)]  # fmt: skip
+    ids = torch.tensor([[0, 5, 7, 9, 2], [0, 3, 4, 8, 2]])
+    for net, optimizer in zip((model, reference), optimizers):
+        net.eval()  # no dropout: both see the same forward
+        net(input_ids=ids, labels=torch.tensor([0, 1])).loss.backward()
+        optimizer.step()
+    assert optimizers[0].state[shared]["step"].item() == 1
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, msg=name)
 
 
 def test_optimizers_and_schedules():

@@ -133,7 +133,7 @@ class TrainConfig:
         0.1, "fraction of the steps spent warming the learning rate up from 0", resume="applied"
     )
     weight_decay: float = setting(
-        0.01, "decoupled weight decay (never on biases and LayerNorm weights)", resume="applied"
+        0.01, "weight decay, decoupled (AdamW) or L2 (SGD); never on biases and LayerNorm weights", resume="applied"
     )
     max_grad_norm: float = setting(1.0, "clip the global gradient norm to this (0 = no clipping)", resume="applied")
     precision: str = setting("fp32", "fp32 | bf16 | fp16 (fp16 uses a gradient scaler)", resume="applied")

@@ -29,12 +29,17 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
     Decay on biases and normalisation weights only pulls them towards 0, which for a LayerNorm
     gain means towards switching the layer off; BERT and every recipe since exempt them.
+
+    Each parameter is listed once: a tied one (BART's and T5's shared embedding is also their
+    encoder's and decoder's `embed_tokens`) is held by several modules, and listed once per module
+    AdamW stepped it that many times per step (its update, decay and step count tripled), exit 0.
     """
-    decay, no_decay = [], []
+    decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad:
+            if not param.requires_grad or id(param) in seen:
                 continue
+            seen.add(id(param))
             (no_decay if name == "bias" or _is_norm(module) else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
