@@ -118,6 +118,63 @@ def test_validation_features_refuse_a_repeated_id_in_one_shard_or_across_two(tmp
     assert not (tmp_path / "f" / "distqa_fingerprint.json").exists()
 
 
+TRAIN = FeatureSettings(max_seq_len=64, doc_stride=32, max_query_len=16, keep_unknown=1.0)
+# SHORT's lines as training lines: annotated, with no answer (their answers lie past the cut).
+ANNOTATED = [json.dumps({**json.loads(line), "annotations": []}) for line in SHORT]
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_training_features_refuse_a_repeated_id_in_one_shard_or_across_two(tmp_path, minilm_dir, num_proc):
+    """Two files concatenated (or one twice): the repeated examples were trained on twice as often,
+    'wrote 36 features of 20 documents', exit 0. Most training examples leave no window, so the
+    ids each shard read are compared, not the features'."""
+    path = write(tmp_path / "train.jsonl", [*ANNOTATED, ANNOTATED[0]])
+    with pytest.raises(DistqaError, match=r"line 4: example_id .* appears a second time \(first on line 1\)"):
+        prepare_features(path, tmp_path / "f", tokenizer_name=str(minilm_dir), settings=TRAIN, num_proc=num_proc)
+    assert not (tmp_path / "f" / "distqa_fingerprint.json").exists()
+    once = write(tmp_path / "once.jsonl", ANNOTATED)
+    done = prepare_features(once, tmp_path / "g", tokenizer_name=str(minilm_dir), settings=TRAIN, num_proc=num_proc)
+    assert done.docs == 3
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_training_on_lines_without_annotations_is_refused_even_when_skipping_bad_lines(tmp_path, minilm_dir, num_proc):
+    """The test set as data.train: every window's target was 'no answer' (answer_type 0 for all),
+    and the run exported a model taught to answer nothing, exit 0."""
+    path = write(tmp_path / "test.jsonl", SHORT)  # no "annotations", as every line of the test set
+    example_id = json.loads(SHORT[0])["example_id"]
+    for skip in (False, True):
+        with pytest.raises(DistqaError) as caught:
+            prepare_features(path, tmp_path / "f", tokenizer_name=str(minilm_dir), settings=TRAIN,
+                             num_proc=num_proc, skip_bad_lines=skip)  # fmt: skip
+        assert str(caught.value) == (
+            f"{path}, line 1: example {example_id} has no annotations, as the lines of the test set "
+            "(simplified-nq-test.jsonl) have none: training needs the answers; train on simplified-nq-train.jsonl, "
+            "or the train.jsonl that `distqa split` makes"
+        )
+    # Evaluation features of the same lines are fine: predict reads the test set.
+    evaluated = prepare_features(path, tmp_path / "e", tokenizer_name=str(minilm_dir), settings=EVAL)
+    assert evaluated.docs == 3
+    # Annotations that say "no answer" make an example to train on; one line without them is refused.
+    assert prepare_features(write(tmp_path / "a.jsonl", ANNOTATED), tmp_path / "a", tokenizer_name=str(minilm_dir),
+                            settings=TRAIN).docs == 3  # fmt: skip
+    mixed = write(tmp_path / "mixed.jsonl", [*ANNOTATED[:2], SHORT[2]])
+    with pytest.raises(DistqaError, match=r"mixed.jsonl, line 3: example .* has no annotations"):
+        prepare_features(mixed, tmp_path / "m", tokenizer_name=str(minilm_dir), settings=TRAIN)
+
+
+def test_distqa_train_on_the_test_set_is_one_line(tmp_path, capsys, minilm_dir):
+    path = write(tmp_path / "test.jsonl", SHORT)  # no "annotations", as every line of the test set
+    args = ["train", f"data.train={path}", f"model.name={minilm_dir}", "task.max_seq_len=64", "task.doc_stride=32",
+            "task.max_query_len=16", "train.max_steps=1", f"output_dir={tmp_path / 'run'}",
+            f"task.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    assert main(args) == 2  # a data error
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"distqa: error: {path}, line 1: example ")
+    assert "has no annotations" in err and not (tmp_path / "run" / "model").exists()
+
+
 def test_predict_refuses_a_repeated_or_unusable_id_before_preparing_anything(tmp_path, capsys, tiny_run, minilm_dir):
     for lines, said in [
         ([SHORT[0], SHORT[1], SHORT[0]], "line 3: example_id"),

@@ -207,6 +207,13 @@ BAD = {
     # Text before the object: the id read from the line's end would have made it an example.
     "stray text": ([LINES[0], b'GARBAGE {"example_id": 77}\n'], ["--valid", "1"], "{src}, line 2: not valid JSON"),
     "byte-order mark": ([b"\xef\xbb\xbf" + LINES[0], LINES[1]], ["--valid", "1"], "{src}, line 1: not valid JSON"),
+    # Two files glued where the first lacked its last newline: the id read from the line's end was
+    # the second object's, and the first example was lost ("6 train and 3 valid" of 10).
+    "glued": (
+        [*LINES[:2], LINES[2].rstrip(b"\n") + LINES[3], *LINES[4:]],
+        ["--valid", "2"],
+        "{src}, line 3: not valid JSON",
+    ),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,13 @@ def test_class_names_win_over_indices(tmp_path):
         ("a.csv", "text,label\n ,0\n", {}, r"row ending on line 2: a text column is empty"),
         # Class names that are numbers: 0 was read as index 0, the class "1", as was the name "1".
         ("a.csv", "text,label\nhi,1\nho,0\n", {"labels": "1,2,3"}, r"line 3: label '0' is not one of task.labels"),
+        # Decimal class names (scores): a JSON writer's 1.0 written as 1 was index 1, the class 0.5.
+        ("a.jsonl", '{"text": "hi", "label": 1}\n', {"labels": "0.0,0.5,1.0"}, r"label 1 is not one of task.labels"),
+        # An index is plain ASCII digits: int() also read these (1_0 as 10, full-width 1 as 1).
+        *[
+            ("a.csv", f"text,label\nhi,{x}\n", {}, rf"label {re.escape(repr(x))} is neither")
+            for x in ("+1", "-0", "1_0", "\uff11")
+        ],
     ],
 )
 def test_each_bad_file_is_one_clear_line(tmp_path, name, content, keys, message):
@@ -133,6 +141,14 @@ def test_each_bad_file_is_one_clear_line(tmp_path, name, content, keys, message)
     with pytest.raises(DistqaError, match=message) as err:
         read_examples(path, "data.train", settings(**keys))
     assert "\n" not in str(err.value)
+
+
+def test_labels_as_names_or_plain_indices(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "a", "label": "1.0"}\n{"text": "b", "label": 0.5}\n{"text": "c", "label": "0.0"}\n')
+    assert [e.label for e in read_examples(path, "data.train", settings(labels="0.0,0.5,1.0"))] == [2, 1, 0]
+    path.write_text('{"text": "a", "label": 1}\n{"text": "b", "label": "0"}\n{"text": "c", "label": " positive "}\n')
+    assert [e.label for e in read_examples(path, "data.train", settings())] == [1, 0, 1]
 
 
 def test_bad_settings_are_one_line():

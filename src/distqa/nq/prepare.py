@@ -62,6 +62,7 @@ def _generate(shards: list[dict[str, Any]]) -> Any:
             byte_range=tuple(shard["range"]),
             # Evaluation features are grouped by example id (validation, predict): ids must be unique.
             keyed_by_id=not shard["settings"]["training"],
+            training=shard["settings"]["training"],
         )
         stats: dict[str, Any] = {"docs": 0, "features": 0, "started": time.time()}  # after start-up
         try:
@@ -73,6 +74,8 @@ def _generate(shards: list[dict[str, Any]]) -> Any:
         except (DistqaError, ValueError) as err:  # a bad line; settings that leave no room for text
             stats["error"] = str(err)
         stats.update(bad_lines=reader.bad_lines, finished=time.time())
+        if reader.training:  # compared across shards (`_refuse_repeated_ids`): most examples leave no window
+            stats["ids"] = reader.ids
         Path(shard["stats"]).write_text(json.dumps(stats))
         if "error" in stats:
             return
@@ -164,8 +167,12 @@ def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, sta
     errors = [s["error"] for s in _shard_stats(shards) if "error" in s]
     if errors:
         raise DistqaError(errors[0])
-    if len(shards) > 1 and not shards[0]["settings"]["training"]:
-        _refuse_repeated_ids(source, dataset, sum(s["docs"] for s in _shard_stats(shards)))
+    if len(shards) > 1:
+        stats = _shard_stats(shards)
+        docs = sum(s["docs"] for s in stats)
+        training = shards[0]["settings"]["training"]
+        distinct = len(set().union(*(s["ids"] for s in stats))) if training else len(dataset.unique("example_id"))
+        _refuse_repeated_ids(source, distinct, docs)
     return dataset
 
 
@@ -183,11 +190,11 @@ def _no_features(source: Path, stats: list[dict[str, Any]], *, training: bool) -
     return f"{source} produced no features from its {docs} example(s)"
 
 
-def _refuse_repeated_ids(source: Path, dataset: datasets.Dataset, docs: int) -> None:
-    """Each shard refused an id repeated inside it; one repeated across shards shows as fewer ids
-    than documents (an evaluation feature set has a window of every document). Only then is the
-    file read again, to name the two lines."""
-    if len(dataset.unique("example_id")) == docs:
+def _refuse_repeated_ids(source: Path, distinct: int, docs: int) -> None:
+    """Each shard refused an id repeated inside it; one repeated across shards shows as fewer
+    `distinct` ids than documents: those of an evaluation feature set (a window of every document),
+    those each training shard read. Only then is the file read again, to name the two lines."""
+    if distinct == docs:
         return
     for _ in NQReader(source, skip_bad_lines=True, keyed_by_id=True):
         pass  # raises at the second line of the first repeated id

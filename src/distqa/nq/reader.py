@@ -11,7 +11,10 @@ count is reported by the caller. Nothing is dropped silently.
 
 Where examples are keyed by their id (validation, prediction: `keyed_by_id=True`), an id must also
 be usable as a submission row id, and appear once: a repeated id would pool the windows of two
-documents under one answer, and `distqa score`/`split` refuse such files too.
+documents under one answer, and `distqa score`/`split` refuse such files too. Training examples
+(`training=True`) must appear once as well (a repeated one is trained on twice as often: two files
+concatenated), and must carry annotations: a line of the test set has none, and every one of its
+windows would teach "no answer".
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class NQExample:
     tokens: list[str]  # the document's whitespace tokens; HTML tags (<P>, <Table>) included
     candidates: list[dict[str, Any]]  # long-answer candidates: start_token, end_token, top_level
     annotations: list[dict[str, Any]] = field(default_factory=list)  # empty for the test set
+    annotated: bool = True  # False: the line has no "annotations" at all (the test set's lines)
 
 
 class BadLine(ValueError):
@@ -150,7 +154,14 @@ def parse_example(line: str) -> NQExample:
             _span(short, f"annotations[{i}].short_answers[{j}]", n)
         if ann.get("yes_no_answer", "NONE") not in ("YES", "NO", "NONE"):
             raise BadLine(f"annotations[{i}].yes_no_answer is {ann.get('yes_no_answer')!r}")
-    return NQExample(checked_example_id(raw["example_id"]), raw["question_text"], tokens, candidates, annotations)
+    return NQExample(
+        checked_example_id(raw["example_id"]),
+        raw["question_text"],
+        tokens,
+        candidates,
+        annotations,
+        annotated=raw.get("annotations") is not None,
+    )
 
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -204,7 +215,9 @@ class NQReader:
 
     `bad_lines` holds (line number, reason) for each skipped line once iteration is over.
     `keyed_by_id`: an id that cannot name a submission row is a bad line, and a repeated id is an
-    error (never skipped: which of the two documents is meant cannot be known).
+    error (never skipped: which of the two documents is meant cannot be known). `training`: a
+    repeated id is an error too, and so is a line without annotations (never skipped: a file of
+    such lines is the test set, which has no answers to train on); `ids` then holds every id read.
     """
 
     def __init__(
@@ -214,6 +227,7 @@ class NQReader:
         skip_bad_lines: bool = False,
         byte_range: tuple[int, int] | None = None,
         keyed_by_id: bool = False,
+        training: bool = False,
     ) -> None:
         self.path = Path(path)
         if not self.path.is_file():
@@ -221,9 +235,9 @@ class NQReader:
         refuse_unreadable_start(self.path)
         self.skip_bad_lines = skip_bad_lines
         self.byte_range = byte_range or (0, self.path.stat().st_size)
-        self.keyed_by_id = keyed_by_id
+        self.keyed_by_id, self.training = keyed_by_id, training
         self.bad_lines: list[tuple[int, str]] = []
-        self._first_offset: dict[str, int] = {}  # keyed_by_id: where each id was first seen
+        self._first_offset: dict[str, int] = {}  # keyed_by_id or training: where each id was first seen
 
     def _lines(self) -> Iterator[tuple[int, bytes]]:
         """(byte offset, raw line) for every line that starts inside the byte range."""
@@ -257,9 +271,20 @@ class NQReader:
                     ) from None
                 self.bad_lines.append((line_no, reason))
                 continue
-            if self.keyed_by_id:
+            if self.training and not example.annotated:
+                raise DistqaError(
+                    f"{self.path}, line {line_number_at(self.path, offset)}: example {example.example_id} has no "
+                    "annotations, as the lines of the test set (simplified-nq-test.jsonl) have none: training needs "
+                    "the answers; train on simplified-nq-train.jsonl, or the train.jsonl that `distqa split` makes"
+                )
+            if self.keyed_by_id or self.training:
                 self._check_first(example.example_id, offset)
             yield example
+
+    @property
+    def ids(self) -> list[str]:
+        """The ids read so far (`keyed_by_id` or `training` only), in the order first seen."""
+        return list(self._first_offset)
 
     def _check_first(self, example_id: str, offset: int) -> None:
         first = self._first_offset.setdefault(example_id, offset)

@@ -27,6 +27,7 @@ import gzip
 import hashlib
 import heapq
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -45,6 +46,7 @@ _KEY = b'"example_id"'
 _JSON_WS = " \t\n\r"  # JSON's whitespace; str.strip() alone would also accept "\x0b" and friends
 _JSON_WS_BYTES = _JSON_WS.encode()
 _DECODER = json.JSONDecoder()
+_GLUED = re.compile(rb"\}[ \t\n\r]*\{")  # one object's end, then another's start
 
 
 def _parse_fully(line: bytes) -> str:
@@ -67,13 +69,21 @@ def example_id_of(line: bytes) -> str:
     token of its own, and a `:` after it makes it a key. If its value is then followed only by `}`
     and the line's end, that `}` closes the object holding the key and nothing follows it: that
     object is the line's top-level object. It is the last occurrence in the text, which is also the
-    one `json.loads` keeps when a key repeats. Anything else (another key order, escapes in the
-    key, nesting) is left to `json.loads`.
+    one `json.loads` keeps when a key repeats. Unless the line holds two objects: two files glued
+    where the first lacked its last newline, `{...}{..."example_id": 5}`, whose first object the tail
+    never sees. A `}` then `{` anywhere sends the line to `json.loads`, which refuses it ("Extra
+    data"); in the text of a document (LaTeX's `}{`) it only costs that line a full parse. Anything
+    else (another key order, escapes in the key, nesting) is left to `json.loads` as well.
     """
     at = line.rfind(_KEY)
     # Only a line that opens an object: anything else before it (a byte-order mark, stray text)
     # is no JSON, and the full parse says so.
-    if at > 0 and line[at - 1] != ord("\\") and line.lstrip(_JSON_WS_BYTES).startswith(b"{"):
+    if (
+        at > 0
+        and line[at - 1] != ord("\\")
+        and line.lstrip(_JSON_WS_BYTES).startswith(b"{")
+        and not _GLUED.search(line)
+    ):
         rest = line[at + len(_KEY) :].lstrip(_JSON_WS_BYTES)
         if rest.startswith(b":"):
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -109,16 +110,21 @@ def _label_index(value: Any, labels: list[str], names_only: bool) -> int | None:
         return labels.index(text)
     if isinstance(value, bool) or names_only:
         return None  # JSON true/false is not an index; with numeric names an index is ambiguous
-    try:
-        index = int(text)
-    except ValueError:
+    # Plain ASCII digits only: int() also reads "+1", "-0", "1_0" (10) and full-width digits.
+    if not _INDEX.fullmatch(text):
         return None
-    return index if 0 <= index < len(labels) else None
+    index = int(text)
+    return index if index < len(labels) else None
 
 
-def _is_integer(text: str) -> bool:
+_INDEX = re.compile(r"0|[1-9][0-9]*")
+
+
+def _is_number(text: str) -> bool:
+    """Whether a class name reads as a number (1, 0.5, 1e3): a file's label could then be meant as
+    that name or as an index (names 0.0,0.5,1.0 and a label 1, a JSON writer's 1.0, took class 0.5)."""
     try:
-        int(text)
+        float(text)
     except ValueError:
         return False
     return True
@@ -129,7 +135,7 @@ def read_examples(path: str | Path, key: str, settings: Any) -> list[Example]:
     input. `settings` is the task's TextClsSettings."""
     path = Path(path)
     labels = settings.label_names()
-    names_only = any(_is_integer(name) for name in labels)
+    names_only = any(_is_number(name) for name in labels)
     columns = [settings.text_column, settings.label_column]
     if settings.text_pair_column is not None:
         columns.insert(1, settings.text_pair_column)
