@@ -92,6 +92,59 @@ class DivergentTask(ToyClassificationTask):
         return super().loss(model, batch)
 
 
+class BypassTask(ToyClassificationTask):
+    """A fork's common mistake: the loss calls the module inside DDP (as with a model kept from
+    build_model), so no gradient is all-reduced and each rank trains alone on its share."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        inner = model.module if hasattr(model, "module") else model
+        return F.cross_entropy(inner(batch["features"]), batch["label"])
+
+
+class UnfreezeTask(ToyClassificationTask):
+    """Gradual unfreezing: the first layer starts frozen and its requires_grad is set at the third
+    step, after the optimizer and DDP were built without it."""
+
+    def build_model(self) -> nn.Module:
+        model = ToyClassifier()
+        model.net[0].requires_grad_(False)
+        self.losses = 0
+        return model
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        self.losses += 1
+        if self.losses == 3:
+            (model.module if hasattr(model, "module") else model).net[0].requires_grad_(True)
+        return super().loss(model, batch)
+
+
+class NormClassifier(nn.Module):
+    """ToyClassifier with BatchNorm: buffers (running statistics) that each rank's forward updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, CLASSES))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features)
+
+
+class NormTask(ToyClassificationTask):
+    """A BatchNorm model whose evaluation reports its validation loss, summed over the examples."""
+
+    def build_model(self) -> nn.Module:
+        return NormClassifier()
+
+    def build_eval_dataset(self) -> Dataset:
+        return BlobsDataset(64, seed=11)
+
+    def eval_step(self, model: nn.Module, batch: Batch) -> list:
+        return F.cross_entropy(model(batch["features"]), batch["label"], reduction="none").tolist()
+
+    def compute_metrics(self, outputs: list, step: int) -> dict[str, float]:
+        return {"eval_loss": sum(outputs) / len(outputs)}
+
+
 class RankSkewedTask(ToyClassificationTask):
     """A broken set-up on purpose: rank 1 sees a shorter dataset, as a node whose data.train holds
     another file at the same path would. The trainer must stop at start, not hang at epoch end."""

@@ -174,7 +174,9 @@ class TrainConfig:
         30.0, "after SIGTERM: seconds the platform allows for the last checkpoint", resume="silent"
     )
     check_replicas: bool = setting(
-        False, "debug: check every step that all ranks hold identical parameters", resume="silent"
+        False,
+        "check every step that all ranks hold the same parameters (else the steps that log or save)",
+        resume="silent",
     )
     check_finite: bool = setting(
         False,

@@ -18,17 +18,28 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AfterStep:
-    """What the trainer does after a step, in this order: check, log (with the evaluation), check
-    the replicas, save, stop. Nothing of a step is written before its weights are checked."""
+    """What the trainer does after a step, in this order: check the replicas, evaluate, check the
+    weights, log, save, stop. Nothing of a step is written before its weights are checked."""
 
     log: bool  # reduce the meters and write a metrics line
     evaluate: bool  # run the task's evaluation (into the same metrics line)
     save: bool  # write a checkpoint
     check_weights: bool  # check that the weights are finite before any of the above is written
-    check_replicas: bool = False  # compare the replicas' weights across ranks (train.check_replicas)
+    check_replicas: bool = False  # compare the replicas' weights across ranks (every step: train.check_replicas)
+    replicas_on_write: bool = False  # and on each step that logs or saves (whole replicas: train.parallel=ddp)
     last: bool = False  # the run's last step
     stop: bool = False  # end the run here: SIGTERM (set by `on_stop_request`)
     check_optimizer: bool = False  # check the optimizer state too, before a save not planned for
+
+    @property
+    def compares_replicas(self) -> bool:
+        """Whether the ranks' copies of the weights are compared after this step: with
+        train.check_replicas every step, else every step that writes (logs, saves), as the weights
+        are checked to be finite. A task's loss that calls the module inside DDP (`model.module`, or
+        a model it kept from build_model) skips the all-reduce: each rank then trained alone, and
+        rank 0's weights were saved and exported as the run's, exit 0. One checksum per tensor and
+        two all-reduces of one number per tensor (docs/benchmarks.md: its cost)."""
+        return self.check_replicas or (self.replicas_on_write and (self.log or self.save))
 
     def on_stop_request(self, requested: bool) -> AfterStep:
         """The plan once the ranks agreed whether a SIGTERM arrived: checkpoint, then stop. At the
@@ -68,6 +79,7 @@ def after_step(step: int, total_steps: int, train: TrainConfig, *, save_outputs:
         save=save,
         check_weights=log or save or train.check_finite,
         check_replicas=train.check_replicas,
+        replicas_on_write=train.parallel == "ddp",
         last=last,
     )
 

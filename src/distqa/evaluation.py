@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
@@ -176,6 +177,17 @@ def eval_mode(model: nn.Module, device_type: str, autocast_dtype: torch.dtype | 
         model.train(was_training)
 
 
+def rank0_buffers(model: nn.Module, info: DistInfo) -> None:
+    """Every rank's buffers become rank 0's, as the checkpoint and the export hold them. DDP sends
+    rank 0's to the others before each training forward, and each rank then updates them from its
+    own batch (BatchNorm's running statistics): evaluated with its own, each rank scored its share
+    of the validation set with another model than the one exported (and train.best_metric picked
+    a step by that). FSDP shards parameters only: its buffers are plain tensors, updated apart too."""
+    if info.is_distributed:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def run_evaluation(
     task: Any, model: nn.Module, info: DistInfo, *, step: int, autocast_dtype: torch.dtype | None
 ) -> dict[str, float]:
@@ -189,6 +201,7 @@ def run_evaluation(
     # masks of every later step. train.eval_every and data.valid change nothing computed, and a
     # resume that changes them may say nothing (resume="silent").
     rng = capture_rng_state(info.device)
+    rank0_buffers(model, info)
     metrics: dict[str, Any] = {}
     problem: DistqaError | None = None
     try:

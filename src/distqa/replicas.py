@@ -1,4 +1,5 @@
-"""A debug check (`train.check_replicas=true`) that data-parallel replicas still hold the same weights."""
+"""That data-parallel replicas still hold the same weights: after each step that logs or saves, and
+every step with `train.check_replicas=true` (`control.AfterStep.compares_replicas`)."""
 
 from __future__ import annotations
 
@@ -33,5 +34,7 @@ def check_replicas(model: nn.Module, info: DistInfo, step: int) -> None:
         first = int((high != low).nonzero()[0])
         raise DistqaError(
             f"parameters differ across ranks after step {step} (first: {names[first]}, "
-            f"{int((high != low).sum())} of {len(names)} tensors): a rank-dependent code path or a lost all-reduce"
+            f"{int((high != low).sum())} of {len(names)} tensors), nothing of it saved: the task's loss must call the "
+            "model it is given (calling model.module, or a model kept from build_model, skips DDP's gradient "
+            "all-reduce), and no code path may depend on the rank"
         )

@@ -44,6 +44,10 @@ class TrainStep:
     timer: StepTimer
     autocast_dtype: torch.dtype | None
 
+    def __post_init__(self) -> None:
+        # Which parameters train is fixed when the optimizer and DDP are built (`_same_trainable`).
+        self.trainable = [p.requires_grad for p in self.raw_model.parameters()]
+
     def __call__(self, batches: Iterator[Batch], meter: ThroughputMeter) -> None:
         accum, timer = self.train.grad_accum, self.timer
         timer.step_begin()
@@ -124,6 +128,7 @@ class TrainStep:
 
     def _update(self) -> torch.Tensor:
         """Clip, step, schedule; the total gradient norm before clipping (on the device: no sync)."""
+        self._same_trainable()
         # The true gradients, not the fp16-scaled ones, are clipped and measured (a no-op without fp16).
         self.scaler.unscale_(self.optimizer)
         if self.train.max_grad_norm > 0:
@@ -142,6 +147,22 @@ class TrainStep:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def _same_trainable(self) -> None:
+        """A parameter unfrozen during the run (gradual unfreezing) is in neither the optimizer nor
+        DDP's all-reduce: it never trained, and its rank-local gradient still entered the clipping
+        norm, so the ranks' weights drifted apart; one frozen during the run leaves DDP waiting for
+        its gradient. Both are refused before the step is applied (a list of flags: microseconds)."""
+        now = [p.requires_grad for p in self.raw_model.parameters()]
+        if now == self.trainable:
+            return
+        i = next(i for i, (then, flag) in enumerate(zip(self.trainable, now)) if then != flag)
+        name, what = [n for n, _ in self.raw_model.named_parameters()][i], "unfrozen" if now[i] else "frozen"
+        raise DistqaError(
+            f"parameter {name} was {what} during training (its requires_grad changed): the optimizer and DDP "
+            "take the parameters that require a gradient when the run starts; set requires_grad in the task's "
+            "build_model (nor can a resume change them: the checkpoint's optimizer state holds the ones it trained)"
+        )
 
 
 def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:

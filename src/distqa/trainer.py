@@ -258,12 +258,14 @@ class Trainer:
             self.metrics.abandon()  # (closed already, unless an error or a stop left the loop)
 
     def _after_step(self, lr: float) -> None:
-        """Act on `control.after_step`'s plan: check, log, check replicas, save, stop; nothing of a
-        step is written before its weights are checked."""
+        """Act on `control.after_step`'s plan: check replicas, evaluate, check, log, save, stop;
+        nothing of a step is evaluated or written before its replicas and weights are checked."""
         stop, state = self.stop, self.state
         assert stop is not None and state is not None
         step = state.step
         plan = after_step(step, self.total_steps, self.cfg.train, save_outputs=self.save_outputs)
+        if compared := plan.compares_replicas:
+            check_replicas(self.raw_model, self.info, step)
         record, failed = self._record(step, lr) if plan.log else None, None
         if plan.evaluate and record is not None:
             try:
@@ -286,7 +288,7 @@ class Trainer:
         if record is not None:
             self.metrics.log(record)
             self.progress.report(record)
-        if plan.check_replicas:
+        if plan.compares_replicas and not compared:  # a save the plan did not foresee (a stop, a new best)
             check_replicas(self.raw_model, self.info, step)
         if plan.check_optimizer:
             stop.check_finite(step, self.parts.checked_tensors(with_optimizer=True), self.hint)
