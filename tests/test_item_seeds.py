@@ -12,9 +12,9 @@ import torch
 
 from conftest import SMALL, checkpoint_weights, max_abs_diff
 from distqa.registry import load_config
-from distqa.sampler import BatchSeeded, ItemSeeded, item_seed
+from distqa.sampler import BatchSeeded, ItemSeeded, SeededCollate, item_seed
 from distqa.trainer import train
-from toy_data_tasks import NoisyBlobs
+from toy_data_tasks import NoisyBlobs, masking_collate
 
 TOY = [arg for arg in SMALL if not arg.startswith(("task.", "data.num_workers"))]
 TOY += ["task.name=toy_data_tasks:AugmentedTask", "task.size=64", "train.batch_size=4", "train.checkpoint_every=3"]
@@ -76,3 +76,40 @@ def test_an_item_made_in_the_training_process_leaves_its_streams_where_they_were
     untouched = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(after[0], untouched[0]) and after[1:] == untouched[1:]
     assert torch.equal(made, ItemSeeded(NoisyBlobs(16, seed=3), base=1234)[3]["features"])  # a worker's draw
+
+
+def test_a_collate_draws_the_same_for_a_batch_whatever_was_drawn_before():
+    """Masking in the collate drew from the stream the worker's last item left, or at
+    data.num_workers=0 from the training process's own: a resume changing data.num_workers (which
+    changes nothing computed) gave other weights, 0.018 off, without a word."""
+    import random
+
+    import numpy as np
+
+    items = ItemSeeded(NoisyBlobs(16, seed=3), base=1234)
+    collate = SeededCollate(masking_collate, base=99)
+    first = collate(items.__getitems__([4, 5, 6]))["features"]
+    torch.randn(100)  # the worker's stream moved on
+    assert torch.equal(first, collate(items.__getitems__([4, 5, 6]))["features"])
+    assert not torch.equal(first, SeededCollate(masking_collate, base=98)(items.__getitems__([4, 5, 6]))["features"])
+    # In the training process: the same draw, and its own streams where they were.
+    here = SeededCollate(masking_collate, base=99, in_process=True)
+    in_process = ItemSeeded(NoisyBlobs(16, seed=3), base=1234, in_process=True)
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    made = here(in_process.__getitems__([4, 5, 6]))["features"]
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(made, first) and torch.equal(after, torch.rand(3))
+
+
+@pytest.mark.safety
+def test_a_masking_collate_gives_the_same_weights_whatever_data_num_workers(tmp_path):
+    masked = ["task.name=toy_data_tasks:MaskedCollateTask", "train.max_steps=6"]
+    two = checkpoint_weights(run(tmp_path / "two", *masked, "data.num_workers=2"), 6)
+    switched = tmp_path / "switched"
+    run(switched, *masked[:1], "data.num_workers=2", "train.max_steps=3")
+    assert (
+        max_abs_diff(two, checkpoint_weights(run(switched, *masked[:1], "data.num_workers=0", "train.max_steps=6"), 6))
+        == 0
+    )
+    assert max_abs_diff(two, checkpoint_weights(run(tmp_path / "none", *masked, "data.num_workers=0"), 6)) == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from distqa.errors import DistqaError
 from distqa.task import Batch
@@ -51,3 +51,14 @@ class NoisyBlobs(BlobsDataset):
 class AugmentedTask(ToyClassificationTask):
     def build_train_dataset(self) -> Dataset:
         return NoisyBlobs(self.cfg.task.size, self.cfg.seed)
+
+
+def masking_collate(items: list) -> dict:
+    """Masking in the collate, as an MLM collator does it: each feature kept with probability 0.8."""
+    batch = default_collate(items)
+    return {**batch, "features": batch["features"] * torch.bernoulli(torch.full_like(batch["features"], 0.8))}
+
+
+class MaskedCollateTask(ToyClassificationTask):
+    def collate_fn(self):
+        return masking_collate

@@ -109,6 +109,7 @@ def seed_everything(seed: int) -> None:
 
 
 ITEM_STREAM = 0x6974656D  # "item"
+COLLATE_STREAM = 0x636F6C6C  # "coll"
 _MASK64 = (1 << 64) - 1
 
 
@@ -141,24 +142,16 @@ class ItemSeeded(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    @contextlib.contextmanager
-    def seeded(self, index: int) -> Iterator[None]:
-        kept = (torch.get_rng_state(), random.getstate(), np.random.get_state()) if self.in_process else None
-        seed = item_seed(self.base, index)
-        torch.default_generator.manual_seed(seed)  # the CPU generator: items are never made on a GPU
-        random.seed(seed)
-        np.random.seed(seed)
-        try:
-            yield
-        finally:
-            if kept is not None:
-                torch.set_rng_state(kept[0])
-                random.setstate(kept[1])
-                np.random.set_state(kept[2])
+    def seeded(self, index: int) -> contextlib.AbstractContextManager[None]:
+        return seeded_streams(item_seed(self.base, index), keep=self.in_process)
 
     def __getitem__(self, index: int) -> Any:
         with self.seeded(index):
             return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        """A batch's items, marked with its first index for `SeededCollate`."""
+        return SeededBatch([self[i] for i in indices], indices[0])
 
 
 class BatchSeeded(ItemSeeded):
@@ -167,7 +160,50 @@ class BatchSeeded(ItemSeeded):
 
     def __getitems__(self, indices: list[int]) -> Any:
         with self.seeded(indices[0]):
-            return self.dataset.__getitems__(indices)  # type: ignore[attr-defined]
+            items = self.dataset.__getitems__(indices)  # type: ignore[attr-defined]
+        return SeededBatch(items, indices[0]) if isinstance(items, list) else items
+
+
+@contextlib.contextmanager
+def seeded_streams(seed: int, *, keep: bool) -> Iterator[None]:
+    """torch's CPU generator, numpy's global one and `random` seeded with `seed`; `keep`: the
+    process's own states set aside and put back afterwards (a training process's dropout stream)."""
+    kept = (torch.get_rng_state(), random.getstate(), np.random.get_state()) if keep else None
+    torch.default_generator.manual_seed(seed)  # the CPU generator: items are never made on a GPU
+    random.seed(seed)
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        if kept is not None:
+            torch.set_rng_state(kept[0])
+            random.setstate(kept[1])
+            np.random.set_state(kept[2])
+
+
+class SeededBatch(list):
+    """A batch's items on their way to the collate, with the batch's first index (`first`)."""
+
+    def __init__(self, items: list[Any], first: int) -> None:
+        super().__init__(items)
+        self.first = first
+
+
+class SeededCollate:
+    """The task's collate, its random draws (masking, as an MLM collator makes) seeded per batch
+    from (seed, epoch, the batch's first index). Otherwise a worker's collate drew from the stream
+    its last item left, and with data.num_workers=0 from the training process's own (moving its
+    dropout stream): a resume that changed data.num_workers, which changes nothing computed, gave
+    other weights without a word. `in_process`: as ItemSeeded's."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any], base: int, *, in_process: bool = False) -> None:
+        self.collate, self.base, self.in_process = collate, base, in_process
+
+    def __call__(self, items: list[Any]) -> Any:
+        if not isinstance(items, SeededBatch):
+            return self.collate(items)
+        with seeded_streams(item_seed(self.base, items.first), keep=self.in_process):
+            return self.collate(list(items))
 
 
 def training_batches(
@@ -195,12 +231,13 @@ def training_batches(
     # this returns, outside the hold.)
     wrapper = BatchSeeded if hasattr(dataset, "__getitems__") else ItemSeeded
     items = wrapper(dataset, derive_seed(cfg.seed, epoch, ITEM_STREAM), in_process=workers == 0)
+    seeded_collate = SeededCollate(collate, derive_seed(cfg.seed, epoch, COLLATE_STREAM), in_process=workers == 0)
     with sigterm_held():
         context = loader_context(workers, uses=(dataset, collate), distributed=distributed)
         loader = DataLoader(
             items,
             batch_sampler=sampler,
-            collate_fn=collate,
+            collate_fn=seeded_collate,
             num_workers=workers,
             pin_memory=info.device.type == "cuda",
             generator=generator,
