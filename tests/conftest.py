@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -361,6 +362,21 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int, timeout: float =
         assert proc.poll() is None, f"the run ended before step {step}: {proc.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
         time.sleep(0.05)
+
+
+def stop_and_wait(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 120) -> str:
+    """Send `sig` to a launch, wait for its end, return its stderr. A stop slower than 20 s is a
+    warning in pytest's summary with the end of that stderr: twice in make test one rank stayed
+    alive 30 s after its checkpoint until torchrun killed it, and the test passed all the same,
+    with nothing saying where it waited. A rank still there 20 s after its checkpoint prints every
+    thread's stack (`StopSignal.preempted`), which this shows."""
+    start = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=timeout)
+    if (took := time.monotonic() - start) > 20:
+        said = f"the launch took {took:.0f} s to end after {signal.Signals(sig).name}; its stderr's end:\n"
+        warnings.warn(said + err[-8000:], stacklevel=2)
+    return err
 
 
 def help_texts(*commands: list[str]) -> list[str]:

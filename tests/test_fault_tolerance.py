@@ -28,6 +28,7 @@ from conftest import (
     max_abs_diff,
     metrics_rows,
     run_train,
+    stop_and_wait,
     subprocess_env,
     tmpfs,
     wait_for_step,
@@ -104,8 +105,7 @@ def test_sigterm_to_torchrun_checkpoints_the_current_step(tmp_path, sig):
     out = tmp_path / "preempted"
     proc = launch([*FAULT_RUN, f"output_dir={out}"])
     wait_for_step(proc, out, 10)  # inside the second epoch of 8 steps
-    proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=120)
+    stderr = stop_and_wait(proc, sig)
     # torchrun itself ends with its SignalException's status 1, which worker.sh, the containers'
     # entrypoint, turns into 143.
     assert proc.returncode == 1, stderr[-3000:]

@@ -32,7 +32,7 @@ def test_whole_replicas_are_compared_on_each_step_that_logs_or_saves_by_default(
     assert not any(after_step(step, 10, fsdp).compares_replicas for step in range(1, 11))
 
 
-@pytest.mark.slow
+@pytest.mark.safety  # two processes: make test-safety
 def test_a_loss_that_bypasses_ddp_stops_before_anything_of_a_step_is_written(tmp_path):
     """Each rank trained alone on its half of the data, and rank 0's weights were exported as the
     run's (0.25 off the one-process run after 6 steps), exit 0: only train.check_replicas=true,
@@ -62,7 +62,7 @@ def test_a_parameter_unfrozen_during_training_is_refused_before_its_step_applies
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
-@pytest.mark.slow
+@pytest.mark.safety  # two processes: make test-safety
 def test_an_evaluation_scores_the_exported_model_s_batchnorm_statistics(tmp_path):
     """Each rank updates BatchNorm's running statistics from its own batch (DDP sends rank 0's
     before each training forward), and each rank scored its share of the validation set with its

@@ -150,6 +150,9 @@ def test_a_member_that_came_back_ends_the_survivors_round_within_one_watch_inter
         said = r"rank\(s\) (2|3|2, 3) started again and opened restart round 1 while this process was in"
         said += " restart round 0"
         assert len(ended) == 1 and re.fullmatch(said, ended[0]), ended
+        deadline = time.monotonic() + 5  # both joins under way by then (each thread's first request)
+        while came_back(store, 0, WORLD) != (1, [2, 3]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert came_back(store, 0, WORLD) == (1, [2, 3])
         # Node 0's new workers then meet them in round 1.
         node_0 = join_all(store, [0, 1], {0: 1, 1: 0})

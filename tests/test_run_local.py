@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, subprocess_env, wait_for_step
+from conftest import ROOT, free_port, stop_and_wait, subprocess_env, wait_for_step
 
 RUN_LOCAL = ROOT / "scripts" / "run_local.sh"
 
@@ -143,7 +142,7 @@ def test_help_prints_once_and_launches_nothing(tmp_path):
     assert (tmp_path / "torchrun-args.txt").read_text().split()[:3] == ["--standalone", "--nproc-per-node", "8"]
 
 
-@pytest.mark.slow
+@pytest.mark.launch  # a two-process launch under a signal, as worker.sh's: make test-launch
 def test_a_sigterm_that_ends_in_a_checkpoint_exits_143_as_worker_sh_does(tmp_path):
     """README: SIGTERM makes every rank checkpoint and exit 143. run_local.sh (which execs
     distqa.torchrun) exited 1 after it, the status of a failure, while worker.sh exited 143."""
@@ -156,7 +155,6 @@ def test_a_sigterm_that_ends_in_a_checkpoint_exits_143_as_worker_sh_does(tmp_pat
     try:
         wait_for_step(proc, out, 2)
     finally:
-        proc.send_signal(signal.SIGTERM)  # to run_local.sh, which is torchrun by now (exec)
-        _, err = proc.communicate(timeout=120)
+        err = stop_and_wait(proc)  # SIGTERM to run_local.sh, which is torchrun by now (exec)
     assert proc.returncode == 143, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("distqa: preempted: stopped by SIGTERM at step "), err[-3000:]

@@ -150,6 +150,7 @@ print(counters["stats"]["unique_graphs"])
 """
 
 
+@pytest.mark.launch  # compiling takes 8 s: make test-launch
 def test_compiled_model_trains_on_the_cpu(tmp_path):
     """train.compile=true through the same loop (inductor needs a C++ compiler: one is on CI). The
     compiled run has a process of its own: inductor leaves its kernels and a pool of compile
