@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import BertConfig, BertForQuestionAnswering
 
-from distqa.replicas import _checksum
+from distqa.replicas import checksums
 
 
 def seconds(fn, repeats: int) -> float:
@@ -43,7 +43,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    check = seconds(lambda: torch.stack([_checksum(p) for p in params]), 5)
+    check = seconds(lambda: checksums(model), 5)
     train = seconds(step, 3)
     print(
         f"{device}: {sum(p.numel() for p in params) / 1e6:.1f}M parameters; checksum {check * 1000:.1f} ms; "

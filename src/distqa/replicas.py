@@ -20,12 +20,18 @@ def _checksum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def checksums(model: nn.Module) -> torch.Tensor:
+    """One exact checksum per parameter of `model`, in its order (what the ranks compare)."""
+    return torch.stack([_checksum(p) for p in model.parameters()])
+
+
+@torch.no_grad()
 def check_replicas(model: nn.Module, info: DistInfo, step: int) -> None:
     """Raise if any rank's parameters differ from the others' (DDP should make that impossible;
     this catches a missed all-reduce, a rank-dependent branch or a corrupted update)."""
     if not info.is_distributed:
         return
-    sums = torch.stack([_checksum(p) for p in model.parameters()])
+    sums = checksums(model)
     high, low = sums.clone(), sums.clone()
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)

@@ -164,11 +164,11 @@ def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, sta
         if sum(s["features"] for s in stats) == 0:
             raise DistqaError(_no_features(source, stats, training=shards[0]["settings"]["training"])) from None
         raise
-    errors = [s["error"] for s in _shard_stats(shards) if "error" in s]
+    stats = _shard_stats(shards)
+    errors = [s["error"] for s in stats if "error" in s]
     if errors:
         raise DistqaError(errors[0])
     if len(shards) > 1:
-        stats = _shard_stats(shards)
         docs = sum(s["docs"] for s in stats)
         training = shards[0]["settings"]["training"]
         distinct = len(set().union(*(s["ids"] for s in stats))) if training else len(dataset.unique("example_id"))
