@@ -7,6 +7,7 @@ two nodes here, each building what its own files say."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -121,6 +122,53 @@ def test_a_node_with_other_distqa_code_stops_naming_it(tmp_path):
         "refused: the processes of this run did not build the same thing: distqa code (rank 0: "
     )
     assert lines["same"].count("(rank 0:") == 1
+
+
+IDENTITY_OF = """
+import json, sys
+from distqa.build_identity import code_identity
+task = __import__(sys.argv[1], fromlist=["Task"]).Task()
+print(json.dumps(code_identity(task)))
+"""
+
+
+def code_identity_in(folder: Path, module: str) -> dict[str, str]:
+    """`code_identity` of `module`'s Task, as a node whose PYTHONPATH is `folder` computes it."""
+    from conftest import subprocess_env
+
+    env = subprocess_env(PYTHONPATH=str(folder))
+    done = subprocess.run([sys.executable, "-c", IDENTITY_OF, module], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("layout", ["flat", "package"])
+def test_code_a_fork_s_task_imports_from_beside_it_is_part_of_its_identity(tmp_path, layout):
+    """A review trained two nodes whose task module was the same and whose loss differed, in a
+    module it imports: flatloss.py beside a flat task module, or a package one level above the
+    task's own; exit 0 and a loss of 78.8 where the same code gave 1.70. Only the task's own file
+    (or its package's folder) was hashed."""
+    task_code = "class Task:\n    pass\n"
+
+    def node(name: str, scale: str) -> Path:
+        root = tmp_path / name
+        if layout == "flat":
+            (root).mkdir()
+            (root / "flattask.py").write_text("import flatloss\n" + task_code)
+            (root / "flatloss.py").write_text(f"SCALE = {scale}\n")
+        else:
+            (root / "ftop" / "tasks").mkdir(parents=True)
+            (root / "ftop" / "__init__.py").write_text("")
+            (root / "ftop" / "tasks" / "__init__.py").write_text("")
+            (root / "ftop" / "tasks" / "t.py").write_text("import ftop.lossmod\n" + task_code)
+            (root / "ftop" / "lossmod.py").write_text(f"SCALE = {scale}\n")
+        return root
+
+    module = "flattask" if layout == "flat" else "ftop.tasks.t"
+    first, same, other = (code_identity_in(node(n, s), module) for n, s in (("a", "1.0"), ("b", "1.0"), ("c", "100.0")))
+    assert first == same  # the same code in another folder: nodes keep it where they like
+    assert first["task code"] == other["task code"]  # the task's own file is unchanged...
+    assert first["code the task imports"] != other["code the task imports"]  # ...what it imports is not
 
 
 def test_the_identities_see_what_changes_the_computation_and_nothing_else(tmp_path):

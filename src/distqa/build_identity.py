@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,44 @@ def code_identity(task: Task) -> dict[str, str]:
         # A task in a package (my_task/task.py beside model.py, data.py): the whole package.
         files = python_files(path.parent) if (path.parent / "__init__.py").is_file() else [path]
         identity["task code"] = source_hash(files, path.parent)
+    own = own_modules()
+    if own:
+        identity["code the task imports"] = own
     return identity
+
+
+def _installed_roots() -> list[Path]:
+    """Where the standard library and installed packages lie: code there is the same release on
+    every node (the versions compared above, or the image's), and hashing it all would read torch."""
+    paths = sysconfig.get_paths()
+    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(key)}
+    return [Path(root).resolve() for root in roots]
+
+
+def own_modules() -> str:
+    """A hash of every loaded Python module that is neither distqa, the standard library nor an
+    installed package, by module name and content ("" when there is none): a fork's own code beside
+    its task. A review trained two nodes whose task module was the same and whose loss, in a module
+    it imports (flatloss.py beside it, a package one level up), differed: exit 0. Names, not paths:
+    nodes may keep the same code in other folders."""
+    installed = _installed_roots()
+    digest, found = hashlib.sha256(), False
+    for name, module in sorted(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not (isinstance(file, str) and file.endswith(".py")):
+            continue
+        path = Path(file).resolve()
+        if path.is_relative_to(_PACKAGE) or any(path.is_relative_to(root) for root in installed):
+            continue
+        if "site-packages" in path.parts or "dist-packages" in path.parts:
+            continue  # another environment's packages (a venv made without --system-site-packages)
+        try:
+            content = hashlib.sha256(path.read_bytes()).digest()
+        except OSError:  # deleted or unreadable since it was imported: what ran is unknown
+            content = b"unreadable"
+        digest.update(name.encode() + b"\0" + content)
+        found = True
+    return digest.hexdigest() if found else ""
 
 
 def _config_text(config: Any) -> str:
