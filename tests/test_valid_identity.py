@@ -78,6 +78,20 @@ def test_ranks_that_evaluate_on_different_data_stop_at_start(tmp_path):
 
 
 @pytest.mark.safety
+def test_a_node_without_validation_data_beside_one_with_stops_every_rank_in_one_line(tmp_path):
+    """data.valid may differ per node: one node's set beside another's none paired the first node's
+    all-gather with the other's next collective ('DDP expects same model across all ranks'), exit 1
+    and a traceback naming no setting (under NCCL, possibly a hang)."""
+    halved = valid_file(tmp_path, "halved", absent=True)
+    args = [*TOY, f"data.valid={halved}", "train.eval_every=2", "train.max_steps=4"]
+    proc = run_train([*args, f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=120, check=False)
+    line = "the ranks do not see the same validation data: a validation set on rank 0, none on rank 1"
+    assert proc.returncode != 0 and line in proc.stderr, proc.stderr
+    assert "DDP expects" not in proc.stderr  # (the traceback below it is torchrun's own report)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.safety
 def test_a_refusal_of_rank_0_s_scoring_stops_every_rank_with_its_line(tmp_path, monkeypatch):
     """Rank 0 alone scores the gathered outputs. Its one-line error once stopped rank 0 alone, and
     the other ranks said "lost a peer ... torchrun starts the next round": a restart, and the same

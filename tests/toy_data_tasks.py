@@ -21,11 +21,14 @@ from toy_task import FEATURES, BlobsDataset, IndexedBlobs, ToyClassificationTask
 class ValidFileTask(ToyClassificationTask):
     """Validation data read from data.valid, a JSON object {"seed", "size", "score"}: IndexedBlobs of
     that seed and size, whose metric eval_score is the file's "score". With "skew": true, rank 1
-    sees one item more, as a node whose data.valid holds another file at the same path would."""
+    sees one item more, as a node whose data.valid holds another file at the same path would; with
+    "absent": true, rank 1 has none, as a node given data.valid= (empty) would."""
 
-    def build_eval_dataset(self) -> Dataset:
+    def build_eval_dataset(self) -> Dataset | None:
         spec = json.loads(Path(self.cfg.data.valid).read_text())
         self.score = float(spec["score"])
+        if spec.get("absent") and int(os.environ.get("RANK", "0")) == 1:
+            return None
         extra = 1 if spec.get("skew") and int(os.environ.get("RANK", "0")) == 1 else 0
         return IndexedBlobs(spec["size"] + extra, seed=spec["seed"])
 

@@ -274,6 +274,18 @@ def agreed_valid_identity(task: Any, info: DistInfo, valid: str | None) -> dict[
     """`agreed_identity` of the task's validation set (`data.valid`, or the task's own), or None
     without one: its shares are scored as one set, so every node's must be the same."""
     dataset = task.eval_dataset()
+    if info.is_distributed:
+        # data.valid may differ per node (PER_NODE): one node's evaluation set and another's none
+        # left the first node's all-gather paired with the other's next collective (DDP's check of
+        # the model: 'Rank 1 has 4 params'), or waiting for ever.
+        has = all_gather_objects(dataset is not None, info)
+        if len(set(has)) > 1:
+            with_set = [rank for rank, present in enumerate(has) if present]
+            without = [rank for rank, present in enumerate(has) if not present]
+            raise DistqaError(
+                f"the ranks do not see the same validation data: a validation set on {_ranks(with_set)}, none on "
+                f"{_ranks(without)} (data.valid={valid!r} on this node): give every node the same data.valid"
+            )
     if dataset is None:
         return None
     return agreed_identity(task.data_fingerprint, dataset, info, valid or "(none: the task's own set)", "data.valid")
