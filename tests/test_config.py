@@ -559,3 +559,76 @@ def test_a_switch_that_may_be_none_is_checked_too():
         flag: bool = False
 
     assert bool_keys(Outer()) == {"inner.maybe", "inner.old_style", "flag"}
+
+
+def test_sgd_momentum_of_1_or_more_is_refused():
+    """The velocity grows without bound: a short run finished, exit 0, on weights gone astray."""
+    with pytest.raises(ConfigError, match=r"^train.momentum=1.5 must be in \[0, 1\)$"):
+        load_config(None, ["train.optimizer=sgd", "train.momentum=1.5"])
+    assert load_config(None, ["train.optimizer=sgd", "train.momentum=0.99"]).train.momentum == 0.99
+
+
+# ---- text on the command line is taken as typed (a review of how settings reach the ranks) ------
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("runs/sweep #2", "runs/sweep #2"),  # was runs/sweep: YAML's comment, and a resume of sweep, exit 0
+        ("#2", "#2"),
+        ("  runs/a  ", "runs/a"),
+        ("'runs/sweep #3'", "runs/sweep #3"),  # quoted: YAML's reading, less its quotes
+        ("010", "010"),
+        ("&x", "&x"),
+        ("*x", "*x"),
+        ("%x", "%x"),
+        ("a: b", "a: b"),
+    ],
+)
+def test_a_text_value_on_the_command_line_is_taken_as_typed(value, expected):
+    assert load_config(None, [f"output_dir={value}"], data_paths=False).output_dir == expected
+
+
+def test_no_value_for_an_optional_text_key_is_none_and_the_task_name_reads_like_any_text():
+    for value in ("", "null", "~"):
+        assert load_config(None, [f"model.tokenizer={value}"]).model.tokenizer is None
+    assert load_config(None, ["task.name='nq'"]).task.name == "nq"
+
+
+@pytest.mark.parametrize(
+    "item,says",
+    [
+        (
+            "model.name=[tiny",
+            "model.name=[tiny on the command line is a YAML list or mapping, and model.name takes text",
+        ),
+        (
+            "task.name=textcls task.labels=[neg,pos]",
+            "task.labels=[neg,pos] on the command line is a YAML list or mapping",
+        ),
+        ('output_dir="/tmp/q"x', 'output_dir="/tmp/q"x on the command line is not valid YAML ('),
+        ('train.lr="1e-4"x', 'train.lr="1e-4"x on the command line is not valid YAML ('),
+        ("train.max_steps=[1", "train.max_steps=[1 on the command line is not valid YAML ("),
+    ],
+)
+def test_a_value_yaml_cannot_read_or_a_list_for_text_is_one_line(item, says):
+    with pytest.raises(ConfigError) as caught:  # a 40-line yaml traceback before
+        load_config(None, item.split(" "), data_paths=False)
+    assert str(caught.value).startswith(says), caught.value
+
+
+@pytest.mark.parametrize("source", ["file", "env"])
+@pytest.mark.parametrize("value", ["2", "-1", "010"])
+def test_a_switch_given_a_number_as_text_or_through_an_interpolation_is_refused(tmp_path, monkeypatch, source, value):
+    """OmegaConf reads the text "2" as a whole number, and any but 0 as true."""
+    if source == "file":
+        path = tmp_path / "run.yaml"
+        path.write_text(f'train:\n  compile: "{value}"\n')
+        args: tuple = (str(path), [])
+    else:
+        monkeypatch.setenv("DISTQA_TEST_SWITCH", value)
+        args = (None, ["train.compile=${oc.env:DISTQA_TEST_SWITCH}"])
+    with pytest.raises(ConfigError, match=r"train.compile is a switch: give true or false"):
+        load_config(*args)
+    monkeypatch.setenv("DISTQA_TEST_SWITCH", "true")
+    assert load_config(None, ["train.compile=${oc.env:DISTQA_TEST_SWITCH}"]).train.compile is True

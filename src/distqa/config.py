@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from distqa.config_checks import check_choice as _check_choice
-from distqa.config_checks import check_finite, check_min, check_parallel
+from distqa.config_checks import check_fraction, check_min, check_parallel
 from distqa.errors import ConfigError
 
 RESUME_RULES = ("silent", "applied")
@@ -66,9 +66,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        check_finite("model.dropout", self.dropout)
-        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        check_fraction("model.dropout", self.dropout)
 
 
 @dataclass
@@ -219,7 +217,7 @@ class TrainConfig:
         _check_choice("train.lr_schedule", self.lr_schedule, ("linear", "constant", "cosine"))
         _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_min("train.lr", self.lr, 0.0, strict=True)
-        check_min("train.momentum", self.momentum, 0.0)
+        check_fraction("train.momentum", self.momentum)
         check_min("train.weight_decay", self.weight_decay, 0.0)
         check_min("train.max_grad_norm", self.max_grad_norm, 0.0)
         check_min("train.eval_every", self.eval_every, 0)
@@ -235,9 +233,7 @@ class TrainConfig:
             raise ConfigError(
                 f"train.best_metric={self.best_metric!r} must name an evaluation metric, eval_KEY (e.g. eval_f1)"
             )
-        check_finite("train.warmup_ratio", self.warmup_ratio)
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ConfigError(f"train.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        check_fraction("train.warmup_ratio", self.warmup_ratio)
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ConfigError(
                 f"train.resume={self.resume!r} is not auto, never, or an existing checkpoint folder: name an "

@@ -7,6 +7,7 @@ Every failure is a `ConfigError`, one line naming the key and what to give it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -38,6 +39,14 @@ def check_min(key: str, value: float, low: float, *, strict: bool = False) -> No
     check_finite(key, value)
     if value < low or (strict and value == low):
         raise ConfigError(f"{key}={value} must be {'>' if strict else '>='} {low}")
+
+
+def check_fraction(key: str, value: float | None) -> None:
+    """A rate in [0, 1) (None: unset): a dropout, the warm-up's share, SGD's momentum (at 1 or more
+    its velocity grows without bound: NaN hours later, or a short run's exit 0 on weights gone astray)."""
+    check_finite(key, value)
+    if value is not None and not 0.0 <= value < 1.0:
+        raise ConfigError(f"{key}={value} must be in [0, 1)")
 
 
 def check_sections(values: Any, schema: Any, source: str, prefix: str = "") -> None:
@@ -103,7 +112,11 @@ def bool_keys(schema: Any) -> set[str]:
 
 def check_bool(key: str, value: Any, source: str) -> None:
     """OmegaConf takes any whole number for a bool: train.compile=2 or train.deterministic=-1 turned
-    the switch on, without a word. 1 and 0 stay (what true and false are often written as)."""
+    the switch on, without a word. 1 and 0 stay (what true and false are often written as). So does
+    a quoted number or one an interpolation gives: OmegaConf reads the text "2" as 2."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value not in (0, 1):
         raise ConfigError(f"{key}={value} in {source}: {key} is a switch: give true or false")
 

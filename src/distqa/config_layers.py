@@ -77,10 +77,41 @@ def _lookup(values: Any, key: str) -> Any:
     return values
 
 
+_NO_VALUE = ("", "~", "null", "Null", "NULL")
+
+
+def _command_line_layer(item: str, text: dict[str, bool]) -> DictConfig:
+    """One `KEY=VALUE` of the command line as a layer. A text key takes its value as typed, not
+    what YAML makes of it: output_dir=010 is not 8, and `output_dir=runs/sweep #2` is not runs/sweep
+    (YAML reads ` #2` as a comment: the run went on in another run's folder, exit 0). Quoted, the
+    value is YAML's (the quotes go); null, ~ or nothing is no value; an interpolation
+    (output_dir=results/${model.name}) is resolved against the whole configuration, later."""
+    key, _, value = item.partition("=")
+    typed = value.strip()
+    if key in text and "${" not in value and typed[:1] not in ("'", '"'):
+        if typed[:1] in ("[", "{"):  # YAML's list or mapping: [neg,pos] would be the texts '[neg' and 'pos]'
+            raise ConfigError(
+                f"{key}={value} on the command line is a YAML list or mapping, and {key} takes text: "
+                "quote the value if it is meant as text"
+            )
+        layer = OmegaConf.create()
+        OmegaConf.update(layer, key, None if typed in _NO_VALUE else typed, merge=False)
+        return layer
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as err:  # an unclosed quote or bracket, a stray alias or directive
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(
+            f"{key}={value} on the command line is not valid YAML ({problem}): put all of it in one pair of "
+            "quotes, or give it without them"
+        ) from None
+
+
 def _task_name(layer: DictConfig | None, items: list[str]) -> str:
     for item in reversed(items):
-        if item.startswith("task.name="):
-            return item.partition("=")[2]
+        if item.startswith("task.name="):  # read as any text key is: task.name='textcls' is textcls
+            name = OmegaConf.select(_command_line_layer(item, {"task.name": False}), "task.name")
+            return "" if name is None else str(name)
     if layer is not None and isinstance(layer.get("task"), DictConfig) and "name" in layer["task"]:
         return str(layer["task"]["name"])
     return TaskSettings().name
@@ -133,13 +164,8 @@ def load_config(
         if key not in text:  # (a text key's value is taken as typed: output_dir=010 is the folder 010)
             check_yaml_number(key, value, "the command line")
         try:
-            override = OmegaConf.from_dotlist([item])
-            # The text as typed, not what YAML makes of it (output_dir=010 is not 8); an interpolation
-            # (output_dir=results/${model.name}) is resolved against the whole configuration, later.
-            if key in text and "${" not in value:
-                parsed = OmegaConf.select(override, key)
-                if not (parsed is None or isinstance(parsed, str)):
-                    OmegaConf.update(override, key, value, merge=False)
+            override = _command_line_layer(item, text)
+            if key in text and "${" not in value:  # an interpolation resolves later
                 check_text(key, OmegaConf.select(override, key), text[key], "the command line")
             if key in switches and "${" not in value:  # an interpolation resolves later
                 check_bool(key, OmegaConf.select(override, key), "the command line")
@@ -150,7 +176,12 @@ def load_config(
         except OmegaConfBaseException as err:
             raise_config_error(err, "the command line", known, renamed)
     try:
-        check_floats(OmegaConf.to_container(merged), defaults)
+        # An interpolation (train.compile=${oc.env:COMPILE}) is checked for what it gives: its text,
+        # resolved outside the schema, which would have made a switch of "2" already.
+        check_floats(OmegaConf.to_container(merged, resolve=True), defaults)
+        given = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_container(merged)), resolve=True)
+        for key in switches:
+            check_bool(key, _lookup(given, key), "the configuration")
         cfg = OmegaConf.to_object(merged)  # instantiates the dataclasses: runs every __post_init__
     except OmegaConfBaseException as err:
         if isinstance(err.__cause__, ConfigError):
