@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -391,7 +392,11 @@ def test_a_gzip_file_or_a_byte_order_mark_is_one_line_that_does_not_suggest_skip
     "change,reason",
     [
         (
-            {"annotations": [{"long_answer": {"start_token": -1, "end_token": -1}, "short_answers": "x"}]},
+            {
+                "annotations": [
+                    {"long_answer": {"start_token": -1, "end_token": -1}, "short_answers": "x", "yes_no_answer": "NONE"}
+                ]
+            },
             "annotations[0].short_answers is not a list",
         ),
         ({"document_tokens": [{"token": "a"}, "b"], "document_text": None}, "document_tokens is not a list of objects"),
@@ -407,6 +412,27 @@ def test_a_field_of_the_wrong_shape_is_named(change, reason):
     with pytest.raises(BadLine) as caught:
         parse_example(json.dumps(obj))
     assert str(caught.value) == reason
+
+
+@pytest.mark.parametrize("key", ["long_answer_candidates", "annotations.long_answer", "annotations.short_answers",
+                                 "annotations.yes_no_answer"])  # fmt: skip
+def test_a_missing_key_is_a_bad_line_not_no_answer(tmp_path, key):
+    """Without long_answer_candidates (a conversion script renamed it) every example had no
+    candidates: predict gave 0 long answers for 10 real examples, and evaluation scored 0 and chose
+    the threshold "never", exit 0. A missing annotation key read as "no answer" the same way."""
+    obj = json.loads(LINES[0])  # a training line: one annotation
+    if key.startswith("annotations."):
+        del obj["annotations"][0][key.partition(".")[2]]
+        reason = f"annotations[0] has no {key.partition('.')[2]}"
+    else:
+        del obj[key]
+        reason = f"missing field(s) {key}"
+    with pytest.raises(BadLine) as caught:
+        parse_example(json.dumps(obj))
+    assert str(caught.value) == reason
+    path = write(tmp_path / "in.jsonl", [json.dumps(obj)])
+    with pytest.raises(DistqaError, match=re.escape(f"line 1: {reason}")):
+        list(NQReader(path))
 
 
 @pytest.mark.parametrize("training", [False, True])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from distqa.errors import DistqaError
-from distqa.nq.metric import gold_answers, main_score, read_gold, read_submission, score
+from distqa.nq.metric import BadGold, gold_answers, main_score, read_gold, read_submission, score
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nq"
 TRAIN_SAMPLE = FIXTURES / "simplified-nq-sample.jsonl"
@@ -36,6 +36,16 @@ def test_single_annotation_is_the_gold_answer():
     assert gold_answers(example(annotation((10, 20), [(12, 14), (15, 16)]))) == ({"10:20"}, {"12:14", "15:16"})
     assert gold_answers(example(annotation((10, 20), yes_no="YES"))) == ({"10:20"}, {"YES"})
     assert gold_answers(example(annotation())) == (set(), set())
+
+
+@pytest.mark.parametrize("key", ["long_answer", "short_answers", "yes_no_answer"])
+def test_a_gold_annotation_without_one_of_its_keys_is_bad_gold_not_no_answer(key):
+    """A renamed `short_answers` or `yes_no_answer` read as "none": a blank prediction then scored as
+    a correct blank, and a right answer as a false positive."""
+    ann = annotation((10, 20), [(12, 14)], yes_no="NONE")
+    del ann[key]
+    with pytest.raises(BadGold, match=f"^annotations\\[0\\] has no {key}$"):
+        gold_answers(example(ann))
 
 
 def test_two_of_five_rule():

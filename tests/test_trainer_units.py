@@ -132,7 +132,10 @@ def test_real_data_needs_a_tokenizer(tmp_path):
 
 def test_malformed_training_file_names_file_and_line(tmp_path, minilm_dir):
     data = tmp_path / "train.jsonl"
-    data.write_text('{"example_id": 1, "question_text": "q", "document_text": "a b", "annotations": []}\n{oops\n')
+    line = json.dumps(
+        {"example_id": 1, "question_text": "q", "document_text": "a b", "long_answer_candidates": [], "annotations": []}
+    )
+    data.write_text(line + "\n{oops\n")
     cfg = load_config(
         None,
         [

@@ -95,12 +95,16 @@ def gold_answers(example: dict) -> tuple[set[str], set[str]]:
     for i, ann in enumerate(annotations):
         if not isinstance(ann, dict):
             raise BadGold(f"annotations[{i}] is not an object")
-        long = _span_string(ann.get("long_answer"), f"annotations[{i}].long_answer")
-        shorts = ann.get("short_answers", [])
+        # As the reader (distqa.nq.reader): a key renamed by a conversion script is no "no answer".
+        absent = [key for key in ("long_answer", "short_answers", "yes_no_answer") if key not in ann]
+        if absent:
+            raise BadGold(f"annotations[{i}] has no {', '.join(absent)}")
+        long = _span_string(ann["long_answer"], f"annotations[{i}].long_answer")
+        shorts = ann["short_answers"]
         if not isinstance(shorts, list):
             raise BadGold(f"annotations[{i}].short_answers is not a list")
         short = {s for j, sa in enumerate(shorts) if (s := _span_string(sa, f"annotations[{i}].short_answers[{j}]"))}
-        yes_no = ann.get("yes_no_answer", "NONE")
+        yes_no = ann["yes_no_answer"]
         if yes_no not in ("YES", "NO", "NONE"):
             raise BadGold(f"annotations[{i}].yes_no_answer is {yes_no!r}")
         if yes_no != "NONE":

@@ -105,7 +105,9 @@ def load_object(line: str) -> dict[str, Any]:
 def parse_example(line: str) -> NQExample:
     """One JSONL line to an NQExample, checking every field the pipeline relies on."""
     raw = load_object(line)
-    missing = [k for k in ("example_id", "question_text") if k not in raw]
+    # long_answer_candidates too: without the key (renamed by a conversion script) every example
+    # had no candidates, so no long answer, and predict and evaluation answered almost nothing, exit 0.
+    missing = [k for k in ("example_id", "question_text", "long_answer_candidates") if k not in raw]
     if "document_text" in raw:
         text = raw["document_text"]
         if not isinstance(text, str):
@@ -130,7 +132,7 @@ def parse_example(line: str) -> NQExample:
         except UnicodeEncodeError:  # JSON's "\ud800": a lone surrogate, which no tokenizer accepts
             raise BadLine(f"{name} holds an unpaired surrogate (an invalid \\uD8xx escape)") from None
     n = len(tokens)
-    candidates = raw.get("long_answer_candidates", [])
+    candidates = raw["long_answer_candidates"]
     if not isinstance(candidates, list):
         raise BadLine("long_answer_candidates is not a list")
     for i, cand in enumerate(candidates):
@@ -146,6 +148,10 @@ def parse_example(line: str) -> NQExample:
     for i, ann in enumerate(annotations):
         if not isinstance(ann, dict):
             raise BadLine(f"annotations[{i}] is not an object")
+        # Each of the three, even when it holds no answer: a renamed key would read as "no answer".
+        absent = [key for key in ("long_answer", "short_answers", "yes_no_answer") if key not in ann]
+        if absent:
+            raise BadLine(f"annotations[{i}] has no {', '.join(absent)}")
         _span(ann.get("long_answer"), f"annotations[{i}].long_answer", n)
         shorts = ann.get("short_answers", [])
         if not isinstance(shorts, list):  # a string would be read as a list of characters
