@@ -115,6 +115,27 @@ def test_a_per_gpu_loss_vector_is_averaged_under_dp_only(tmp_path, no_gpus):
         run(tmp_path / "vector-ddp", task, "train.max_steps=1")
 
 
+class UnevenPerGpuLossTask(ToyClassificationTask):
+    """One mean per GPU for three GPUs: DataParallel splits 8 rows as torch.chunk does, 3, 3, 2."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        logits, labels = model(batch["features"]), batch["label"]
+        return torch.stack([F.cross_entropy(lg, lb) for lg, lb in zip(logits.chunk(3), labels.chunk(3))])
+
+
+def test_per_gpu_losses_of_an_uneven_split_are_weighted_by_their_rows(tmp_path, no_gpus):
+    """Their plain mean weighted the last GPU's 2 examples 1/6 each and the others' 1/9."""
+    dp = run(tmp_path / "dp", "task.name=test_dp:UnevenPerGpuLossTask", "train.parallel=dp", "train.max_steps=2")
+    ddp = run(tmp_path / "ddp", "train.max_steps=2")
+    mine, theirs = (load_file(str(out / "model" / "model.safetensors")) for out in (dp, ddp))
+    assert all(torch.allclose(mine[k], theirs[k], atol=1e-6) for k in mine)
+    per_gpu = torch.tensor([1.0, 2.0, 3.0])  # 8 rows over 3 GPUs, and 4 rows over 3 GPUs (2, 2: two values)
+    assert parallel.dp_batch_mean(per_gpu, 8, 3).item() == pytest.approx((3 * 1 + 3 * 2 + 2 * 3) / 8)
+    assert parallel.dp_batch_mean(per_gpu[:2], 4, 3).item() == pytest.approx(1.5)
+    with pytest.raises(DistqaError, match=r"returned 3 values for a batch of 4 that DataParallel splits into 2"):
+        parallel.dp_batch_mean(per_gpu, 4, 3)
+
+
 def _halves(value: Any) -> list[Any]:
     return list(value.chunk(2)) if torch.is_tensor(value) else [value, value]
 

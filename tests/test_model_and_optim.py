@@ -81,6 +81,30 @@ def test_no_weight_decay_on_bias_and_layernorm():
     assert "qa.qa_outputs.weight" in decayed and "answer_type_head.weight" in decayed
 
 
+def test_every_kind_of_bias_is_exempt_from_weight_decay():
+    """torch's attention keeps its biases as `in_proj_bias` (and `bias_k`, `bias_v`): decayed before,
+    though the help says biases never are."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32)
+    layer.self_attn = nn.MultiheadAttention(16, 2, add_bias_kv=True)
+    decay, no_decay = parameter_groups(layer, 0.01)
+    names = {id(p): n for n, p in layer.named_parameters()}
+    exempt = {names[id(p)] for p in no_decay["params"]}
+    assert {"self_attn.in_proj_bias", "self_attn.bias_k", "self_attn.bias_v", "linear1.bias"} <= exempt
+    assert {names[id(p)] for p in decay["params"]} == {
+        "self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight", "linear2.weight"
+    }  # fmt: skip
+
+
+def test_a_one_step_run_under_warm_up_says_its_rate_is_0(capsys):
+    opt = build_optimizer(nn.Linear(2, 2), TrainConfig(lr=1.0), torch.device("cpu"))
+    build_scheduler(opt, TrainConfig(lr=1.0, warmup_ratio=0.1), total_steps=1)
+    assert opt.param_groups[0]["lr"] == 0.0
+    assert "train.warmup_ratio=0.1 over a run of 1 step: its learning rate is 0" in capsys.readouterr().out
+    build_scheduler(opt, TrainConfig(lr=1.0, warmup_ratio=0.0), total_steps=1)
+    build_scheduler(opt, TrainConfig(lr=1.0, warmup_ratio=0.1), total_steps=2)
+    assert capsys.readouterr().out == ""
+
+
 def test_a_tied_parameter_is_stepped_once_per_step():
     """BART's shared embedding is also its encoder's and decoder's embed_tokens: listed once per
     module that holds it, AdamW updated it three times per step (step count 3, three times the

@@ -10,6 +10,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import get_scheduler
 
+from distqa.dist import print0
+
 if TYPE_CHECKING:  # for hints only
     from distqa.config import TrainConfig
 
@@ -40,7 +42,9 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            (no_decay if name == "bias" or _is_norm(module) else decay).append(param)
+            # Every kind of bias, as Hugging Face's Trainer exempts them: attention's `in_proj_bias`
+            # (torch's TransformerEncoderLayer) and XLNet's `r_w_bias` were decayed before.
+            (no_decay if "bias" in name or _is_norm(module) else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -62,6 +66,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> LambdaLR:
     warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
+    if total_steps == 1 and warmup_steps:  # warm-up starts at 0, Hugging Face's convention
+        print0(
+            f"warning: train.warmup_ratio={cfg.warmup_ratio} over a run of 1 step: its learning rate is 0, "
+            "so it changes no weight (set train.warmup_ratio=0 to train it)"
+        )
     return get_scheduler(
         _SCHEDULES[cfg.lr_schedule],
         optimizer,

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distqa import comm_hooks
 from distqa.dist import AUTOCAST_DTYPES, DistInfo, data_parallel
-from distqa.errors import ConfigError
+from distqa.errors import ConfigError, DistqaError
 
 if TYPE_CHECKING:  # for hints only
     from distqa.config import TrainConfig
@@ -132,6 +132,21 @@ def one_process_data_parallel(model: nn.Module, info: DistInfo, train: TrainConf
     if not devices:  # no GPU (a test's stand-in): DataParallel then only calls the module
         return nn.DataParallel(inner, device_ids=[])
     return nn.DataParallel(inner, device_ids=devices, output_device=devices[0])
+
+
+def dp_batch_mean(per_gpu: torch.Tensor, rows: int, gpus: int) -> torch.Tensor:
+    """The batch's mean loss from DataParallel's per-GPU means, each weighted by its GPU's share of
+    the `rows` examples. DataParallel splits a batch as torch.chunk does, 8 over 3 GPUs as 3, 3, 2:
+    a plain mean of the three weighted two examples 1/6 each and six 1/9, exit 0. `gpus` 0 (no
+    GPU chosen, as in the CPU tests) takes one chunk per value."""
+    sizes = [len(part) for part in torch.arange(rows).chunk(gpus or max(per_gpu.numel(), 1))]
+    if len(sizes) != per_gpu.numel():
+        raise DistqaError(
+            f"the task's loss under train.parallel=dp returned {per_gpu.numel()} values for a batch of {rows} "
+            f"that DataParallel splits into {len(sizes)} parts: return one mean per GPU, or the batch's mean"
+        )
+    weights = torch.tensor(sizes, dtype=per_gpu.dtype, device=per_gpu.device) / rows
+    return (per_gpu * weights).sum()
 
 
 def placement(model: nn.Module) -> str:
