@@ -68,6 +68,16 @@ def test_pretrained_minilm_fine_tunes_and_exports(tmp_path, minilm_dir):
     out = tmp_path / "minilm"
     train_single_process([f"output_dir={out}", f"model.name={minilm_dir}", "train.lr=1e-5", "train.warmup_ratio=0"])
     saved = check_export(out / "model")
+    # `distqa export` builds the model from MiniLM's files, then loads every weight from the
+    # checkpoint: transformers' report that qa_outputs was "newly initialized" is false there.
+    # (A process of its own, as a user runs it: transformers prints a report once per process.)
+    step = max(out.glob("checkpoints/step-*"), key=lambda p: int(p.name[5:]))
+    argv = [sys.executable, "-m", "distqa", "export", "--checkpoint", str(step), "--output", str(tmp_path / "ex")]
+    done = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = done.stdout + done.stderr
+    assert "LOAD REPORT" not in said and "newly initialized" not in said, said
+    assert load_file(str(tmp_path / "ex" / "model.safetensors")).keys() == saved.keys()
     original = load_file(str(minilm_dir / "model.safetensors"))
     key = "embeddings.word_embeddings.weight"
     before, after = original[key], saved[f"bert.{key}"]

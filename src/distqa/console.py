@@ -10,13 +10,14 @@ report) come from rank 0 alone, without colour codes in a file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,20 @@ def quiet_libraries(*, is_main: bool) -> None:
         for handler in hf_logging.get_logger().handlers:  # the library's root logger (stderr)
             if _PLAIN_TEXT not in handler.filters:
                 handler.addFilter(_PLAIN_TEXT)
+
+
+@contextlib.contextmanager
+def no_load_report() -> Iterator[None]:
+    """transformers' warnings, its load report included, left out: for a model whose every weight
+    is about to come from a checkpoint, where "qa_outputs ... MISSING: newly initialized" is false."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def duration(seconds: float) -> str:

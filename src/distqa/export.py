@@ -25,7 +25,7 @@ from distqa.best import BEST_NAME, resolve_checkpoint
 from distqa.build_identity import model_settings
 from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
 from distqa.config import Config
-from distqa.console import quiet_libraries
+from distqa.console import no_load_report, quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.outdir import export_atomically
@@ -128,7 +128,8 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     # What a task chose at an evaluation (NQ's thresholds) belongs to that step's weights only: the
     # task compares. (An attribute a task without such state ignores.)
     task.weights_step = state["step"]
-    model = task.build_model()
+    with no_load_report():  # every weight comes from the checkpoint below
+        model = task.build_model()
     check_model_settings(
         directory,
         state.get("model_settings"),
