@@ -589,10 +589,24 @@ def test_a_text_value_on_the_command_line_is_taken_as_typed(value, expected):
     assert load_config(None, [f"output_dir={value}"], data_paths=False).output_dir == expected
 
 
-def test_no_value_for_an_optional_text_key_is_none_and_the_task_name_reads_like_any_text():
+def test_no_value_for_an_optional_text_key_is_none_and_the_task_name_reads_like_any_text(monkeypatch):
     for value in ("", "null", "~"):
         assert load_config(None, [f"model.tokenizer={value}"]).model.tokenizer is None
     assert load_config(None, ["task.name='nq'"]).task.name == "nq"
+    monkeypatch.setenv("DISTQA_TEST_TASK", "textcls")
+    assert load_config(None, ["task=${oc.env:DISTQA_TEST_TASK}"], data_paths=False).task.name == "textcls"
+    monkeypatch.delenv("DISTQA_TEST_TASK")
+    unset = r"^task.name=\$\{oc.env:DISTQA_TEST_TASK\} on the command line: .*not found"
+    with pytest.raises(ConfigError, match=unset):
+        load_config(None, ["task=${oc.env:DISTQA_TEST_TASK}"])  # a traceback for a moment
+
+
+def test_a_comment_after_an_interpolation_stays_and_a_half_quoted_value_is_refused():
+    cfg = load_config(None, ["output_dir=runs/${model.name} #2"], data_paths=False)
+    assert cfg.output_dir == "runs/tiny #2"  # was runs/tiny
+    for value in ("'runs/x' #2", '"runs/x', "'"):  # the first was runs/x
+        with pytest.raises(ConfigError, match="starts with a quote and does not end with it"):
+            load_config(None, [f"output_dir={value}"], data_paths=False)
 
 
 @pytest.mark.parametrize(
@@ -606,8 +620,9 @@ def test_no_value_for_an_optional_text_key_is_none_and_the_task_name_reads_like_
             "task.name=textcls task.labels=[neg,pos]",
             "task.labels=[neg,pos] on the command line is a YAML list or mapping",
         ),
-        ('output_dir="/tmp/q"x', 'output_dir="/tmp/q"x on the command line is not valid YAML ('),
-        ('train.lr="1e-4"x', 'train.lr="1e-4"x on the command line is not valid YAML ('),
+        ('output_dir="/q"x', 'output_dir="/q"x on the command line starts with a quote and does not end'),
+        ('train.lr="1e-4"x', 'train.lr="1e-4"x on the command line starts with a quote and does not end with it'),
+        ("train.lr='1e-4'x'", "train.lr='1e-4'x' on the command line is not valid YAML ("),
         ("train.max_steps=[1", "train.max_steps=[1 on the command line is not valid YAML ("),
     ],
 )

@@ -78,15 +78,21 @@ def test_ranks_that_evaluate_on_different_data_stop_at_start(tmp_path):
 
 
 @pytest.mark.safety
-def test_a_node_without_validation_data_beside_one_with_stops_every_rank_in_one_line(tmp_path):
+@pytest.mark.parametrize("best", [[], ["train.best_metric=eval_score", "train.best_mode=max"]])
+def test_a_node_without_validation_data_beside_one_with_stops_every_rank_in_one_line(tmp_path, monkeypatch, best):
     """data.valid may differ per node: one node's set beside another's none paired the first node's
     all-gather with the other's next collective ('DDP expects same model across all ranks'), exit 1
-    and a traceback naming no setting (under NCCL, possibly a hang)."""
+    and a traceback naming no setting (under NCCL, possibly a hang). With train.best_metric the node
+    without one refused alone ('needs an evaluation') and the other said 'lost a peer'."""
     halved = valid_file(tmp_path, "halved", absent=True)
-    args = [*TOY, f"data.valid={halved}", "train.eval_every=2", "train.max_steps=4"]
+    said = tmp_path / "node.txt"
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(said))
+    args = [*TOY, f"data.valid={halved}", "train.eval_every=2", "train.max_steps=4", *best]
     proc = run_train([*args, f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=120, check=False)
     line = "the ranks do not see the same validation data: a validation set on rank 0, none on rank 1"
     assert proc.returncode != 0 and line in proc.stderr, proc.stderr
+    assert outcome.read(said).error_ranks == {0, 1}, said.read_text()  # every rank stopped on it
+    assert "needs an evaluation" not in said.read_text() and "lost a peer" not in said.read_text()
     assert "DDP expects" not in proc.stderr  # (the traceback below it is torchrun's own report)
     assert not (tmp_path / "run" / "checkpoints").exists()
 

@@ -83,12 +83,18 @@ _NO_VALUE = ("", "~", "null", "Null", "NULL")
 def _command_line_layer(item: str, text: dict[str, bool]) -> DictConfig:
     """One `KEY=VALUE` of the command line as a layer. A text key takes its value as typed, not
     what YAML makes of it: output_dir=010 is not 8, and `output_dir=runs/sweep #2` is not runs/sweep
-    (YAML reads ` #2` as a comment: the run went on in another run's folder, exit 0). Quoted, the
-    value is YAML's (the quotes go); null, ~ or nothing is no value; an interpolation
-    (output_dir=results/${model.name}) is resolved against the whole configuration, later."""
+    (YAML reads ` #2` as a comment: the run went on in another run's folder, exit 0), nor is
+    `output_dir=runs/${model.name} #2` runs/tiny; an interpolation is resolved against the whole
+    configuration, later. Quoted, the value is YAML's (the quotes go), and a value that opens a
+    quote must close it last ('runs/x' #2 was runs/x); null, ~ or nothing is no value."""
     key, _, value = item.partition("=")
     typed = value.strip()
-    if key in text and "${" not in value and typed[:1] not in ("'", '"'):
+    if typed[:1] in ("'", '"') and (len(typed) < 2 or typed[-1] != typed[0]):
+        raise ConfigError(
+            f"{key}={value} on the command line starts with a quote and does not end with it: put all of it "
+            "in one pair of quotes, or give it without them"
+        )
+    if key in text and typed[:1] not in ("'", '"'):
         if typed[:1] in ("[", "{"):  # YAML's list or mapping: [neg,pos] would be the texts '[neg' and 'pos]'
             raise ConfigError(
                 f"{key}={value} on the command line is a YAML list or mapping, and {key} takes text: "
@@ -110,7 +116,10 @@ def _command_line_layer(item: str, text: dict[str, bool]) -> DictConfig:
 def _task_name(layer: DictConfig | None, items: list[str]) -> str:
     for item in reversed(items):
         if item.startswith("task.name="):  # read as any text key is: task.name='textcls' is textcls
-            name = OmegaConf.select(_command_line_layer(item, {"task.name": False}), "task.name")
+            try:
+                name = OmegaConf.select(_command_line_layer(item, {"task.name": False}), "task.name")
+            except OmegaConfBaseException as err:  # task.name=${oc.env:TASK} with TASK unset
+                raise ConfigError(f"{item} on the command line: {str(err).splitlines()[0]}") from None
             return "" if name is None else str(name)
     if layer is not None and isinstance(layer.get("task"), DictConfig) and "name" in layer["task"]:
         return str(layer["task"]["name"])

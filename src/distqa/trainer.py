@@ -161,9 +161,10 @@ class Trainer:
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
             self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
+        # Validation first: whether each node has a set is agreed there, before a rank may refuse alone.
+        self.valid_identity = agreed_valid_identity(self.task, info, cfg.data.valid)
         require_evaluation(self.task, cfg.train)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
-        self.valid_identity = agreed_valid_identity(self.task, info, cfg.data.valid)
         train = cfg.train
         self.epoch_steps = steps_per_epoch(len(dataset), train.batch_size, train.grad_accum, info.world_size)  # type: ignore[arg-type]
         self.total_steps = train.max_steps if train.max_steps > 0 else train.epochs * self.epoch_steps
