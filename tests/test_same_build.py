@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
-from distqa.build_identity import config_identity, tokenizer_hash, weight_summary, weights_differ
+from distqa.build_identity import config_identity, module_differences, tokenizer_hash, weight_summary, weights_differ
 from distqa.models import build_hf_model
 
 CASES = ("same", "config", "weights", "tokenizer")
@@ -126,34 +126,37 @@ def test_a_node_with_other_distqa_code_stops_naming_it(tmp_path):
 
 IDENTITY_OF = """
 import json, sys
-from distqa.build_identity import code_identity
+from distqa.build_identity import code_identity, own_modules
 task = __import__(sys.argv[1], fromlist=["Task"]).Task()
-print(json.dumps(code_identity(task)))
+print(json.dumps({"code": code_identity(task), "modules": own_modules(task)}))
 """
 
 
-def code_identity_in(folder: Path, module: str) -> dict[str, str]:
-    """`code_identity` of `module`'s Task, as a node whose PYTHONPATH is `folder` computes it."""
+def identities_in(folder: Path, module: str, *, site: bool = False) -> dict[str, dict[str, str]]:
+    """`code_identity` and `own_modules` of `module`'s Task, as a node whose PYTHONPATH is `folder`
+    computes them (`site`: `folder` is a site-packages folder, where an image installs a fork)."""
     from conftest import subprocess_env
 
-    env = subprocess_env(PYTHONPATH=str(folder))
-    done = subprocess.run([sys.executable, "-c", IDENTITY_OF, module], env=env, capture_output=True, text=True)
+    script = IDENTITY_OF if not site else f"import site; site.addsitedir({str(folder)!r})\n{IDENTITY_OF}"
+    env = subprocess_env(**({} if site else {"PYTHONPATH": str(folder)}))
+    done = subprocess.run([sys.executable, "-c", script, module], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("layout", ["flat", "package"])
+@pytest.mark.parametrize("layout", ["flat", "package", "installed"])
 def test_code_a_fork_s_task_imports_from_beside_it_is_part_of_its_identity(tmp_path, layout):
     """A review trained two nodes whose task module was the same and whose loss differed, in a
     module it imports: flatloss.py beside a flat task module, or a package one level above the
-    task's own; exit 0 and a loss of 78.8 where the same code gave 1.70. Only the task's own file
-    (or its package's folder) was hashed."""
+    task's own, or either installed into site-packages (the Dockerfile's `pip install ./`); exit 0
+    and a loss of 78.8 where the same code gave 1.70. Only the task's own file (or its package's
+    folder) was hashed."""
     task_code = "class Task:\n    pass\n"
 
     def node(name: str, scale: str) -> Path:
-        root = tmp_path / name
+        root = tmp_path / name / ("lib/python3/site-packages" if layout == "installed" else "")
         if layout == "flat":
-            (root).mkdir()
+            root.mkdir(parents=True)
             (root / "flattask.py").write_text("import flatloss\n" + task_code)
             (root / "flatloss.py").write_text(f"SCALE = {scale}\n")
         else:
@@ -164,11 +167,23 @@ def test_code_a_fork_s_task_imports_from_beside_it_is_part_of_its_identity(tmp_p
             (root / "ftop" / "lossmod.py").write_text(f"SCALE = {scale}\n")
         return root
 
-    module = "flattask" if layout == "flat" else "ftop.tasks.t"
-    first, same, other = (code_identity_in(node(n, s), module) for n, s in (("a", "1.0"), ("b", "1.0"), ("c", "100.0")))
+    module, loss = ("flattask", "flatloss") if layout == "flat" else ("ftop.tasks.t", "ftop.lossmod")
+    site = layout == "installed"
+    first, same, other = (identities_in(node(n, s), module, site=site) for n, s in (("a", "1"), ("b", "1"), ("c", "9")))
     assert first == same  # the same code in another folder: nodes keep it where they like
-    assert first["task code"] == other["task code"]  # the task's own file is unchanged...
-    assert first["code the task imports"] != other["code the task imports"]  # ...what it imports is not
+    assert first["code"]["task code"] == other["code"]["task code"]  # the task's own file is unchanged...
+    assert first["modules"][loss] != other["modules"][loss]  # ...what it imports is not
+    assert module_differences([first["modules"], other["modules"]]).startswith(f"{loss} (rank 0: ")
+    assert "torch" not in first["modules"] and not any(name.startswith("distqa") for name in first["modules"])
+
+
+def test_a_module_one_rank_loaded_alone_is_no_difference():
+    """A fork's module imported by the process that builds a cache once per node, or by rank 0
+    alone: only modules both ranks loaded are compared (the first version refused such runs)."""
+    assert module_differences([{"fork.task": "aa", "fork.convert": "bb"}, {"fork.task": "aa"}]) == ""
+    assert (
+        module_differences([{"fork.task": "aa"}, {"fork.task": "cc"}, {}]) == "fork.task (rank 0: 'aa', rank 1: 'cc')"
+    )
 
 
 def test_the_identities_see_what_changes_the_computation_and_nothing_else(tmp_path):

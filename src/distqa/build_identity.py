@@ -13,7 +13,9 @@ with one line naming what differs.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -70,9 +72,6 @@ def code_identity(task: Task) -> dict[str, str]:
         # A task in a package (my_task/task.py beside model.py, data.py): the whole package.
         files = python_files(path.parent) if (path.parent / "__init__.py").is_file() else [path]
         identity["task code"] = source_hash(files, path.parent)
-    own = own_modules()
-    if own:
-        identity["code the task imports"] = own
     return identity
 
 
@@ -84,30 +83,58 @@ def _installed_roots() -> list[Path]:
     return [Path(root).resolve() for root in roots]
 
 
-def own_modules() -> str:
-    """A hash of every loaded Python module that is neither distqa, the standard library nor an
-    installed package, by module name and content ("" when there is none): a fork's own code beside
-    its task. A review trained two nodes whose task module was the same and whose loss, in a module
-    it imports (flatloss.py beside it, a package one level up), differed: exit 0. Names, not paths:
-    nodes may keep the same code in other folders."""
-    installed = _installed_roots()
-    digest, found = hashlib.sha256(), False
-    for name, module in sorted(sys.modules.items()):
+def _project_packages(task: Task) -> set[str]:
+    """The top-level packages that are the project's own wherever they are installed: the task's,
+    and every one its distribution or distqa's installs (the Dockerfile's `pip install ./` puts a
+    fork's src/ packages into site-packages beside distqa)."""
+    tops = {type(task).__module__.split(".")[0]}
+    by_top = importlib.metadata.packages_distributions()
+    dists = {dist for top in (*tops, "distqa") for dist in by_top.get(top, ())}
+    tops |= {top for top, owners in by_top.items() if dists.intersection(owners)}
+    return tops - {"distqa"}
+
+
+def own_modules(task: Task) -> dict[str, str]:
+    """Module name -> a hash of its file, for every loaded module of the project's own code that is
+    not distqa's (compared whole above): a fork's modules beside its task, above it, or installed
+    with it; and any module from outside the standard library and the installed packages. A review
+    trained two nodes whose task module was the same and whose loss, in a module it imports
+    (flatloss.py beside it, a package one level up), differed: exit 0. By name, not path: nodes may
+    keep the same code in other folders. Ranks compare the modules they have both loaded: a module
+    one process imports alone (a cache built once per node) is no difference, and one imported
+    after the model is built is not seen."""
+    installed, project = _installed_roots(), _project_packages(task)
+    hashes: dict[str, str] = {}
+    for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if not (isinstance(file, str) and file.endswith(".py")):
-            continue
+        if not (isinstance(file, str) and os.path.isabs(file) and file.endswith((".py", ".pyc"))):
+            continue  # built in, an extension, or a relative name (torch.ops' '_ops.py') that no path holds
         path = Path(file).resolve()
-        if path.is_relative_to(_PACKAGE) or any(path.is_relative_to(root) for root in installed):
+        if path.is_relative_to(_PACKAGE):
             continue
-        if "site-packages" in path.parts or "dist-packages" in path.parts:
-            continue  # another environment's packages (a venv made without --system-site-packages)
+        elsewhere = any(path.is_relative_to(root) for root in installed) or not {
+            "site-packages",
+            "dist-packages",
+        }.isdisjoint(path.parts)
+        if elsewhere and name.split(".")[0] not in project:
+            continue
         try:
-            content = hashlib.sha256(path.read_bytes()).digest()
+            hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
         except OSError:  # deleted or unreadable since it was imported: what ran is unknown
-            content = b"unreadable"
-        digest.update(name.encode() + b"\0" + content)
-        found = True
-    return digest.hexdigest() if found else ""
+            hashes[name] = "unreadable"
+    return hashes
+
+
+def module_differences(gathered: list[dict[str, str]]) -> str:
+    """'flatloss (rank 0: 'ab12...', rank 1: 'cd34...')' for each module whose file differs
+    between ranks that loaded it."""
+    names = sorted({name for modules in gathered for name in modules})
+    parts = []
+    for name in names:
+        seen = {rank: modules[name] for rank, modules in enumerate(gathered) if name in modules}
+        if len(set(seen.values())) > 1:
+            parts.append(f"{name} ({', '.join(f'rank {rank}: {digest!r}' for rank, digest in seen.items())})")
+    return "; ".join(parts)
 
 
 def _config_text(config: Any) -> str:
@@ -214,12 +241,14 @@ def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> tuple[dict
     if not info.is_distributed:
         return task_identity, settings
     mine = {**code_identity(task), **config_identity(model), **task_identity}
-    gathered = all_gather_objects((mine, weight_summary(model)), info)
+    gathered = all_gather_objects((mine, weight_summary(model), own_modules(task)), info)
     # Hashes shown by their first 12 characters, versions whole; named as the settings' are.
-    views = [{key: v[:12] if len(v) == 64 else v for key, v in view.items()} for view, _ in gathered]  # type: ignore[misc]
+    views = [{key: v[:12] if len(v) == 64 else v for key, v in view.items()} for view, _, _ in gathered]  # type: ignore[misc]
     parts = [found] if (found := differences(views)) else []
+    if modules := module_differences([own for _, _, own in gathered]):  # type: ignore[misc]
+        parts.append(f"code of {modules}")
     reference = gathered[0][1]  # type: ignore[index]
-    odd = {rank: weights_differ(summary, reference) for rank, (_, summary) in enumerate(gathered)}  # type: ignore[misc]
+    odd = {rank: weights_differ(summary, reference) for rank, (_, summary, _) in enumerate(gathered)}  # type: ignore[misc]
     odd = {rank: names for rank, names in odd.items() if names}
     if odd:
         first = next(iter(odd.values()))
