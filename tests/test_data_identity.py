@@ -213,6 +213,35 @@ def test_one_rank_per_node_hashes_and_a_node_that_differs_is_named_in_one_line(m
         agreed_identity(lambda d: "unused", [0] * 5, info, "t")  # type: ignore[arg-type]
 
 
+def test_ranks_of_one_node_whose_datasets_hold_other_items_at_an_index_stop_in_one_line(monkeypatch):
+    """Only local rank 0 hashes the whole set; every rank hashes a sample of its own."""
+    views = [{"node": "0", "examples": 5, "fingerprint": "aaa", "sample": "s0"}]
+    views.append({"node": "0", "examples": 5, "fingerprint": None, "sample": "s1"})
+    monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: views)
+    monkeypatch.setenv("GROUP_RANK", "0")
+    info = DistInfo(rank=1, local_rank=1, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(DistqaError, match=r"^the ranks' training datasets hold other items at the same indices "):
+        agreed_identity(lambda d: "unused", [0] * 5, info, "t")  # type: ignore[arg-type]
+    views[1]["sample"] = "s0"
+    assert agreed_identity(lambda d: "unused", [0] * 5, info, "t")["fingerprint"] == "aaa"  # type: ignore[arg-type]
+    # The sample reads items with seeded streams and puts the process's own back.
+    items = [torch.rand(2) for _ in range(40)]
+    state = torch.get_rng_state()
+    assert len(identity.sample_digest(items)) == 16 and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.safety
+def test_a_dataset_each_process_builds_in_another_order_stops_both_ranks(tmp_path):
+    """`list(set(rows))` in a fork's dataset: each rank of the node trained and scored other items
+    (4 of 15 twice, 4 never), exit 0, since only the node's first process hashed the whole set."""
+    from conftest import SMALL, run_train
+
+    args = [arg for arg in SMALL if not arg.startswith("task.")] + ["task.name=toy_data_tasks:PerProcessOrderTask"]
+    proc = run_train([*args, "train.max_steps=2", f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=120, check=False)
+    assert proc.returncode != 0 and "the ranks' training datasets hold other items at the same indices" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # ---------------------------------------------------------------------------- resume
 def test_resume_on_a_relabelled_or_reordered_file_of_the_same_length_is_refused_naming_data_train(tmp_path, minilm_dir):
     rows = [f"text {i} {'good' if i % 2 else 'bad'},{i % 2}" for i in range(200)]

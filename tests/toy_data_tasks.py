@@ -65,3 +65,13 @@ def masking_collate(items: list) -> dict:
 class MaskedCollateTask(ToyClassificationTask):
     def collate_fn(self):
         return masking_collate
+
+
+class PerProcessOrderTask(ToyClassificationTask):
+    """Training rows deduplicated the way a fork may write it, `list(set(rows))`: ordered by each
+    process's string hash seed, so every process builds another order of the same rows."""
+
+    def build_train_dataset(self) -> Dataset:
+        rows = sorted({f"row-{i}" for i in range(self.cfg.task.size)}, key=lambda r: hash((r, os.getpid())))
+        blobs = BlobsDataset(self.cfg.task.size, self.cfg.seed)
+        return [blobs[int(row.removeprefix("row-"))] for row in rows]

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from distqa.dist import DistInfo, all_gather_objects, usable_cpus
 from distqa.errors import DistqaError
+from distqa.sampler import item_seed, seeded_streams
 
 DIGEST_CHARS = 32  # 128 bits; fingerprints of the earlier, sampling scheme had 16
 LEAF_ROWS = 16_384  # rows per block that `arrow_fingerprint` hashes on one thread
@@ -199,6 +200,25 @@ def _feed_arrow(stream: _Streams, path: tuple[str, ...], array: Any) -> None:
             _feed(h, value)
 
 
+SAMPLED_ITEMS = 16
+SAMPLE_STREAM = 0x73616D70  # "samp"
+
+
+def sample_digest(dataset: Dataset) -> str:
+    """A hash of a few items at evenly spaced indices, every process's own: one process per node
+    hashes the whole set (`agreed_identity`), and its other processes build their own, which a
+    task may build in another order (`list(set(rows))` is ordered by each process's string hash
+    seed): each trained and scored other items, 4 of 15 twice and 4 never, exit 0. Each item is
+    read with seeded random streams, and the process's own streams are put back."""
+    length = len(dataset)  # type: ignore[arg-type]
+    indices = sorted({int(i) for i in np.linspace(0, length - 1, num=min(length, SAMPLED_ITEMS))}) if length else []
+    h = hashlib.sha256(b"sample")
+    for index in indices:
+        with seeded_streams(item_seed(SAMPLE_STREAM, index), keep=True):
+            _feed(h, dataset[index])
+    return h.hexdigest()[:16]
+
+
 def agreed_identity(
     fingerprint_of: Callable[[Dataset], str], dataset: Dataset, info: DistInfo, path: str, key: str = "data.train"
 ) -> dict[str, Any]:
@@ -222,18 +242,22 @@ def agreed_identity(
         )
     node = os.environ.get("GROUP_RANK")
     hashes = node is None or info.local_rank == 0
-    digest, problem = None, None
-    if hashes:
-        try:
+    digest, sample, problem = None, None, None
+    try:
+        # The sample first, while every process's dataset is as built (a dataset that draws from a
+        # generator of its own has then drawn alike everywhere; the fingerprint reads every item).
+        sample = sample_digest(dataset) if info.is_distributed else None
+        if hashes:
             digest = fingerprint_of(dataset)
-        except (OSError, ValueError, RuntimeError) as err:  # a file unreadable halfway: said on every rank
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            problem = f"rank {info.rank} cannot hash {key}={path!r}: {reason}"
-    mine = {"node": node, "examples": len(dataset), "fingerprint": digest, "problem": problem}  # type: ignore[arg-type]
+    except (OSError, ValueError, RuntimeError) as err:  # a file unreadable halfway: said on every rank
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        problem = f"rank {info.rank} cannot hash {key}={path!r}: {reason}"
+    mine = {"node": node, "examples": len(dataset), "fingerprint": digest, "sample": sample, "problem": problem}  # type: ignore[arg-type]
     views: list[dict[str, Any]] = all_gather_objects(mine, info)  # type: ignore[assignment]
     failed = next((view.get("problem") for view in views if view.get("problem")), None)
     if failed:
         raise DistqaError(failed)
+    what = "training" if key == "data.train" else "validation" if key == "data.valid" else key
     # Filled in from the gathered views alone, so every rank reaches the same verdict (a rank
     # that stopped alone would leave the others waiting).
     by_node = {view["node"]: view["fingerprint"] for view in views if view["fingerprint"] is not None}
@@ -246,10 +270,21 @@ def agreed_identity(
             f"{_ranks(ranks)}: {examples} examples, fingerprint {digest}"
             for (examples, digest), ranks in groups.items()
         )
-        what = "training" if key == "data.train" else "validation" if key == "data.valid" else key
         raise DistqaError(
             f"the ranks do not see the same {what} data ({described}): {key}={path!r} "
             "must be the same data on every node"
+        )
+    samples = [view.get("sample") for view in views]
+    # Within a node (its first process hashed for all), after the nodes' whole sets agreed.
+    if len(set(samples)) > 1:
+        by_sample: dict[str | None, list[int]] = {}
+        for rank, value in enumerate(samples):
+            by_sample.setdefault(value, []).append(rank)
+        described = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_sample.items())
+        raise DistqaError(
+            f"the ranks' {what} datasets hold other items at the same indices ({described}): the task builds "
+            f"{key}={path!r} in another order or content in each process (a set(), an unseeded shuffle, a "
+            "per-rank shard): build it the same way in every process; the trainer shards it"
         )
     examples, digest = seen[info.rank]
     return {"examples": examples, "fingerprint": digest, key.removeprefix("data."): path}
