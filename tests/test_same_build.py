@@ -256,3 +256,22 @@ def test_a_resume_whose_tokenizer_files_changed_is_refused_naming_it(tmp_path, m
         f"checkpoint {out / 'checkpoints' / 'step-2'} was trained with another tokenizer than this run builds ("
     ), refused.value
     assert "give model.name and model.tokenizer the files it was trained with" in str(refused.value)
+
+
+def test_a_fork_s_identity_keeps_the_tokenizer_s_hash(tmp_path):
+    """A fork's `identity()` that returned only its own part (a lexicon's hash) dropped the
+    tokenizer's: a resume onto a tokenizer with two ids swapped went on, exit 0."""
+    from distqa.build_identity import full_identity
+
+    save_tokenizers(tmp_path)
+
+    class Fork:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok")
+
+        def identity(self):
+            return {"lexicon": "abc"}
+
+    swapped = Fork()
+    swapped.tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok-swapped")
+    assert full_identity(Fork()) == {"tokenizer": tokenizer_hash(Fork.tokenizer), "lexicon": "abc"}
+    assert full_identity(swapped)["tokenizer"] != full_identity(Fork())["tokenizer"]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import toy_seam_tasks
 from conftest import ROOT, subprocess_env
-from distqa.errors import DistqaError
+from distqa.errors import ConfigError, DistqaError
 from distqa.registry import load_config
 from distqa.trainer import train
 from toy_task import EvalProbeTask
@@ -168,3 +168,20 @@ def test_an_eval_step_error_on_one_rank_stops_both_ranks_in_one_line_after_the_s
     line = "evaluation at step 2: the task's eval_step raised KeyError: 'label_ids'"
     assert proc.stderr.count(line) == 1, proc.stderr[-3000:]  # the same line on both ranks: said once per node
     assert "Traceback" in proc.stderr and (out / "checkpoints" / "step-2").is_dir()
+
+
+def test_a_save_model_that_writes_nothing_into_its_directory_is_one_line(tmp_path, monkeypatch):
+    """It said "model written to .../model", exit 0, with the weights in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DistqaError, match=r"the task's save_model wrote no file into .*: write the model into"):
+        run(tmp_path / "run", "task.name=toy_seam_tasks:ElsewhereSaveTask")
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_a_collate_that_the_task_s_collate_fn_never_calls_is_refused_at_load():
+    from distqa.registry import load_task
+
+    with pytest.raises(ConfigError, match=r"^NQCollateTask.collate is never called: NQTask.collate_fn returns"):
+        load_task(load_config(None, ["task.name=toy_seam_tasks:NQCollateTask"]))
+    load_task(load_config(None, ["task.name=toy_seam_tasks:NQCollateUsedTask"]))  # collate_fn returns it
+    load_task(load_config(None, ["task.name=toy_seam_tasks:CollateFnOnlyTask"]))  # collate_fn alone: fine

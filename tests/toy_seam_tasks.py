@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distqa.config import setting
+from distqa.nq.task import NQTask
 from distqa.task import Batch
 from toy_task import CLASSES, FEATURES, EvalProbeTask, IndexedBlobs, ToyClassificationTask, ToyClassifier, ToySettings
 
@@ -165,3 +166,24 @@ class StreamTask(ToyClassificationTask):
                 return (blobs[i] for i in range(len(blobs)))
 
         return Stream()
+
+
+class ElsewhereSaveTask(ToyClassificationTask):
+    """A save_model that forgot its directory: the weights go to the working directory."""
+
+    def save_model(self, model: nn.Module, directory) -> None:
+        torch.save(model.state_dict(), "model.pt")
+
+
+class NQCollateTask(NQTask):
+    """A fork of NQ that overrides `collate` alone: NQ's collate_fn never calls it."""
+
+    def collate(self, items):
+        raise AssertionError("never called by NQ's collate_fn")
+
+
+class NQCollateUsedTask(NQCollateTask):
+    """The same, with collate_fn returning it: what the refusal asks for."""
+
+    def collate_fn(self):
+        return self.collate

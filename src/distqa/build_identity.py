@@ -232,12 +232,20 @@ def tokenizer_hash(tokenizer: Any) -> str | None:
     return hashlib.sha256(json.dumps(state, sort_keys=True, default=repr).encode()).hexdigest()
 
 
+def full_identity(task: Task) -> dict[str, str]:
+    """`Task.identity` with the tokenizer's hash always in (when the task keeps one as
+    `self.tokenizer`): a fork's override that returned only its own parts dropped it, and a resume
+    onto a tokenizer with two ids swapped went on, exit 0."""
+    digest = tokenizer_hash(getattr(task, "tokenizer", None))
+    return {**({} if digest is None else {"tokenizer": digest}), **task.identity()}
+
+
 def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> tuple[dict[str, str], dict[str, Any] | None]:
     """Raise the same one-line ConfigError on every rank unless every rank runs the same code and
     built the same model (`Task.identity` adds the task's own parts: its tokenizer). Every rank
     must call it, with the model as `Task.build_model` returned it. Returns `Task.identity` and
     `model_settings`, which checkpoints keep for a resume and an export to compare (`distqa.resume`)."""
-    task_identity, settings = task.identity(), model_settings(model)
+    task_identity, settings = full_identity(task), model_settings(model)
     if not info.is_distributed:
         return task_identity, settings
     mine = {**code_identity(task), **config_identity(model), **task_identity}

@@ -22,12 +22,13 @@ from torch import nn
 
 from distqa import sharded
 from distqa.best import BEST_NAME, resolve_checkpoint
-from distqa.build_identity import model_settings
+from distqa.build_identity import full_identity, model_settings
 from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
 from distqa.config import Config
 from distqa.console import no_load_report, quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
+from distqa.finish import save_task_model
 from distqa.outdir import export_atomically
 from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
@@ -120,7 +121,7 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
     check_task_identity(
         directory,
         state.get("task_identity"),
-        task.identity(),
+        full_identity(task),
         f"than model.tokenizer={cfg.model.tokenizer or cfg.model.name!r} holds now",
         "put back the files it was trained with, then export again",
     )
@@ -148,7 +149,7 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
         raise checkpoint_unreadable(directory, err) from err
 
     def save(folder: Path) -> None:
-        task.save_model(model, folder)
+        save_task_model(task, model, folder)
         task.save_settings(folder)
 
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

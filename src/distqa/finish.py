@@ -20,6 +20,7 @@ from distqa.checkpoint_verify import export_damage, exported_from
 from distqa.config import Config
 from distqa.console import outputs_summary, run_title
 from distqa.dist import DistInfo, print0
+from distqa.errors import DistqaError
 from distqa.metrics import plot_metrics
 from distqa.outdir import export_atomically
 from distqa.rank0 import on_rank0
@@ -47,6 +48,17 @@ def is_exported(out: Path, final: Path, info: DistInfo) -> bool:
     return bool(on_rank0(info, look))
 
 
+def save_task_model(task: Task, model: nn.Module, folder: Path) -> None:
+    """`task.save_model` into `folder`, which must then hold a file of its own (beyond distqa's
+    `distqa_*` records): a fork's `torch.save(state, "model.pt")` without the folder wrote the
+    weights into the working directory, and the run said "model written to .../model", exit 0."""
+    task.save_model(model, folder)
+    if not any(p.is_file() and not p.name.startswith("distqa_") for p in folder.rglob("*")):
+        raise DistqaError(
+            f"the task's save_model wrote no file into {folder}: write the model into the directory it is given"
+        )
+
+
 def export_final(
     task: Task, raw_model: nn.Module, out: Path, info: DistInfo, *, final: Path, step: int, sharded: bool
 ) -> None:
@@ -57,7 +69,7 @@ def export_final(
 
     def save(folder: Path) -> None:
         task.weights_step = step
-        task.save_model(parallel.whole_model(raw_model, weights, task.build_model), folder)
+        save_task_model(task, parallel.whole_model(raw_model, weights, task.build_model), folder)
         # The task.* settings travel with the model: `distqa predict` builds its inputs alike.
         task.save_settings(folder)
 

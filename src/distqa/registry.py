@@ -82,4 +82,8 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (), *, data_
 
 def load_task(cfg: Config) -> Task:
     """Instantiate the task named by `cfg.task.name` ("nq", "textcls" or "package.module:ClassName")."""
-    return task_class(cfg.task.name)(cfg)
+    from distqa.task import check_collate_used
+
+    task = task_class(cfg.task.name)(cfg)
+    check_collate_used(task)
+    return task

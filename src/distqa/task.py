@@ -20,6 +20,7 @@ from torch.utils.data import Dataset, default_collate
 
 from distqa.build_identity import tokenizer_hash
 from distqa.data_identity import fingerprint
+from distqa.errors import ConfigError
 from distqa.evaluation import evaluate_dataset
 from distqa.flops import ModelShape, model_shape
 
@@ -198,3 +199,21 @@ class Task(ABC):
         """Write the `task.*` settings beside the exported model (SETTINGS_FILE): the folder then
         says how its inputs must be built, wherever it is copied."""
         return write_task_settings(self.cfg.task, directory)
+
+
+def check_collate_used(task: Task) -> None:
+    """A subclass's `collate` that the trainer would never call: NQ's and textcls's `collate_fn`
+    return a function of their own (picklable for the loader's workers), which training and
+    evaluation call, so a fork of either that overrode `collate` alone trained without it, exit 0."""
+    cls = type(task)
+    collate_owner = next(k for k in cls.__mro__ if "collate" in vars(k))
+    fn_owner = next(k for k in cls.__mro__ if "collate_fn" in vars(k))
+    if fn_owner is Task or collate_owner is fn_owner or not issubclass(collate_owner, fn_owner):
+        return
+    if getattr(task.collate_fn(), "__func__", None) is collate_owner.collate:  # returns self.collate
+        return
+    raise ConfigError(
+        f"{cls.__name__}.collate is never called: {fn_owner.__name__}.collate_fn returns a collate of its own, "
+        f"which training and evaluation use; override collate_fn too (return self.collate, or a small "
+        "picklable function)"
+    )
