@@ -15,7 +15,7 @@ import torch
 from conftest import run_train, subprocess_env
 from distqa.errors import ConfigError, DistqaError
 from distqa.export import export_checkpoint
-from distqa.registry import load_config
+from distqa.registry import load_config, load_task
 from distqa.textcls.data import Example, read_examples
 from distqa.textcls.metric import accuracy_and_macro_f1
 
@@ -273,6 +273,19 @@ def test_trains_evaluates_and_exports_in_process(tmp_path, minilm_dir):
     # refused at start: no textcls checkpoint could be exported).
     exported = export_checkpoint(str(out / "checkpoints" / "step-2"), str(tmp_path / "exported"))
     assert torch.equal(exported_predictions(exported, minilm_dir, [text for text, _ in rows]), predicted)
+
+    # Trained further from its export: its head answers for LABELS' classes in LABELS' order. In
+    # another order each class took another's weights (accuracy 0.32 where they scored 1.0), exit 0.
+    def head_from_export(labels: str) -> object:
+        cfg = load_config(None, ["task.name=textcls", f"task.labels={labels}", f"model.name={exported}"])
+        return load_task(cfg).build_model()
+
+    names = LABELS.split(",")
+    assert head_from_export(LABELS).config.id2label == dict(enumerate(names))
+    with pytest.raises(DistqaError, match=r"was trained for the classes .* in that order, and task.labels gives"):
+        head_from_export(",".join(reversed(names)))
+    with pytest.raises(DistqaError, match=rf"has a classification head for {len(names)} classes .* and task.labels"):
+        head_from_export(",".join([*names, "extra"]))
 
 
 # 96 rows, 3 epochs of 3 steps at 2e-4: the in-process run measured 1.0 validation accuracy (96 rows at

@@ -9,6 +9,7 @@ output_dir/model loads with `AutoModelForSequenceClassification` and `AutoTokeni
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,9 @@ from torch.utils.data import Dataset
 from transformers import AutoModelForSequenceClassification
 
 from distqa.config import Config
+from distqa.dist import print0
 from distqa.errors import DistqaError
-from distqa.models import build_hf_model, check_model_fits, load_tokenizer
+from distqa.models import build_hf_model, check_model_fits, hf_config, load_tokenizer
 from distqa.task import Batch, Task
 from distqa.textcls.data import Example, ExampleDataset, read_examples
 from distqa.textcls.metric import accuracy_and_macro_f1
@@ -47,14 +49,12 @@ class TextClsTask(Task):
         self.tokenizer = load_tokenizer(cfg.model, required=True)  # text needs one: a random model must name it
 
     def build_model(self) -> nn.Module:
-        model = build_hf_model(
-            AutoModelForSequenceClassification,
-            self.cfg.model,
-            num_labels=len(self.labels),
-            # Saved in the export's config.json, so a pipeline shows class names, not LABEL_0.
-            id2label=dict(enumerate(self.labels)),
-            label2id={name: i for i, name in enumerate(self.labels)},
-        )
+        config = hf_config(self.cfg.model)
+        check_head_classes(getattr(config, "id2label", None), self.labels, self.cfg.model.name)
+        config.num_labels = len(self.labels)
+        # Saved in the export's config.json, so a pipeline shows class names, not LABEL_0.
+        config.id2label, config.label2id = dict(enumerate(self.labels)), {name: i for i, name in enumerate(self.labels)}
+        model = build_hf_model(AutoModelForSequenceClassification, self.cfg.model, config)
         check_model_fits(model, self.cfg.model, max_seq_len=self.cfg.task.max_seq_len, tokenizer=self.tokenizer)
         return model
 
@@ -119,3 +119,28 @@ class TokenizeBatch:
         )
         batch["labels"] = torch.tensor([item.label for item in items])
         return batch
+
+
+def check_head_classes(trained: dict | None, labels: list[str], name: str) -> None:
+    """A model.name whose classification head was trained already (a distqa export, a fine-tuned
+    hub model) keeps its head's weights index by index: task.labels in another order renamed each
+    class as another (accuracy 0.32 where the weights scored 1.0, exit 0), and another count failed
+    in a traceback. Refused in one line; new classes under new names are said in one line."""
+    names = [str(value) for _, value in sorted((int(key), value) for key, value in (trained or {}).items())]
+    if not names or all(re.fullmatch(r"LABEL_\d+", n) for n in names) or names == labels:
+        return  # a plain encoder's default names, or the same classes in the same order
+    if len(names) != len(labels):
+        raise DistqaError(
+            f"model.name={name!r} has a classification head for {len(names)} classes ({', '.join(names)}) and "
+            f"task.labels gives {len(labels)}: start from its encoder without that head, or give its classes"
+        )
+    if sorted(names) == sorted(labels):
+        raise DistqaError(
+            f"model.name={name!r} was trained for the classes {', '.join(names)} in that order, and task.labels "
+            f"gives them as {', '.join(labels)}: its head would answer each with another's weights; give "
+            "task.labels in the model's order"
+        )
+    print0(
+        f"warning: model.name={name!r} was trained for the classes {', '.join(names)}: its head's weights are kept "
+        f"for {', '.join(labels)}, in that order"
+    )
