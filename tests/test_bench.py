@@ -203,7 +203,8 @@ def test_default_bench_runs_rounds_that_alternate_the_order(tmp_path, monkeypatc
         launched.append((nproc, loop[0], repeat))
         # Other load on the machine during the first round's 1-process trainer run.
         seconds = 2.0 if (nproc, loop, repeat) == (1, "trainer", 0) else 1.0
-        extra = {"host": "h", "torch": "t", "compile": False, "seq_len": 64, "batch_size": 8, "grad_accum": 1}
+        # train.global_batch=16 of batch 8: grad_accum 2 at one process, 1 at two
+        extra = {"host": "h", "torch": "t", "compile": False, "seq_len": 64, "batch_size": 8, "grad_accum": 2 // nproc}
         return _run(loop, seconds, samples=100 * nproc, device="cpu (x86_64)", **extra)
 
     monkeypatch.setattr("distqa.bench.launch._launch", fake_launch)
@@ -218,6 +219,8 @@ def test_default_bench_runs_rounds_that_alternate_the_order(tmp_path, monkeypatc
     ]
     result = json.loads((out / "bench.json").read_text())
     one, two = result["runs"]
+    # Each row's own accumulation (the top level had the first row's for every row).
+    assert (one["grad_accum"], two["grad_accum"], result["grad_accum"]) == (2, 1, None)
     assert one["nproc"] == 1 and one["samples_per_s"] == 100.0 and one["repeats"] == [50.0, 100.0, 100.0]
     assert one["samples_per_s_spread"]["relative"] == 0.5 and two["samples_per_s_spread"]["relative"] == 0.0
     assert two["scaling_efficiency_spread"] == {"min": 1.0, "max": 2.0}

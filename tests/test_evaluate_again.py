@@ -148,3 +148,25 @@ def test_the_last_step_s_failed_evaluation_is_run_before_the_export_and_again_un
     capsys.readouterr()
     run(out, "train.max_steps=4")  # complete now: nothing evaluated or written again
     assert "already finished at step 4" in capsys.readouterr().out
+
+
+def test_step_1_written_again_is_one_point_in_tensorboard_and_infinity_is_none(tmp_path):
+    """A failed evaluation at step 1, run again by the resume, wrote step 1 twice into tb/ (its
+    writer opened at step 0, where no purge was set); a threshold that keeps nothing, null in
+    metrics.jsonl, was inf in tb/."""
+    import torch
+
+    from distqa.dist import DistInfo
+    from distqa.metrics import MetricsWriter
+
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    first = MetricsWriter(tmp_path, info)
+    first.log({"step": 1, "loss": 2.0, "eval_threshold": float("inf")})
+    first.close()
+    again = MetricsWriter(tmp_path, info, resume_step=0)
+    again.log({"step": 1, "loss": 2.0, "eval_threshold": 0.5})
+    again.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.0)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/threshold")] == [(1, 0.5)]

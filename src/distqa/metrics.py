@@ -183,7 +183,8 @@ class MetricsWriter:
         try:
             # purge_step drops TensorBoard events past the resume point, as _truncate_after does
             # for the JSON lines: a resumed run's curves continue instead of doubling back.
-            self._tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1 if resume_step else None)
+            # Step 0 too: evaluate_again replaces step 1's line so (its events doubled step 1's points).
+            self._tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1)
         except OSError as err:
             return _cannot_write(f"write {self.tb_dir}", err)
         return None
@@ -228,7 +229,8 @@ class MetricsWriter:
         try:
             # (TensorBoard's writer thread keeps a write's error until the next call: flush raises it.)
             for key, value in record.items():
-                if key not in ("step", "epoch") and isinstance(value, (int, float)):
+                # A non-finite value (a threshold that keeps nothing) is null in the JSON: no point here.
+                if key not in ("step", "epoch") and isinstance(value, (int, float)) and math.isfinite(value):
                     tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
                     self._tb.add_scalar(tag, value, step)
             self._tb.flush()

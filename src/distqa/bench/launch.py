@@ -277,7 +277,8 @@ def _result(args: Any, cfg: Config, nprocs: list[int], runs: dict[tuple[int, str
         "compile": first["compile"],
         "seq_len": first["seq_len"],
         "batch_size": first["batch_size"],
-        "grad_accum": first["grad_accum"],
+        # The rows' common value; None where train.global_batch gave each process count its own (in its row).
+        "grad_accum": first["grad_accum"] if len({row.get("grad_accum") for row in rows}) == 1 else None,
         "warmup_steps": args.warmup,
         "measured_steps": args.steps,
         "non_embedding_params": first["non_embedding_params"],

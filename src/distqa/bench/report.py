@@ -51,6 +51,7 @@ def summarize(
         "samples_per_s": samples_per_s,
         "tokens_per_s": tokens_per_s,
         "samples_per_s_per_process": samples_per_s / nproc,
+        "grad_accum": first.get("grad_accum"),  # each row's own: train.global_batch sets it per process count
         "step_ms": step_ms,
         "step_breakdown_ms": phase_ms,
         "step_breakdown_pct": {k: 100.0 * v / step_ms if step_ms else 0.0 for k, v in phase_ms.items()},
