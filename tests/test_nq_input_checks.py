@@ -448,3 +448,40 @@ def test_an_input_without_examples_says_so_and_blames_no_setting(tmp_path, minil
     with pytest.raises(DistqaError) as caught:
         prepare_features(bad, tmp_path / "out2", tokenizer_name=str(minilm_dir), settings=settings, skip_bad_lines=True)
     assert str(caught.value) == f"{bad} holds no examples: all 2 of its lines were skipped as bad (task.skip_bad_lines)"
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_features_made_by_a_reader_that_checked_less_are_not_reused(tmp_path, minilm_dir, monkeypatch, training):
+    """A cache built before the reader refused lines without short_answers (read as "none": 468
+    windows, every one "no answer") was found by the same key and trained on, exit 0: a reused cache
+    never reads its input again. Its key now holds the reader's checks (INPUT_CHECKS)."""
+    import distqa.nq.feature_stamp as stamp
+    import distqa.nq.reader as reader_module
+
+    renamed = []
+    for line in LINES[:3]:
+        obj = json.loads(line)
+        for ann in obj["annotations"]:
+            ann["short_answer"] = ann.pop("short_answers")
+        renamed.append(json.dumps(obj))
+    path = write(tmp_path / "renamed.jsonl", renamed)
+    cfg = load_config(None, [f"model.tokenizer={minilm_dir}", "task.max_seq_len=64", f"task.cache_dir={tmp_path}/c"])
+    tokenizer = load_tokenizer(cfg.model)
+    strict = reader_module.parse_example
+
+    def lenient(line: str):  # the reader before: a missing key read as "none"
+        obj = json.loads(line)
+        for ann in obj.get("annotations") or []:
+            ann.setdefault("short_answers", [])
+        return strict(json.dumps(obj))
+
+    with monkeypatch.context() as old:
+        old.setattr(reader_module, "parse_example", lenient)
+        old.setattr(stamp, "INPUT_CHECKS", 0)
+        built = resolve_features(cfg, str(path), tokenizer, training=training)
+    assert built.is_dir()  # the old distqa's cache of the damaged file
+    with pytest.raises(DistqaError, match=r"line 1: annotations\[0\] has no short_answers"):
+        resolve_features(cfg, str(path), tokenizer, training=training)
+    # A folder `distqa prepare` made with it, named directly, says why it is not used.
+    with pytest.raises(DistqaError, match="prepared by an older distqa, whose reader took lines this one refuses"):
+        resolve_features(cfg, str(built), tokenizer, training=training)

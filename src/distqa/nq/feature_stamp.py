@@ -24,6 +24,11 @@ from distqa.rank0 import reason
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
 FEATURES_VERSION = 2
+# Bump when the reader refuses lines it used to read: features made from such lines must not be
+# reused, since a reused cache never reads its input again. 1: lines without
+# long_answer_candidates, or annotations without long_answer, short_answers or yes_no_answer (read
+# as "none": every target "no answer"), training lines without annotations, repeated ids.
+INPUT_CHECKS = 1
 
 
 def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
@@ -46,6 +51,7 @@ def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> 
 def made_with(tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
     """The part of `fingerprint` that is not the input file: how its features were made."""
     used = dataclasses.asdict(settings)
+    used["input_checks"] = INPUT_CHECKS
     if not settings.training:
         del used["keep_unknown"], used["seed"]
         used["ids_checked"] = True  # repeated/unusable ids refused: folders made before are made again
@@ -86,7 +92,12 @@ def made_otherwise(folder: Path, tokenizer: Any, settings: FeatureSettings) -> l
         ]
     differ += [f"{key}={there.get(name)!r} there, {here[name]!r} here" for name, key in SETTING_KEYS.items()
                if name in here and there.get(name) != here[name]]  # fmt: skip
-    if not differ and there != here:
+    if not differ and there.get("input_checks", 0) < INPUT_CHECKS:
+        differ.append(
+            "prepared by an older distqa, whose reader took lines this one refuses (e.g. a line without "
+            "long_answer_candidates as one without candidates)"
+        )
+    elif not differ and there != here:
         differ.append("prepared by an older distqa")
     return differ
 
