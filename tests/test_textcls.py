@@ -268,6 +268,11 @@ def test_trains_evaluates_and_exports_in_process(tmp_path, minilm_dir):
     rows = keyword_rows(10, 1)
     predicted = exported_predictions(out / "model", minilm_dir, [text for text, _ in rows])
     accuracy = (predicted == torch.tensor([label for _, label in rows])).float().mean().item()
+    # The export's tokenizer cuts where evaluation cut (a pipeline of it cut at MiniLM's 512).
+    from transformers import AutoTokenizer
+
+    max_seq_len = load_config(None, args).task.max_seq_len
+    assert AutoTokenizer.from_pretrained(out / "model").model_max_length == max_seq_len < 512
     assert accuracy == pytest.approx(final["eval_accuracy"])
     # `distqa export` of its checkpoint (it builds the task with data.train=dummy, which textcls
     # refused at start: no textcls checkpoint could be exported).

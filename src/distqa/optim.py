@@ -42,8 +42,9 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            # Every kind of bias, as Hugging Face's Trainer exempts them: attention's `in_proj_bias`
-            # (torch's TransformerEncoderLayer) and XLNet's `r_w_bias` were decayed before.
+            # Every parameter named a bias: attention's `in_proj_bias` (torch's TransformerEncoderLayer),
+            # `bias_k` and XLNet's `r_w_bias` were decayed before. (Hugging Face's Trainer also exempts
+            # T5's `relative_attention_bias.weight`, an embedding by its full name; it is decayed here.)
             (no_decay if "bias" in name or _is_norm(module) else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},

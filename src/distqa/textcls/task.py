@@ -94,7 +94,13 @@ class TextClsTask(Task):
 
     def save_model(self, model: nn.Module, directory: Path) -> None:
         model.save_pretrained(directory)
-        self.tokenizer.save_pretrained(str(directory))
+        # The export's tokenizer cuts where evaluation did (task.max_seq_len), not at the model's
+        # 512: a pipeline(truncation=True) of the export otherwise scored other inputs than the run.
+        kept, self.tokenizer.model_max_length = self.tokenizer.model_max_length, self.cfg.task.max_seq_len
+        try:
+            self.tokenizer.save_pretrained(str(directory))
+        finally:
+            self.tokenizer.model_max_length = kept
 
 
 @dataclass(frozen=True)
