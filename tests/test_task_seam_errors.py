@@ -183,5 +183,8 @@ def test_a_collate_that_the_task_s_collate_fn_never_calls_is_refused_at_load():
 
     with pytest.raises(ConfigError, match=r"^NQCollateTask.collate is never called: NQTask.collate_fn returns"):
         load_task(load_config(None, ["task.name=toy_seam_tasks:NQCollateTask"]))
+    with pytest.raises(ConfigError, match=r"^MaskingMixin.collate is never called: NQTask.collate_fn returns"):
+        load_task(load_config(None, ["task.name=toy_seam_tasks:MixinCollateTask"]))
     load_task(load_config(None, ["task.name=toy_seam_tasks:NQCollateUsedTask"]))  # collate_fn returns it
+    load_task(load_config(None, ["task.name=toy_seam_tasks:StaticCollateTask"]))  # a static one, returned
     load_task(load_config(None, ["task.name=toy_seam_tasks:CollateFnOnlyTask"]))  # collate_fn alone: fine

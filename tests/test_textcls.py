@@ -291,6 +291,29 @@ def test_trains_evaluates_and_exports_in_process(tmp_path, minilm_dir):
         head_from_export(",".join(reversed(names)))
     with pytest.raises(DistqaError, match=rf"has a classification head for {len(names)} classes .* and task.labels"):
         head_from_export(",".join([*names, "extra"]))
+    with pytest.raises(DistqaError, match=r"in that order, and task.labels gives"):  # case and spaces aside
+        head_from_export(",".join(name.upper() for name in reversed(names)))
+
+
+def test_a_trained_head_s_order_is_checked_only_where_there_is_one(tmp_path, capsys):
+    """An encoder config that names classes but holds no trained head (no ...ForSequenceClassification
+    in its architectures) gets a new head: nothing to check. A trained head whose classes are
+    LABEL_0, ... cannot be checked: said in one line."""
+    from types import SimpleNamespace
+
+    from distqa.textcls.task import check_head_classes
+
+    encoder = SimpleNamespace(architectures=["BertModel"], id2label={0: "O", 1: "B-PER", 2: "I-PER"})
+    check_head_classes(encoder, ["neg", "pos"], "enc")
+    head = SimpleNamespace(architectures=["BertForSequenceClassification"], id2label={"0": "LABEL_0", "1": "LABEL_1"})
+    capsys.readouterr()
+    check_head_classes(head, ["pos", "neg"], "cls")
+    assert (
+        "has a trained head for the classes LABEL_0, LABEL_1: its weights are kept for pos, neg"
+        in capsys.readouterr().out
+    )
+    with pytest.raises(DistqaError, match=r"has a classification head for 2 classes \(LABEL_0, LABEL_1\) and task"):
+        check_head_classes(head, ["a", "b", "c"], "cls")  # a traceback before, with default names too
 
 
 # 96 rows, 3 epochs of 3 steps at 2e-4: the in-process run measured 1.0 validation accuracy (96 rows at

@@ -75,3 +75,36 @@ class PerProcessOrderTask(ToyClassificationTask):
         rows = sorted({f"row-{i}" for i in range(self.cfg.task.size)}, key=lambda r: hash((r, os.getpid())))
         blobs = BlobsDataset(self.cfg.task.size, self.cfg.seed)
         return [blobs[int(row.removeprefix("row-"))] for row in rows]
+
+
+class JitteredBlobs(BlobsDataset):
+    """Items jittered from a generator the dataset keeps (seeded alike in every process)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        super().__init__(size, seed)
+        self.rng = np.random.default_rng(seed)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(index)
+        return {**item, "features": item["features"] + float(self.rng.normal(scale=0.01))}
+
+
+class SharedGeneratorTask(ToyClassificationTask):
+    """Training and validation as two parts of one jittered dataset: reading either moves both."""
+
+    def _whole(self) -> JitteredBlobs:
+        if not hasattr(self, "whole"):
+            self.whole = JitteredBlobs(self.cfg.task.size + 16, self.cfg.seed)
+        return self.whole
+
+    def build_train_dataset(self) -> Dataset:
+        return torch.utils.data.Subset(self._whole(), range(self.cfg.task.size))
+
+    def build_eval_dataset(self) -> Dataset:
+        return torch.utils.data.Subset(self._whole(), range(self.cfg.task.size, self.cfg.task.size + 16))
+
+    def eval_step(self, model: nn.Module, batch: Batch) -> list:
+        return model(batch["features"]).argmax(dim=-1).tolist()
+
+    def compute_metrics(self, outputs: list, step: int) -> dict[str, float]:
+        return {"eval_items": float(len(outputs))}

@@ -187,3 +187,25 @@ class NQCollateUsedTask(NQCollateTask):
 
     def collate_fn(self):
         return self.collate
+
+
+class MaskingMixin:
+    """A collate in a mixin placed before NQTask: as unused as a subclass's."""
+
+    def collate(self, items):
+        raise AssertionError("never called by NQ's collate_fn")
+
+
+class MixinCollateTask(MaskingMixin, NQTask):
+    pass
+
+
+class StaticCollateTask(NQTask):
+    """A static collate that collate_fn returns: used, and small to pickle."""
+
+    @staticmethod
+    def collate(items):
+        return items
+
+    def collate_fn(self):
+        return self.collate

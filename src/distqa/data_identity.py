@@ -29,15 +29,18 @@ from torch.utils.data import Dataset, IterableDataset
 
 from distqa.dist import DistInfo, all_gather_objects, usable_cpus
 from distqa.errors import DistqaError
+from distqa.rank0 import reason
 from distqa.sampler import item_seed, seeded_streams
 
 DIGEST_CHARS = 32  # 128 bits; fingerprints of the earlier, sampling scheme had 16
 LEAF_ROWS = 16_384  # rows per block that `arrow_fingerprint` hashes on one thread
 
 
-def _feed(h: Any, obj: Any) -> None:
+def _feed(h: Any, obj: Any, exact: bool = True) -> None:
     """Hash `obj` canonically and self-delimited: the same value gives the same bytes whatever its
-    container types, and no two different sequences of values give the same bytes."""
+    container types, and no two different sequences of values give the same bytes. `exact=False`
+    (`sample_digest`): an object of another kind counts by its type only, since its repr may hold
+    what each process has of its own (a PIL image's address, a set's order)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
@@ -45,14 +48,14 @@ def _feed(h: Any, obj: Any) -> None:
     elif isinstance(obj, np.ndarray):
         h.update(f"A{obj.dtype}{obj.shape}".encode())
         if obj.dtype.hasobject:  # its bytes would be pointers: hash the values
-            _feed(h, obj.tolist())
+            _feed(h, obj.tolist(), exact)
         else:
             h.update(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
     elif isinstance(obj, Mapping):
         h.update(f"{{{len(obj)}".encode())
         for key in sorted(obj, key=str):
-            _feed(h, str(key))
-            _feed(h, obj[key])
+            _feed(h, str(key), exact)
+            _feed(h, obj[key], exact)
     elif isinstance(obj, (list, tuple)):
         h.update(f"[{len(obj)}".encode())
         ints = _as_int64(obj)
@@ -61,7 +64,7 @@ def _feed(h: Any, obj: Any) -> None:
             h.update(ints)
             return
         for item in obj:
-            _feed(h, item)
+            _feed(h, item, exact)
     elif isinstance(obj, str):
         _feed_bytes(h, b"s", obj.encode("utf-8", errors="surrogatepass"))
     elif isinstance(obj, bytes):
@@ -69,7 +72,8 @@ def _feed(h: Any, obj: Any) -> None:
     elif isinstance(obj, (bool, int, float, type(None), np.generic)):
         h.update(f"n{type(obj).__name__}:{obj!r};".encode())
     else:
-        _feed_bytes(h, b"o", f"{type(obj).__qualname__}:{obj!r}".encode("utf-8", errors="surrogatepass"))
+        shown = f"{type(obj).__qualname__}:{obj!r}" if exact else type(obj).__qualname__
+        _feed_bytes(h, b"o", shown.encode("utf-8", errors="surrogatepass"))
 
 
 def _as_int64(items: list | tuple) -> np.ndarray | None:
@@ -215,8 +219,42 @@ def sample_digest(dataset: Dataset) -> str:
     h = hashlib.sha256(b"sample")
     for index in indices:
         with seeded_streams(item_seed(SAMPLE_STREAM, index), keep=True):
-            _feed(h, dataset[index])
+            _feed(h, dataset[index], exact=False)
     return h.hexdigest()[:16]
+
+
+def agreed_samples(info: DistInfo, named: list[tuple[str, Dataset | None, str | None]]) -> None:
+    """Every process's `sample_digest` of each (key, dataset, path) it built, compared across all
+    ranks before any process reads a set whole (a dataset drawing from a generator of its own has
+    then drawn alike everywhere). Compared where every rank has the set, at one length: other
+    lengths and missing sets are `agreed_identity`'s and `agreed_valid_identity`'s to name."""
+    if not info.is_distributed:
+        return
+    mine: list[Any] = []
+    problem = None
+    for key, dataset, _ in named:
+        try:
+            mine.append(None if dataset is None else (len(dataset), sample_digest(dataset)))  # type: ignore[arg-type]
+        except Exception as err:  # an item that cannot be read: said on every rank, none waits
+            problem = f"rank {info.rank} cannot read an item of {key}: {reason(err)}"
+            break
+    views: list[Any] = all_gather_objects((mine, problem), info)  # type: ignore[assignment]
+    if failed := next((p for _, p in views if p), None):
+        raise DistqaError(failed)
+    for i, (key, _, path) in enumerate(named):
+        seen = [view[0][i] for view in views]
+        if None in seen or len({length for length, _ in seen}) > 1 or len(set(seen)) == 1:
+            continue
+        by_sample: dict[str, list[int]] = {}
+        for rank, (_, value) in enumerate(seen):
+            by_sample.setdefault(value, []).append(rank)
+        described = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_sample.items())
+        what = "training" if key == "data.train" else "validation" if key == "data.valid" else key
+        raise DistqaError(
+            f"the ranks' {what} datasets hold other items at the same indices ({described}): the task builds "
+            f"{key}={path!r} in another order or content in each process (a set(), an unseeded shuffle, a "
+            "per-rank shard): build it the same way in every process; the trainer shards it"
+        )
 
 
 def agreed_identity(
@@ -242,17 +280,14 @@ def agreed_identity(
         )
     node = os.environ.get("GROUP_RANK")
     hashes = node is None or info.local_rank == 0
-    digest, sample, problem = None, None, None
+    digest, problem = None, None
     try:
-        # The sample first, while every process's dataset is as built (a dataset that draws from a
-        # generator of its own has then drawn alike everywhere; the fingerprint reads every item).
-        sample = sample_digest(dataset) if info.is_distributed else None
         if hashes:
             digest = fingerprint_of(dataset)
     except (OSError, ValueError, RuntimeError) as err:  # a file unreadable halfway: said on every rank
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         problem = f"rank {info.rank} cannot hash {key}={path!r}: {reason}"
-    mine = {"node": node, "examples": len(dataset), "fingerprint": digest, "sample": sample, "problem": problem}  # type: ignore[arg-type]
+    mine = {"node": node, "examples": len(dataset), "fingerprint": digest, "problem": problem}  # type: ignore[arg-type]
     views: list[dict[str, Any]] = all_gather_objects(mine, info)  # type: ignore[assignment]
     failed = next((view.get("problem") for view in views if view.get("problem")), None)
     if failed:
@@ -273,18 +308,6 @@ def agreed_identity(
         raise DistqaError(
             f"the ranks do not see the same {what} data ({described}): {key}={path!r} "
             "must be the same data on every node"
-        )
-    samples = [view.get("sample") for view in views]
-    # Within a node (its first process hashed for all), after the nodes' whole sets agreed.
-    if len(set(samples)) > 1:
-        by_sample: dict[str | None, list[int]] = {}
-        for rank, value in enumerate(samples):
-            by_sample.setdefault(value, []).append(rank)
-        described = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_sample.items())
-        raise DistqaError(
-            f"the ranks' {what} datasets hold other items at the same indices ({described}): the task builds "
-            f"{key}={path!r} in another order or content in each process (a set(), an unseeded shuffle, a "
-            "per-rank shard): build it the same way in every process; the trainer shards it"
         )
     examples, digest = seen[info.rank]
     return {"examples": examples, "fingerprint": digest, key.removeprefix("data."): path}

@@ -202,18 +202,16 @@ class Task(ABC):
 
 
 def check_collate_used(task: Task) -> None:
-    """A subclass's `collate` that the trainer would never call: NQ's and textcls's `collate_fn`
-    return a function of their own (picklable for the loader's workers), which training and
-    evaluation call, so a fork of either that overrode `collate` alone trained without it, exit 0."""
-    cls = type(task)
-    collate_owner = next(k for k in cls.__mro__ if "collate" in vars(k))
-    fn_owner = next(k for k in cls.__mro__ if "collate_fn" in vars(k))
-    if fn_owner is Task or collate_owner is fn_owner or not issubclass(collate_owner, fn_owner):
-        return
-    if getattr(task.collate_fn(), "__func__", None) is collate_owner.collate:  # returns self.collate
-        return
-    raise ConfigError(
-        f"{cls.__name__}.collate is never called: {fn_owner.__name__}.collate_fn returns a collate of its own, "
-        f"which training and evaluation use; override collate_fn too (return self.collate, or a small "
-        "picklable function)"
-    )
+    """A `collate` the trainer would never call: NQ's and textcls's `collate_fn` return a function
+    of their own (picklable for the loader's workers; their class says `collate_fn_own = True`),
+    which training and evaluation call, so a fork of either that overrode `collate` alone, in a
+    subclass or a mixin before it, trained without it, exit 0."""
+    mro = type(task).__mro__
+    collate_owner = next(k for k in mro if "collate" in vars(k))
+    fn_owner = next(k for k in mro if "collate_fn" in vars(k))
+    if vars(fn_owner).get("collate_fn_own") and mro.index(collate_owner) < mro.index(fn_owner):
+        raise ConfigError(
+            f"{collate_owner.__name__}.collate is never called: {fn_owner.__name__}.collate_fn returns a collate "
+            "of its own, which training and evaluation use; override collate_fn too (return self.collate, or a "
+            "small picklable function)"
+        )

@@ -24,7 +24,7 @@ from distqa.checkpoint_manager import CheckpointManager, Parts, TrainerState
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, dataset_size, quiet_libraries
 from distqa.control import FIRST_LOSS_NOT_FINITE, after_step, diverged_hint
-from distqa.data_identity import agreed_identity, agreed_valid_identity
+from distqa.data_identity import agreed_identity, agreed_samples, agreed_valid_identity
 from distqa.dist import DistInfo, autocast_dtype, barrier, cleanup, init_distributed, local_main_first, print0
 from distqa.errors import DistqaError, EvaluationFailed, Preempted
 from distqa.evaluate_again import evaluate_again
@@ -160,8 +160,10 @@ class Trainer:
             self.raw_model.to(info.device)
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
-            self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
-        # Validation first: whether each node has a set is agreed there, before a rank may refuse alone.
+            valid = self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
+        # Items sampled by every process before any reads a set whole; then whether each node has a
+        # validation set, before a rank may refuse alone (require_evaluation).
+        agreed_samples(info, [("data.train", dataset, cfg.data.train), ("data.valid", valid, cfg.data.valid)])
         self.valid_identity = agreed_valid_identity(self.task, info, cfg.data.valid)
         require_evaluation(self.task, cfg.train)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)

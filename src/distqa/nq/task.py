@@ -116,6 +116,8 @@ class NQTask(Task):
     def collate(self, items: list[Any]) -> Batch:
         return self.collate_fn()(items)
 
+    collate_fn_own = True  # collate_fn does not call collate (`distqa.task.check_collate_used`)
+
     def collate_fn(self) -> functools.partial[Batch]:
         # Two numbers for the loader's workers to unpickle, not the task with its tokenizer.
         pad_id = self._special_ids().get("pad_id", 0)

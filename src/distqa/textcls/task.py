@@ -9,7 +9,6 @@ output_dir/model loads with `AutoModelForSequenceClassification` and `AutoTokeni
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ class TextClsTask(Task):
 
     def build_model(self) -> nn.Module:
         config = hf_config(self.cfg.model)
-        check_head_classes(getattr(config, "id2label", None), self.labels, self.cfg.model.name)
+        check_head_classes(config, self.labels, self.cfg.model.name)
         config.num_labels = len(self.labels)
         # Saved in the export's config.json, so a pipeline shows class names, not LABEL_0.
         config.id2label, config.label2id = dict(enumerate(self.labels)), {name: i for i, name in enumerate(self.labels)}
@@ -71,6 +70,8 @@ class TextClsTask(Task):
 
     def collate(self, items: list[Example]) -> Batch:
         return self.collate_fn()(items)
+
+    collate_fn_own = True  # collate_fn does not call collate (`distqa.task.check_collate_used`)
 
     def collate_fn(self) -> TokenizeBatch:
         # The tokenizer and one number for the loader's workers to unpickle, not the whole task.
@@ -127,26 +128,33 @@ class TokenizeBatch:
         return batch
 
 
-def check_head_classes(trained: dict | None, labels: list[str], name: str) -> None:
+def check_head_classes(config: Any, labels: list[str], name: str) -> None:
     """A model.name whose classification head was trained already (a distqa export, a fine-tuned
-    hub model) keeps its head's weights index by index: task.labels in another order renamed each
-    class as another (accuracy 0.32 where the weights scored 1.0, exit 0), and another count failed
-    in a traceback. Refused in one line; new classes under new names are said in one line."""
-    names = [str(value) for _, value in sorted((int(key), value) for key, value in (trained or {}).items())]
-    if not names or all(re.fullmatch(r"LABEL_\d+", n) for n in names) or names == labels:
-        return  # a plain encoder's default names, or the same classes in the same order
+    hub model: its architectures say ...ForSequenceClassification) keeps its head's weights index by
+    index: task.labels in another order renamed each class as another (accuracy 0.32 where the
+    weights scored 1.0, exit 0), and another count failed in a traceback. Both are refused in one
+    line; where the order cannot be checked (LABEL_0, ... or other names) one line says so."""
+    if not any(
+        str(arch).endswith("ForSequenceClassification") for arch in getattr(config, "architectures", None) or ()
+    ):
+        return  # an encoder without a trained head: transformers makes a new one
+    trained = getattr(config, "id2label", None) or {}
+    names = [str(value) for _, value in sorted((int(key), value) for key, value in trained.items())]
     if len(names) != len(labels):
         raise DistqaError(
             f"model.name={name!r} has a classification head for {len(names)} classes ({', '.join(names)}) and "
             f"task.labels gives {len(labels)}: start from its encoder without that head, or give its classes"
         )
-    if sorted(names) == sorted(labels):
+    folded = [n.strip().casefold() for n in names]
+    if folded == [label.strip().casefold() for label in labels]:
+        return
+    if sorted(folded) == sorted(label.strip().casefold() for label in labels):
         raise DistqaError(
             f"model.name={name!r} was trained for the classes {', '.join(names)} in that order, and task.labels "
             f"gives them as {', '.join(labels)}: its head would answer each with another's weights; give "
             "task.labels in the model's order"
         )
     print0(
-        f"warning: model.name={name!r} was trained for the classes {', '.join(names)}: its head's weights are kept "
-        f"for {', '.join(labels)}, in that order"
+        f"warning: model.name={name!r} has a trained head for the classes {', '.join(names)}: its weights are "
+        f"kept for {', '.join(labels)}, in that order (check that it is the model's)"
     )
