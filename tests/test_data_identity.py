@@ -228,6 +228,11 @@ def test_ranks_whose_datasets_hold_other_items_at_an_index_stop_in_one_line(monk
     views[1] = ([], "rank 1 cannot read an item of data.train: boom")
     with pytest.raises(DistqaError, match="^rank 1 cannot read an item of data.train: boom$"):
         agreed_samples(info, named)  # type: ignore[arg-type]
+    # A stream is not sampled: agreed_identity then says it must be a map-style dataset.
+    sent = []
+    monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: sent.append(mine) or [mine, mine])
+    agreed_samples(info, [("data.train", torch.utils.data.IterableDataset(), "t")])  # type: ignore[arg-type]
+    assert sent == [([None], None)]
 
 
 def test_a_sample_reads_items_with_seeded_streams_and_counts_other_objects_by_their_type():

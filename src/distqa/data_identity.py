@@ -234,7 +234,9 @@ def agreed_samples(info: DistInfo, named: list[tuple[str, Dataset | None, str | 
     problem = None
     for key, dataset, _ in named:
         try:
-            mine.append(None if dataset is None else (len(dataset), sample_digest(dataset)))  # type: ignore[arg-type]
+            # (None for a stream too: agreed_identity names what the trainer needs instead.)
+            readable = dataset is not None and not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__")
+            mine.append((len(dataset), sample_digest(dataset)) if readable else None)  # type: ignore[arg-type]
         except Exception as err:  # an item that cannot be read: said on every rank, none waits
             problem = f"rank {info.rank} cannot read an item of {key}: {reason(err)}"
             break
@@ -249,9 +251,8 @@ def agreed_samples(info: DistInfo, named: list[tuple[str, Dataset | None, str | 
         for rank, (_, value) in enumerate(seen):
             by_sample.setdefault(value, []).append(rank)
         described = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_sample.items())
-        what = "training" if key == "data.train" else "validation" if key == "data.valid" else key
         raise DistqaError(
-            f"the ranks' {what} datasets hold other items at the same indices ({described}): the task builds "
+            f"the ranks' {_what(key)} datasets hold other items at the same indices ({described}): the task builds "
             f"{key}={path!r} in another order or content in each process (a set(), an unseeded shuffle, a "
             "per-rank shard): build it the same way in every process; the trainer shards it"
         )
@@ -281,18 +282,18 @@ def agreed_identity(
     node = os.environ.get("GROUP_RANK")
     hashes = node is None or info.local_rank == 0
     digest, problem = None, None
-    try:
-        if hashes:
+    if hashes:
+        try:
             digest = fingerprint_of(dataset)
-    except (OSError, ValueError, RuntimeError) as err:  # a file unreadable halfway: said on every rank
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        problem = f"rank {info.rank} cannot hash {key}={path!r}: {reason}"
+        except (OSError, ValueError, RuntimeError) as err:  # a file unreadable halfway: said on every rank
+            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            problem = f"rank {info.rank} cannot hash {key}={path!r}: {why}"
     mine = {"node": node, "examples": len(dataset), "fingerprint": digest, "problem": problem}  # type: ignore[arg-type]
     views: list[dict[str, Any]] = all_gather_objects(mine, info)  # type: ignore[assignment]
     failed = next((view.get("problem") for view in views if view.get("problem")), None)
     if failed:
         raise DistqaError(failed)
-    what = "training" if key == "data.train" else "validation" if key == "data.valid" else key
+    what = _what(key)
     # Filled in from the gathered views alone, so every rank reaches the same verdict (a rank
     # that stopped alone would leave the others waiting).
     by_node = {view["node"]: view["fingerprint"] for view in views if view["fingerprint"] is not None}
@@ -317,6 +318,10 @@ def same_identity(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether an identity a checkpoint recorded (`agreed_identity`'s) is this data's: the same
     length and fingerprint, wherever the file now lies."""
     return (saved.get("examples"), saved.get("fingerprint")) == (now["examples"], now["fingerprint"])
+
+
+def _what(key: str) -> str:
+    return "training" if key == "data.train" else "validation" if key == "data.valid" else key
 
 
 def _ranks(ranks: list[int]) -> str:
