@@ -231,7 +231,11 @@ def test_ranks_whose_datasets_hold_other_items_at_an_index_stop_in_one_line(monk
     # A stream is not sampled: agreed_identity then says it must be a map-style dataset.
     sent = []
     monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: sent.append(mine) or [mine, mine])
-    agreed_samples(info, [("data.train", torch.utils.data.IterableDataset(), "t")])  # type: ignore[arg-type]
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    agreed_samples(info, [("data.train", Stream(), "t")])  # type: ignore[arg-type]
     assert sent == [([None], None)]
 
 
