@@ -231,6 +231,7 @@ def test_ranks_whose_datasets_hold_other_items_at_an_index_stop_in_one_line(monk
     # A stream is not sampled: agreed_identity then says it must be a map-style dataset.
     sent = []
     monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: sent.append(mine) or [mine, mine])
+
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(3))
