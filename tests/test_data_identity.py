@@ -228,7 +228,7 @@ def test_ranks_whose_datasets_hold_other_items_at_an_index_stop_in_one_line(monk
     views[1] = ([], "rank 1 cannot read an item of data.train: boom")
     with pytest.raises(DistqaError, match="^rank 1 cannot read an item of data.train: boom$"):
         agreed_samples(info, named)  # type: ignore[arg-type]
-    # A stream is not sampled: agreed_identity then says it must be a map-style dataset.
+    # A stream is not sampled (yet counted as a set): agreed_identity then says it must be a map-style dataset.
     sent = []
     monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: sent.append(mine) or [mine, mine])
 
@@ -237,7 +237,7 @@ def test_ranks_whose_datasets_hold_other_items_at_an_index_stop_in_one_line(monk
             return iter(range(3))
 
     agreed_samples(info, [("data.train", Stream(), "t")])  # type: ignore[arg-type]
-    assert sent == [([None], None)]
+    assert sent == [([()], None)]
 
 
 def test_a_sample_reads_items_with_seeded_streams_and_counts_other_objects_by_their_type():

@@ -75,7 +75,8 @@ def quiet_libraries(*, is_main: bool) -> None:
 @contextlib.contextmanager
 def no_load_report() -> Iterator[None]:
     """transformers' warnings, its load report included, left out: for a model whose every weight
-    is about to come from a checkpoint, where "qa_outputs ... MISSING: newly initialized" is false."""
+    is about to come from a checkpoint, where "qa_outputs ... MISSING: newly initialized" is false,
+    or whose extra weights the caller loads or names itself."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()

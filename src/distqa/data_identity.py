@@ -226,17 +226,19 @@ def sample_digest(dataset: Dataset) -> str:
 def agreed_samples(info: DistInfo, named: list[tuple[str, Dataset | None, str | None]]) -> None:
     """Every process's `sample_digest` of each (key, dataset, path) it built, compared across all
     ranks before any process reads a set whole (a dataset drawing from a generator of its own has
-    then drawn alike everywhere). Compared where every rank has the set, at one length: other
-    lengths and missing sets are `agreed_identity`'s and `agreed_valid_identity`'s to name."""
+    then drawn alike everywhere), and that every rank has each set or none has: data.valid may
+    differ per node (PER_NODE), and one node's set beside another's none left the first node's
+    all-gather paired with the other's next collective ('DDP expects same model'), or waiting for
+    ever. Samples are compared at one length: other lengths are `agreed_identity`'s to name."""
     if not info.is_distributed:
         return
     mine: list[Any] = []
     problem = None
     for key, dataset, _ in named:
         try:
-            # (None for a stream too: agreed_identity names what the trainer needs instead.)
-            readable = dataset is not None and not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__")
-            mine.append((len(dataset), sample_digest(dataset)) if readable else None)  # type: ignore[arg-type]
+            # A stream is not sampled: agreed_identity names what the trainer needs instead.
+            readable = not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__")
+            mine.append(None if dataset is None else (len(dataset), sample_digest(dataset)) if readable else ())  # type: ignore[arg-type]
         except Exception as err:  # an item that cannot be read: said on every rank, none waits
             problem = f"rank {info.rank} cannot read an item of {key}: {reason(err)}"
             break
@@ -245,16 +247,23 @@ def agreed_samples(info: DistInfo, named: list[tuple[str, Dataset | None, str | 
         raise DistqaError(failed)
     for i, (key, _, path) in enumerate(named):
         seen = [view[0][i] for view in views]
-        if None in seen or len({length for length, _ in seen}) > 1 or len(set(seen)) == 1:
+        without = [rank for rank, entry in enumerate(seen) if entry is None]
+        if without and len(without) < len(seen):
+            with_set = [rank for rank, entry in enumerate(seen) if entry is not None]
+            raise DistqaError(
+                f"the ranks do not see the same {_what(key)} data: a {_what(key)} set on {_ranks(with_set)}, none "
+                f"on {_ranks(without)} ({key}={path!r} on this node): give every node the same {key}"
+            )
+        if without or () in seen or len({entry[0] for entry in seen}) > 1 or len(set(seen)) == 1:
             continue
         by_sample: dict[str, list[int]] = {}
         for rank, (_, value) in enumerate(seen):
             by_sample.setdefault(value, []).append(rank)
         described = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_sample.items())
         raise DistqaError(
-            f"the ranks' {_what(key)} datasets hold other items at the same indices ({described}): the task builds "
-            f"{key}={path!r} in another order or content in each process (a set(), an unseeded shuffle, a "
-            "per-rank shard): build it the same way in every process; the trainer shards it"
+            f"the ranks' {_what(key)} datasets hold other items at the same indices ({described}): the task "
+            f"builds {key}={path!r} in another order or content in each process (a set(), an unseeded shuffle, "
+            "a per-rank shard): build it the same way in every process; the trainer shards it"
         )
 
 
@@ -336,19 +345,7 @@ def _ranks(ranks: list[int]) -> str:
 def agreed_valid_identity(task: Any, info: DistInfo, valid: str | None) -> dict[str, Any] | None:
     """`agreed_identity` of the task's validation set (`data.valid`, or the task's own), or None
     without one: its shares are scored as one set, so every node's must be the same."""
-    dataset = task.eval_dataset()
-    if info.is_distributed:
-        # data.valid may differ per node (PER_NODE): one node's evaluation set and another's none
-        # left the first node's all-gather paired with the other's next collective (DDP's check of
-        # the model: 'Rank 1 has 4 params'), or waiting for ever.
-        has = all_gather_objects(dataset is not None, info)
-        if len(set(has)) > 1:
-            with_set = [rank for rank, present in enumerate(has) if present]
-            without = [rank for rank, present in enumerate(has) if not present]
-            raise DistqaError(
-                f"the ranks do not see the same validation data: a validation set on {_ranks(with_set)}, none on "
-                f"{_ranks(without)} (data.valid={valid!r} on this node): give every node the same data.valid"
-            )
+    dataset = task.eval_dataset()  # (whether every rank has one, `agreed_samples` made sure)
     if dataset is None:
         return None
     return agreed_identity(task.data_fingerprint, dataset, info, valid or "(none: the task's own set)", "data.valid")

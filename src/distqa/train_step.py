@@ -47,7 +47,6 @@ class TrainStep:
     def __post_init__(self) -> None:
         # Which parameters train is fixed when the optimizer and DDP are built (`_same_trainable`).
         self.trainable = [p.requires_grad for p in self.raw_model.parameters()]
-        self.dp_gpus = len(parallel.dp_device_ids(self.info)) if self.train.parallel == "dp" else 0
 
     def __call__(self, batches: Iterator[Batch], meter: ThroughputMeter) -> None:
         accum, timer = self.train.grad_accum, self.timer
@@ -117,7 +116,7 @@ class TrainStep:
             # A loss the model computes in its forward (a Hugging Face model given labels) comes back
             # from DataParallel as one mean per GPU, gathered into a vector. (The built-in tasks
             # compute the loss from the gathered outputs, which is exact whatever the split.)
-            loss = parallel.dp_batch_mean(loss, len(next(iter(batch.values()))), self.dp_gpus)
+            loss = parallel.dp_batch_mean(loss, len(next(iter(batch.values()))), len(self.model.device_ids))
         if loss.dim() != 0 or not loss.is_floating_point() or not loss.requires_grad:
             got = f"shape {list(loss.shape)}" if loss.dim() else f"{loss.dtype}, requires_grad={loss.requires_grad}"
             raise DistqaError(

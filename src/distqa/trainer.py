@@ -161,8 +161,8 @@ class Trainer:
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
             valid = self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
-        # Items sampled by every process before any reads a set whole; then whether each node has a
-        # validation set, before a rank may refuse alone (require_evaluation).
+        # Every rank has each set or none has, and items sampled by every process agree: before any
+        # process reads a set whole, and before a rank may refuse alone (require_evaluation).
         agreed_samples(info, [("data.train", dataset, cfg.data.train), ("data.valid", valid, cfg.data.valid)])
         self.valid_identity = agreed_valid_identity(self.task, info, cfg.data.valid)
         require_evaluation(self.task, cfg.train)

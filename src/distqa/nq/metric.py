@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from distqa.errors import DistqaError
-from distqa.nq.reader import BadLine, checked_example_id, load_object
+from distqa.nq.reader import BadLine, absent_annotation_keys, checked_example_id, load_object
 
 Gold = dict[str, tuple[set[str], set[str]]]  # example id -> (gold long strings, gold short strings)
 
@@ -95,10 +95,8 @@ def gold_answers(example: dict) -> tuple[set[str], set[str]]:
     for i, ann in enumerate(annotations):
         if not isinstance(ann, dict):
             raise BadGold(f"annotations[{i}] is not an object")
-        # As the reader (distqa.nq.reader): a key renamed by a conversion script is no "no answer".
-        absent = [key for key in ("long_answer", "short_answers", "yes_no_answer") if key not in ann]
-        if absent:
-            raise BadGold(f"annotations[{i}] has no {', '.join(absent)}")
+        if absent := absent_annotation_keys(ann, i):
+            raise BadGold(absent)
         long = _span_string(ann["long_answer"], f"annotations[{i}].long_answer")
         shorts = ann["short_answers"]
         if not isinstance(shorts, list):

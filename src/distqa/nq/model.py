@@ -10,6 +10,7 @@ span head never uses and which would make DDP fail on unused parameters.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -18,9 +19,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForQuestionAnswering, PretrainedConfig
-from transformers.utils import logging as hf_logging
 
 from distqa.config import ModelConfig
+from distqa.console import no_load_report
 from distqa.errors import DistqaError
 from distqa.models import RANDOM_MODELS, DamagedWeights, build_hf_model, hf_config
 
@@ -63,15 +64,9 @@ class BertJointQA(nn.Module):
         # A folder distqa exported holds `answer_type_head.*` beside the QA weights; Hugging Face
         # would report them as unexpected, but we load them ourselves just below. (A caller asking
         # for the `missing` weights says what they mean itself.)
-        quiet = hf_logging.get_verbosity() if head or missing is not None else None
-        if quiet is not None:
-            hf_logging.set_verbosity_error()
-        try:
+        with no_load_report() if head or missing is not None else contextlib.nullcontext():
             # A plain encoder checkpoint (bert-base-uncased) gets a freshly initialised span head.
             qa = build_hf_model(AutoModelForQuestionAnswering, cfg, config=config, missing=missing)
-        finally:
-            if quiet is not None:
-                hf_logging.set_verbosity(quiet)
         model = cls(qa)
         if head:
             model.answer_type_head.load_state_dict(head)

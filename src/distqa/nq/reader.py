@@ -102,6 +102,14 @@ def load_object(line: str) -> dict[str, Any]:
     return raw
 
 
+def absent_annotation_keys(ann: dict[str, Any], i: int) -> str | None:
+    """What annotation `i` lacks of its three keys, or None. Each must be there even when it holds
+    no answer: a key a conversion script renamed read as "no answer" (the reader's training
+    targets and evaluation's gold alike, and `distqa score`'s)."""
+    absent = [key for key in ("long_answer", "short_answers", "yes_no_answer") if key not in ann]
+    return f"annotations[{i}] has no {', '.join(absent)}" if absent else None
+
+
 def parse_example(line: str) -> NQExample:
     """One JSONL line to an NQExample, checking every field the pipeline relies on."""
     raw = load_object(line)
@@ -148,18 +156,16 @@ def parse_example(line: str) -> NQExample:
     for i, ann in enumerate(annotations):
         if not isinstance(ann, dict):
             raise BadLine(f"annotations[{i}] is not an object")
-        # Each of the three, even when it holds no answer: a renamed key would read as "no answer".
-        absent = [key for key in ("long_answer", "short_answers", "yes_no_answer") if key not in ann]
-        if absent:
-            raise BadLine(f"annotations[{i}] has no {', '.join(absent)}")
-        _span(ann.get("long_answer"), f"annotations[{i}].long_answer", n)
-        shorts = ann.get("short_answers", [])
+        if absent := absent_annotation_keys(ann, i):
+            raise BadLine(absent)
+        _span(ann["long_answer"], f"annotations[{i}].long_answer", n)
+        shorts = ann["short_answers"]
         if not isinstance(shorts, list):  # a string would be read as a list of characters
             raise BadLine(f"annotations[{i}].short_answers is not a list")
         for j, short in enumerate(shorts):
             _span(short, f"annotations[{i}].short_answers[{j}]", n)
-        if ann.get("yes_no_answer", "NONE") not in ("YES", "NO", "NONE"):
-            raise BadLine(f"annotations[{i}].yes_no_answer is {ann.get('yes_no_answer')!r}")
+        if ann["yes_no_answer"] not in ("YES", "NO", "NONE"):
+            raise BadLine(f"annotations[{i}].yes_no_answer is {ann['yes_no_answer']!r}")
     return NQExample(
         checked_example_id(raw["example_id"]),
         raw["question_text"],

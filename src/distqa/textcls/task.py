@@ -145,10 +145,10 @@ def check_head_classes(config: Any, labels: list[str], name: str) -> None:
             f"model.name={name!r} has a classification head for {len(names)} classes ({', '.join(names)}) and "
             f"task.labels gives {len(labels)}: start from its encoder without that head, or give its classes"
         )
-    folded = [n.strip().casefold() for n in names]
-    if folded == [label.strip().casefold() for label in labels]:
+    folded, wanted = ([n.strip().casefold() for n in given] for given in (names, labels))
+    if folded == wanted:
         return
-    if sorted(folded) == sorted(label.strip().casefold() for label in labels):
+    if sorted(folded) == sorted(wanted):
         raise DistqaError(
             f"model.name={name!r} was trained for the classes {', '.join(names)} in that order, and task.labels "
             f"gives them as {', '.join(labels)}: its head would answer each with another's weights; give "
