@@ -157,6 +157,23 @@ def test_a_checkpoint_with_the_older_sampled_fingerprint_is_not_taken_for_other_
         check_continuation(tmp_path, state, cfg, total_steps=4, data={"examples": 65, "fingerprint": "b" * 32})
 
 
+def test_a_checkpoint_of_an_earlier_fingerprint_format_is_not_taken_for_other_data(tmp_path):
+    """A checkpoint from before FINGERPRINT_FORMAT 2 hashed a dataclass item's repr: a fingerprint
+    that differs from it may be the same data read another way, and the refusal says so."""
+    from distqa.data_identity import FINGERPRINT_FORMAT
+
+    cfg = load_config(None, ["train.max_steps=4", f"output_dir={tmp_path}"])
+    state = {**_state(cfg, 2), "data": {"examples": 64, "fingerprint": "a" * 32}}  # no format: 1
+    now = {"examples": 64, "fingerprint": "b" * 32, "format": FINGERPRINT_FORMAT}
+    with pytest.raises(ConfigError, match=r"older kind of fingerprint \(a{32}, format 1; now format 2\)"):
+        check_continuation(tmp_path, state, cfg, total_steps=4, data=now)
+    # The same format and another fingerprint is other data; the same fingerprint resumes.
+    state["data"]["format"] = FINGERPRINT_FORMAT
+    with pytest.raises(ConfigError, match="is not the data checkpoint"):
+        check_continuation(tmp_path, state, cfg, total_steps=4, data=now)
+    assert check_continuation(tmp_path, state, cfg, total_steps=4, data={**now, "fingerprint": "a" * 32}) is False
+
+
 def test_train_in_process_gives_the_callers_sigterm_handling_back(tmp_path):
     """Only the CLI's process keeps ignoring SIGTERM once a run is done: an in-process caller that
     forks later (a datasets pool, a DataLoader) must get killable children (a pool's terminate

@@ -7,6 +7,7 @@ between two of those samples (`between_samples`): these tests fail if the finger
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -81,6 +82,35 @@ def test_equal_values_in_other_containers_agree_and_nearby_values_do_not():
     assert fingerprint([(1, [2, 3])]) == fingerprint([[1, (2, 3)]])  # type: ignore[arg-type]
     different = [[[1, 2], 3]], [[1, [2, 3]]], [[1, 2, 3]], [[12, 3]], [[1, 23]], [["1", 2, 3]], [[True, 2, 3]]
     assert len({fingerprint(rows) for rows in different}) == len(different)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class Features:
+    """A fork's item as a dataclass: its repr shows a large tensor as `[0, 1, 2, ..., 997, 998, 999]`."""
+
+    input_ids: torch.Tensor
+    label: int
+
+
+@dataclasses.dataclass
+class Other:  # the same fields under another class
+    input_ids: torch.Tensor
+    label: int
+
+
+def test_dataclass_items_differing_where_their_repr_elides_change_the_fingerprint():
+    """A repr was hashed for a dataclass item, and torch prints 6 of a large tensor's values: two
+    datasets differing in the others had one fingerprint, so a resume on changed data went on."""
+    ids = torch.arange(2000)
+    changed = ids.clone()
+    changed[1000] = 7
+    assert repr(Features(ids, 1)) == repr(Features(changed, 1))  # what the hash read before
+    original = fingerprint([Features(ids, 1)])  # type: ignore[arg-type]
+    assert fingerprint([Features(ids.clone(), 1)]) == original  # type: ignore[arg-type]
+    assert fingerprint([Features(changed, 1)]) != original  # type: ignore[arg-type]
+    assert fingerprint([Features(ids, 2)]) != original  # type: ignore[arg-type]
+    assert fingerprint([Other(ids, 1)]) != original  # type: ignore[arg-type]
+    assert identity.sample_digest([Features(changed, 1)]) != identity.sample_digest([Features(ids, 1)])  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- Arrow datasets

@@ -30,7 +30,7 @@ from distqa.dist import DistInfo
 from distqa.errors import ConfigError, DistqaError
 from distqa.export import export_checkpoint
 from distqa.registry import load_config, load_task
-from distqa.task import Batch
+from distqa.task import Batch, batch_rows
 from distqa.trainer import Trainer, train
 from toy_task import ToyClassificationTask
 
@@ -134,6 +134,27 @@ def test_per_gpu_losses_of_an_uneven_split_are_weighted_by_their_rows(tmp_path, 
     assert parallel.dp_batch_mean(per_gpu[:2], 4, 3).item() == pytest.approx(1.5)
     with pytest.raises(DistqaError, match=r"returned 3 values for a batch of 4 that DataParallel splits into 2"):
         parallel.dp_batch_mean(per_gpu, 4, 3)
+
+
+class CountFirstTask(UnevenPerGpuLossTask):
+    """A batch whose first value is no tensor of rows: the count of its examples, as a 0-dim tensor."""
+
+    def collate(self, items: list[Any]) -> Batch:
+        ids = [f"row {i}" for i in range(len(items))]
+        return {"count": torch.tensor(len(items)), "ids": ids, **super().collate(items)}
+
+
+def test_the_rows_of_a_dp_batch_are_read_from_its_first_tensor_that_has_rows(tmp_path, no_gpus):
+    """The rows (samples/s, and the weights of per-GPU losses) were the first value's len(): a 0-dim
+    count first was a TypeError traceback."""
+    dp = run(tmp_path / "dp", "task.name=test_dp:CountFirstTask", "train.parallel=dp", "train.max_steps=2")
+    ddp = run(tmp_path / "ddp", "train.max_steps=2")
+    mine, theirs = (load_file(str(out / "model" / "model.safetensors")) for out in (dp, ddp))
+    assert all(torch.allclose(mine[k], theirs[k], atol=1e-6) for k in mine)
+    assert batch_rows({"n": torch.tensor(3), "ids": ["a"] * 5, "x": torch.zeros(6, 2)}) == 6
+    assert batch_rows({"n": torch.tensor(3), "ids": ["a"] * 5}) == 5
+    with pytest.raises(DistqaError, match=r"no tensor or list of examples \(keys: n, name\)"):
+        batch_rows({"n": torch.tensor(3), "name": "a"})
 
 
 def _halves(value: Any) -> list[Any]:

@@ -15,6 +15,7 @@ pure function of a few settings may override `Task.data_fingerprint` with those 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import struct
@@ -33,6 +34,9 @@ from distqa.rank0 import reason
 from distqa.sampler import item_seed, seeded_streams
 
 DIGEST_CHARS = 32  # 128 bits; fingerprints of the earlier, sampling scheme had 16
+# What `_feed` reads; checkpoints record it (those before format 2 have none). 2: a dataclass item
+# is hashed field by field (its repr, hashed before, elides a large tensor's values as `...`).
+FINGERPRINT_FORMAT = 2
 LEAF_ROWS = 16_384  # rows per block that `arrow_fingerprint` hashes on one thread
 
 
@@ -71,6 +75,13 @@ def _feed(h: Any, obj: Any, exact: bool = True) -> None:
         _feed_bytes(h, b"b", obj)
     elif isinstance(obj, (bool, int, float, type(None), np.generic)):
         h.update(f"n{type(obj).__name__}:{obj!r};".encode())
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = dataclasses.fields(obj)
+        _feed_bytes(h, b"d", type(obj).__qualname__.encode("utf-8", errors="surrogatepass"))
+        h.update(f"{{{len(fields)}".encode())
+        for field in fields:
+            _feed(h, field.name, exact)
+            _feed(h, getattr(obj, field.name), exact)
     else:
         shown = f"{type(obj).__qualname__}:{obj!r}" if exact else type(obj).__qualname__
         _feed_bytes(h, b"o", shown.encode("utf-8", errors="surrogatepass"))
@@ -320,7 +331,7 @@ def agreed_identity(
             "must be the same data on every node"
         )
     examples, digest = seen[info.rank]
-    return {"examples": examples, "fingerprint": digest, key.removeprefix("data."): path}
+    return {"examples": examples, "fingerprint": digest, "format": FINGERPRINT_FORMAT, key.removeprefix("data."): path}
 
 
 def same_identity(saved: dict[str, Any], now: dict[str, Any]) -> bool:

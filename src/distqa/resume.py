@@ -278,11 +278,14 @@ def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -
     if same_identity(saved, now):
         return
     old = str(saved.get("fingerprint", ""))
-    if saved.get("examples") == now["examples"] and len(old) != len(str(now["fingerprint"])):
-        # Written by a distqa whose fingerprint sampled 64 examples: the two cannot be compared.
+    # Written by a distqa whose fingerprint sampled 64 examples (16 characters), or read items
+    # another way (an earlier FINGERPRINT_FORMAT): the two cannot be compared.
+    older = len(old) != len(str(now["fingerprint"])) or saved.get("format", 1) != now.get("format", 1)
+    if saved.get("examples") == now["examples"] and older:
         what = (
-            f"checkpoint {directory} recorded its data with an older kind of fingerprint ({old}), which "
-            f"cannot be compared with this one (data.train={cfg.data.train!r}, {now['examples']} examples)"
+            f"checkpoint {directory} recorded its data with an older kind of fingerprint ({old}, format "
+            f"{saved.get('format', 1)}; now format {now.get('format', 1)}), which cannot be compared with this one "
+            f"(data.train={cfg.data.train!r}, {now['examples']} examples)"
         )
         going_on, fix = "continuing", "if data.train is unchanged, set train.allow_data_change=true once to resume"
     else:

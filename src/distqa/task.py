@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, default_collate
 
 from distqa.build_identity import tokenizer_hash
 from distqa.data_identity import fingerprint
-from distqa.errors import ConfigError
+from distqa.errors import ConfigError, DistqaError
 from distqa.evaluation import evaluate_dataset
 from distqa.flops import ModelShape, model_shape
 
@@ -40,6 +40,25 @@ if TYPE_CHECKING:  # for hints only: the configuration and the process group kno
 
 # Tensors go to the device; other values (example ids, say) reach `loss` as the collate made them.
 Batch = Mapping[str, Any]
+
+
+def batch_rows(batch: Batch) -> int:
+    """How many examples a batch holds (samples/s; the rows DataParallel splits): the first dim of
+    its first tensor that has one, else the length of its first list. The first value alone was
+    read: a 0-dim count or a list of another length first miscounted, or stopped with a traceback."""
+    listed = None
+    for value in batch.values():
+        if torch.is_tensor(value):
+            if value.dim() >= 1:
+                return int(value.shape[0])
+        elif listed is None and isinstance(value, list | tuple):
+            listed = len(value)
+    if listed is None:
+        raise DistqaError(
+            f"the task's collate returned a batch with no tensor or list of examples (keys: "
+            f"{', '.join(map(str, batch))}): give it a tensor whose first dimension is the batch's examples"
+        )
+    return listed
 
 
 class Task(ABC):

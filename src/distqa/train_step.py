@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from distqa import parallel
 from distqa.errors import DistqaError
 from distqa.evaluation import to_device
+from distqa.task import batch_rows
 
 if TYPE_CHECKING:
     from distqa.config import TrainConfig
@@ -61,7 +62,7 @@ class TrainStep:
                     "(a dict such as {'input_ids': ..., 'labels': ...})"
                 )
             tokens = self.task.count_tokens(cpu_batch)  # on the CPU copy: no device sync
-            samples = len(next(iter(cpu_batch.values())))
+            samples = batch_rows(cpu_batch)
             batch = to_device(cpu_batch, self.info.device)
             timer.mark("forward_backward")
             # All-reduce only on the last micro-batch: earlier backward passes just accumulate
@@ -116,7 +117,7 @@ class TrainStep:
             # A loss the model computes in its forward (a Hugging Face model given labels) comes back
             # from DataParallel as one mean per GPU, gathered into a vector. (The built-in tasks
             # compute the loss from the gathered outputs, which is exact whatever the split.)
-            loss = parallel.dp_batch_mean(loss, len(next(iter(batch.values()))), len(self.model.device_ids))
+            loss = parallel.dp_batch_mean(loss, batch_rows(batch), len(self.model.device_ids))
         if loss.dim() != 0 or not loss.is_floating_point() or not loss.requires_grad:
             got = f"shape {list(loss.shape)}" if loss.dim() else f"{loss.dtype}, requires_grad={loss.requires_grad}"
             raise DistqaError(
