@@ -119,6 +119,22 @@ def test_resolved_yaml_round_trips(tmp_path):
     assert dataclasses.asdict(load_config(str(path))) == dataclasses.asdict(cfg)
 
 
+def test_a_text_holding_an_interpolations_characters_round_trips_as_text(tmp_path):
+    """A value given escaped (`\\${train.lr}`) is the text `${train.lr}`: config.yaml wrote it as is,
+    so a run started again from it (or an export reading a checkpoint's settings) named another
+    folder, runs/3e-05, exit 0. Backslashes before it stay too."""
+    from distqa.export import checkpoint_config
+
+    given = ["output_dir=runs/\\${train.lr}", "model.name=a\\\\\\${x}b", "model.tokenizer=c\\d"]
+    cfg = load_config(None, given)
+    assert (cfg.output_dir, cfg.model.name, cfg.model.tokenizer) == ("runs/${train.lr}", "a\\${x}b", "c\\d")
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert dataclasses.asdict(load_config(str(path))) == dataclasses.asdict(cfg)
+    read = checkpoint_config(dataclasses.asdict(cfg), tmp_path)
+    assert (read.output_dir, read.model.name, read.model.tokenizer) == (cfg.output_dir, cfg.model.name, "c\\d")
+
+
 def test_help_lists_every_key_with_default_and_meaning(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train", "--help"])

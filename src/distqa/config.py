@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from distqa.config_checks import check_choice as _check_choice
-from distqa.config_checks import check_fraction, check_min, check_parallel
+from distqa.config_checks import check_fraction, check_min, check_parallel, escaped
 from distqa.errors import ConfigError
 
 RESUME_RULES = ("silent", "applied")
@@ -346,4 +346,4 @@ def setting_field(cfg: Config, key: str) -> dataclasses.Field | None:
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.create(escaped(dataclasses.asdict(cfg))))

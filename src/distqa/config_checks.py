@@ -255,3 +255,20 @@ def _check_dp(train: Any) -> None:
             "train.compile=true is not supported with train.parallel=dp (DataParallel runs fresh "
             "copies of the model in threads each step): use train.compile=false, or train.parallel=ddp"
         )
+
+
+_BEFORE_INTERPOLATION = re.compile(r"(\\*)\$\{")
+
+
+def escaped(value: Any) -> Any:
+    """`value` (settings as plain containers) with each text's `${` escaped, so that OmegaConf reads
+    back the resolved text: a value given as `\\${x}` is the text `${x}`, which config.yaml (and an
+    export's reading of a checkpoint's settings) wrote as is, and which resolved to x's value when
+    read again. Backslashes before it are doubled, as OmegaConf's grammar reads them."""
+    if isinstance(value, str):
+        return _BEFORE_INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", value)
+    if isinstance(value, Mapping):
+        return {key: escaped(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [escaped(item) for item in value]
+    return value

@@ -25,6 +25,7 @@ from distqa.best import BEST_NAME, resolve_checkpoint
 from distqa.build_identity import full_identity, model_settings
 from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
 from distqa.config import Config
+from distqa.config_checks import escaped
 from distqa.console import no_load_report, quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
@@ -43,7 +44,7 @@ def checkpoint_config(saved: dict[str, Any], directory: Path) -> Config:
     """The run's settings as the checkpoint recorded them, checked as `distqa train` checks them."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.yaml"
-        OmegaConf.save(OmegaConf.create(saved), path)
+        OmegaConf.save(OmegaConf.create(escaped(saved)), path)
         try:
             return load_config(str(path), _NOT_NEEDED)
         except DistqaError as err:
