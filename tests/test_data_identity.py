@@ -17,8 +17,10 @@ import pyarrow as pa
 import pytest
 import torch
 
+import distqa.data_agreement as agreement
 import distqa.data_identity as identity
-from distqa.data_identity import agreed_identity, agreed_samples, arrow_fingerprint, fingerprint
+from distqa.data_agreement import agreed_identity, agreed_samples
+from distqa.data_identity import arrow_fingerprint, fingerprint
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset, train_data_fingerprint
@@ -110,7 +112,7 @@ def test_dataclass_items_differing_where_their_repr_elides_change_the_fingerprin
     assert fingerprint([Features(changed, 1)]) != original  # type: ignore[arg-type]
     assert fingerprint([Features(ids, 2)]) != original  # type: ignore[arg-type]
     assert fingerprint([Other(ids, 1)]) != original  # type: ignore[arg-type]
-    assert identity.sample_digest([Features(changed, 1)]) != identity.sample_digest([Features(ids, 1)])  # type: ignore[arg-type]
+    assert agreement.sample_digest([Features(changed, 1)]) != agreement.sample_digest([Features(ids, 1)])  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- Arrow datasets
@@ -224,7 +226,7 @@ def test_one_rank_per_node_hashes_and_a_node_that_differs_is_named_in_one_line(m
         {"node": "1", "examples": 5, "fingerprint": None},
     ]
     calls = []
-    monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: others)
+    monkeypatch.setattr(agreement, "all_gather_objects", lambda mine, info: others)
     monkeypatch.setenv("GROUP_RANK", "0")
     info = DistInfo(rank=1, local_rank=1, world_size=4, device=torch.device("cpu"))
     with pytest.raises(DistqaError) as stopped:
@@ -246,7 +248,7 @@ def test_one_rank_per_node_hashes_and_a_node_that_differs_is_named_in_one_line(m
 def test_ranks_whose_datasets_hold_other_items_at_an_index_stop_in_one_line(monkeypatch):
     """Only local rank 0 hashes the whole set; every process samples the set it built itself."""
     views = [([(5, "s0"), None], None), ([(5, "s1"), None], None)]
-    monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: views)
+    monkeypatch.setattr(agreement, "all_gather_objects", lambda mine, info: views)
     info = DistInfo(rank=1, local_rank=1, world_size=2, device=torch.device("cpu"))
     named = [("data.train", [0] * 5, "t"), ("data.valid", None, None)]
     with pytest.raises(DistqaError, match=r"^the ranks' training datasets hold other items at the same indices "):
@@ -260,7 +262,7 @@ def test_ranks_whose_datasets_hold_other_items_at_an_index_stop_in_one_line(monk
         agreed_samples(info, named)  # type: ignore[arg-type]
     # A stream is not sampled (yet counted as a set): agreed_identity then says it must be a map-style dataset.
     sent = []
-    monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: sent.append(mine) or [mine, mine])
+    monkeypatch.setattr(agreement, "all_gather_objects", lambda mine, info: sent.append(mine) or [mine, mine])
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -277,12 +279,12 @@ def test_a_sample_reads_items_with_seeded_streams_and_counts_other_objects_by_th
     class Picture:  # repr: <...Picture object at 0x...>, other in every process
         pass
 
-    assert identity.sample_digest([{"image": Picture()}] * 3) == identity.sample_digest([{"image": Picture()}] * 3)
+    assert agreement.sample_digest([{"image": Picture()}] * 3) == agreement.sample_digest([{"image": Picture()}] * 3)
     assert fingerprint([{"image": Picture()}] * 3) != fingerprint([{"image": Picture()}] * 3)
     items = [torch.rand(2) for _ in range(40)]
     state = torch.get_rng_state()
-    assert len(identity.sample_digest(items)) == 16 and torch.equal(torch.get_rng_state(), state)
-    assert identity.sample_digest(items) != identity.sample_digest(items[::-1])
+    assert len(agreement.sample_digest(items)) == 16 and torch.equal(torch.get_rng_state(), state)
+    assert agreement.sample_digest(items) != agreement.sample_digest(items[::-1])
 
 
 @pytest.mark.safety
@@ -324,7 +326,7 @@ def test_resume_on_a_relabelled_or_reordered_file_of_the_same_length_is_refused_
 
 def test_a_fingerprint_that_cannot_be_read_is_said_on_every_rank(monkeypatch):
     """The rank that hashes reports its failure through the gather, so no rank waits for it."""
-    monkeypatch.setattr(identity, "all_gather_objects", lambda mine, info: [mine, {**mine, "problem": None}])
+    monkeypatch.setattr(agreement, "all_gather_objects", lambda mine, info: [mine, {**mine, "problem": None}])
     monkeypatch.delenv("GROUP_RANK", raising=False)
     info = DistInfo(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
 

@@ -22,7 +22,7 @@ from distqa import parallel
 from distqa.best import BEST_NAME, point_at, pointed
 from distqa.comm_hooks import CommHook
 from distqa.config import Config
-from distqa.data_identity import same_identity
+from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.metrics import ThroughputMeter
 from distqa.optim import apply_settings

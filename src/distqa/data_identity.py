@@ -4,7 +4,7 @@ A checkpoint records both, so that resuming on changed data (a training file tha
 relabelled or reordered file of the same length, a cache prepared with other settings) is refused
 instead of continuing silently on other examples; and every rank compares them at start, because
 nodes whose `data.train` differ at the same path would otherwise train on different data (or hang
-at the end of the shorter epoch). Each node hashes the copy it reads (`agreed_identity`).
+at the end of the shorter epoch). Each node hashes the copy it reads (`distqa.data_agreement`).
 
 The fingerprint covers every example: a sample would pass a same-length file whose unsampled rows
 changed. A plain dataset is hashed item by item (`fingerprint`); an Arrow-backed `datasets.Dataset`
@@ -17,30 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 
-from distqa.dist import DistInfo, all_gather_objects, usable_cpus
-from distqa.errors import DistqaError
-from distqa.rank0 import reason
-from distqa.sampler import item_seed, seeded_streams
+from distqa.dist import usable_cpus
 
 DIGEST_CHARS = 32  # 128 bits; fingerprints of the earlier, sampling scheme had 16
-# What `_feed` reads; checkpoints record it (those before format 2 have none). 2: a dataclass item
+# What `feed` reads; checkpoints record it (those before format 2 have none). 2: a dataclass item
 # is hashed field by field (its repr, hashed before, elides a large tensor's values as `...`).
 FINGERPRINT_FORMAT = 2
 LEAF_ROWS = 16_384  # rows per block that `arrow_fingerprint` hashes on one thread
 
 
-def _feed(h: Any, obj: Any, exact: bool = True) -> None:
+def feed(h: Any, obj: Any, exact: bool = True) -> None:
     """Hash `obj` canonically and self-delimited: the same value gives the same bytes whatever its
     container types, and no two different sequences of values give the same bytes. `exact=False`
     (`sample_digest`): an object of another kind counts by its type only, since its repr may hold
@@ -52,14 +48,14 @@ def _feed(h: Any, obj: Any, exact: bool = True) -> None:
     elif isinstance(obj, np.ndarray):
         h.update(f"A{obj.dtype}{obj.shape}".encode())
         if obj.dtype.hasobject:  # its bytes would be pointers: hash the values
-            _feed(h, obj.tolist(), exact)
+            feed(h, obj.tolist(), exact)
         else:
             h.update(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
     elif isinstance(obj, Mapping):
         h.update(f"{{{len(obj)}".encode())
         for key in sorted(obj, key=str):
-            _feed(h, str(key), exact)
-            _feed(h, obj[key], exact)
+            feed(h, str(key), exact)
+            feed(h, obj[key], exact)
     elif isinstance(obj, (list, tuple)):
         h.update(f"[{len(obj)}".encode())
         ints = _as_int64(obj)
@@ -68,7 +64,7 @@ def _feed(h: Any, obj: Any, exact: bool = True) -> None:
             h.update(ints)
             return
         for item in obj:
-            _feed(h, item, exact)
+            feed(h, item, exact)
     elif isinstance(obj, str):
         _feed_bytes(h, b"s", obj.encode("utf-8", errors="surrogatepass"))
     elif isinstance(obj, bytes):
@@ -80,8 +76,8 @@ def _feed(h: Any, obj: Any, exact: bool = True) -> None:
         _feed_bytes(h, b"d", type(obj).__qualname__.encode("utf-8", errors="surrogatepass"))
         h.update(f"{{{len(fields)}".encode())
         for field in fields:
-            _feed(h, field.name, exact)
-            _feed(h, getattr(obj, field.name), exact)
+            feed(h, field.name, exact)
+            feed(h, getattr(obj, field.name), exact)
     else:
         shown = f"{type(obj).__qualname__}:{obj!r}" if exact else type(obj).__qualname__
         _feed_bytes(h, b"o", shown.encode("utf-8", errors="surrogatepass"))
@@ -106,7 +102,7 @@ def digest_of(*values: Any) -> str:
     """A fingerprint of a few values (the settings a synthetic dataset is a function of), hashed
     as `fingerprint` hashes items."""
     h = hashlib.sha256(b"values")
-    _feed(h, list(values))
+    feed(h, list(values))
     return h.hexdigest()[:DIGEST_CHARS]
 
 
@@ -119,7 +115,7 @@ def fingerprint(dataset: Dataset) -> str:
     length = len(dataset)  # type: ignore[arg-type]
     h = hashlib.sha256(f"len={length}".encode())
     for index in range(length):
-        _feed(h, dataset[index])
+        feed(h, dataset[index])
     return h.hexdigest()[:DIGEST_CHARS]
 
 
@@ -212,151 +208,4 @@ def _feed_arrow(stream: _Streams, path: tuple[str, ...], array: Any) -> None:
     else:  # structs, dictionaries, dates...: rare in training data, hashed through Python values
         h = stream((*path, "python"))
         for value in array.to_pylist():
-            _feed(h, value)
-
-
-SAMPLED_ITEMS = 16
-SAMPLE_STREAM = 0x73616D70  # "samp"
-
-
-def sample_digest(dataset: Dataset) -> str:
-    """A hash of a few items at evenly spaced indices, every process's own: one process per node
-    hashes the whole set (`agreed_identity`), and its other processes build their own, which a
-    task may build in another order (`list(set(rows))` is ordered by each process's string hash
-    seed): each trained and scored other items, 4 of 15 twice and 4 never, exit 0. Each item is
-    read with seeded random streams, and the process's own streams are put back."""
-    length = len(dataset)  # type: ignore[arg-type]
-    indices = sorted({int(i) for i in np.linspace(0, length - 1, num=min(length, SAMPLED_ITEMS))}) if length else []
-    h = hashlib.sha256(b"sample")
-    for index in indices:
-        with seeded_streams(item_seed(SAMPLE_STREAM, index), keep=True):
-            _feed(h, dataset[index], exact=False)
-    return h.hexdigest()[:16]
-
-
-def agreed_samples(info: DistInfo, named: list[tuple[str, Dataset | None, str | None]]) -> None:
-    """Every process's `sample_digest` of each (key, dataset, path) it built, compared across all
-    ranks before any process reads a set whole (a dataset drawing from a generator of its own has
-    then drawn alike everywhere), and that every rank has each set or none has: data.valid may
-    differ per node (PER_NODE), and one node's set beside another's none left the first node's
-    all-gather paired with the other's next collective ('DDP expects same model'), or waiting for
-    ever. Samples are compared at one length: other lengths are `agreed_identity`'s to name."""
-    if not info.is_distributed:
-        return
-    mine: list[Any] = []
-    problem = None
-    for key, dataset, _ in named:
-        try:
-            # A stream is not sampled: agreed_identity names what the trainer needs instead.
-            readable = not isinstance(dataset, IterableDataset) and hasattr(dataset, "__len__")
-            mine.append(None if dataset is None else (len(dataset), sample_digest(dataset)) if readable else ())  # type: ignore[arg-type]
-        except Exception as err:  # an item that cannot be read: said on every rank, none waits
-            problem = f"rank {info.rank} cannot read an item of {key}: {reason(err)}"
-            break
-    views: list[Any] = all_gather_objects((mine, problem), info)  # type: ignore[assignment]
-    if failed := next((p for _, p in views if p), None):
-        raise DistqaError(failed)
-    for i, (key, _, path) in enumerate(named):
-        seen = [view[0][i] for view in views]
-        without = [rank for rank, entry in enumerate(seen) if entry is None]
-        if without and len(without) < len(seen):
-            with_set = [rank for rank, entry in enumerate(seen) if entry is not None]
-            raise DistqaError(
-                f"the ranks do not see the same {_what(key)} data: a {_what(key)} set on {_ranks(with_set)}, none "
-                f"on {_ranks(without)} ({key}={path!r} on this node): give every node the same {key}"
-            )
-        if without or () in seen or len({entry[0] for entry in seen}) > 1 or len(set(seen)) == 1:
-            continue
-        by_sample: dict[str, list[int]] = {}
-        for rank, (_, value) in enumerate(seen):
-            by_sample.setdefault(value, []).append(rank)
-        described = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_sample.items())
-        raise DistqaError(
-            f"the ranks' {_what(key)} datasets hold other items at the same indices ({described}): the task "
-            f"builds {key}={path!r} in another order or content in each process (a set(), an unseeded shuffle, "
-            "a per-rank shard): build it the same way in every process; the trainer shards it"
-        )
-
-
-def agreed_identity(
-    fingerprint_of: Callable[[Dataset], str], dataset: Dataset, info: DistInfo, path: str, key: str = "data.train"
-) -> dict[str, Any]:
-    """This dataset's identity, checked to be the same on every rank (one line on every rank if
-    not, before any step: a rank with fewer batches would leave the others waiting forever, and
-    validation shares from different files would be scored as one set). `key` names the setting
-    (data.train, data.valid) whose data it is, at `path` on this node.
-
-    Under torchrun one process per node (local rank 0) computes the fingerprint and the node's
-    other ranks take its result: they read the same files, so hashing them once per node costs the
-    node one read instead of one per GPU, and a node whose copy differs still shows it. Without
-    torchrun's node rank (`GROUP_RANK`) every rank hashes its own view.
-    """
-    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        # (Every rank builds the same kind of dataset: each says so before the first collective.)
-        hook = "build_train_dataset" if key == "data.train" else "build_eval_dataset"
-        raise DistqaError(
-            f"the task's {hook}() returned a {type(dataset).__name__}, not a map-style dataset (with __len__ and "
-            "__getitem__): the trainer shards, orders and resumes it by index; wrap a stream in a list or a "
-            "datasets.Dataset"
-        )
-    node = os.environ.get("GROUP_RANK")
-    hashes = node is None or info.local_rank == 0
-    digest, problem = None, None
-    if hashes:
-        try:
-            digest = fingerprint_of(dataset)
-        except (OSError, ValueError, RuntimeError) as err:  # a file unreadable halfway: said on every rank
-            why = str(err).splitlines()[0] if str(err) else type(err).__name__
-            problem = f"rank {info.rank} cannot hash {key}={path!r}: {why}"
-    mine = {"node": node, "examples": len(dataset), "fingerprint": digest, "problem": problem}  # type: ignore[arg-type]
-    views: list[dict[str, Any]] = all_gather_objects(mine, info)  # type: ignore[assignment]
-    failed = next((view.get("problem") for view in views if view.get("problem")), None)
-    if failed:
-        raise DistqaError(failed)
-    what = _what(key)
-    # Filled in from the gathered views alone, so every rank reaches the same verdict (a rank
-    # that stopped alone would leave the others waiting).
-    by_node = {view["node"]: view["fingerprint"] for view in views if view["fingerprint"] is not None}
-    seen = [(view["examples"], view["fingerprint"] or by_node.get(view["node"])) for view in views]
-    if len(set(seen)) > 1:
-        groups: dict[tuple[int, str | None], list[int]] = {}
-        for rank, identity in enumerate(seen):
-            groups.setdefault(identity, []).append(rank)
-        described = "; ".join(
-            f"{_ranks(ranks)}: {examples} examples, fingerprint {digest}"
-            for (examples, digest), ranks in groups.items()
-        )
-        raise DistqaError(
-            f"the ranks do not see the same {what} data ({described}): {key}={path!r} "
-            "must be the same data on every node"
-        )
-    examples, digest = seen[info.rank]
-    return {"examples": examples, "fingerprint": digest, "format": FINGERPRINT_FORMAT, key.removeprefix("data."): path}
-
-
-def same_identity(saved: dict[str, Any], now: dict[str, Any]) -> bool:
-    """Whether an identity a checkpoint recorded (`agreed_identity`'s) is this data's: the same
-    length and fingerprint, wherever the file now lies."""
-    return (saved.get("examples"), saved.get("fingerprint")) == (now["examples"], now["fingerprint"])
-
-
-def _what(key: str) -> str:
-    return "training" if key == "data.train" else "validation" if key == "data.valid" else key
-
-
-def _ranks(ranks: list[int]) -> str:
-    """`rank 3` or `ranks 0-7`, `ranks 0,2,5`: short even for many GPUs."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ",".join(map(str, ranks))
-
-
-def agreed_valid_identity(task: Any, info: DistInfo, valid: str | None) -> dict[str, Any] | None:
-    """`agreed_identity` of the task's validation set (`data.valid`, or the task's own), or None
-    without one: its shares are scored as one set, so every node's must be the same."""
-    dataset = task.eval_dataset()  # (whether every rank has one, `agreed_samples` made sure)
-    if dataset is None:
-        return None
-    return agreed_identity(task.data_fingerprint, dataset, info, valid or "(none: the task's own set)", "data.valid")
+            feed(h, value)

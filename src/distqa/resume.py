@@ -23,7 +23,7 @@ from distqa.agreement import flatten
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
 from distqa.checkpoint_verify import same_on_every_rank
 from distqa.config import Config, setting_field
-from distqa.data_identity import same_identity
+from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
 from distqa.rank0 import on_rank0, reason

@@ -24,7 +24,7 @@ from distqa.checkpoint_manager import CheckpointManager, Parts, TrainerState
 from distqa.config import Config, to_yaml
 from distqa.console import TrainProgress, dataset_size, quiet_libraries
 from distqa.control import FIRST_LOSS_NOT_FINITE, after_step, diverged_hint
-from distqa.data_identity import agreed_identity, agreed_samples, agreed_valid_identity
+from distqa.data_agreement import agreed_identity, agreed_samples, agreed_valid_identity
 from distqa.dist import DistInfo, autocast_dtype, barrier, cleanup, init_distributed, local_main_first, print0
 from distqa.errors import DistqaError, EvaluationFailed, Preempted
 from distqa.evaluate_again import evaluate_again
@@ -195,18 +195,9 @@ class Trainer:
         )
         self.parts = Parts(self.raw_model, self.optimizer, scheduler, scaler, self.task, self.state, comm_hook)
         self.checkpoints.track(self.parts)
+        models = (self.model, self.raw_model, self.ddp)  # as wrapped, as built, and DDP's instance (or None)
         self.train_step = TrainStep(
-            self.task,
-            self.model,
-            self.raw_model,
-            self.ddp,
-            self.optimizer,
-            scheduler,
-            scaler,
-            cfg.train,
-            info,
-            self.timer,
-            self.autocast_dtype,
+            self.task, *models, self.optimizer, scheduler, scaler, cfg.train, info, self.timer, self.autocast_dtype
         )
 
     # ----------------------------------------------------------------------------- restore
