@@ -121,7 +121,13 @@ def test_validation_features_refuse_a_repeated_id_in_one_shard_or_across_two(tmp
 
 TRAIN = FeatureSettings(max_seq_len=64, doc_stride=32, max_query_len=16, keep_unknown=1.0)
 # SHORT's lines as training lines: annotated, with no answer (their answers lie past the cut).
-ANNOTATED = [json.dumps({**json.loads(line), "annotations": []}) for line in SHORT]
+NO_ANSWER = {"start_token": -1, "end_token": -1, "candidate_index": -1}
+# Annotated as NQ's lines without an answer are: one annotation whose spans are all -1.
+ANNOTATED = [
+    json.dumps({**json.loads(line), "annotations": [{"yes_no_answer": "NONE", "long_answer": NO_ANSWER,
+                                                     "short_answers": [], "annotation_id": 1}]})
+    for line in SHORT
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("num_proc", [1, 2])
@@ -162,6 +168,17 @@ def test_training_on_lines_without_annotations_is_refused_even_when_skipping_bad
     mixed = write(tmp_path / "mixed.jsonl", [*ANNOTATED[:2], SHORT[2]])
     with pytest.raises(DistqaError, match=r"mixed.jsonl, line 3: example .* has no annotations"):
         prepare_features(mixed, tmp_path / "m", tokenizer_name=str(minilm_dir), settings=TRAIN)
+
+
+@pytest.mark.parametrize("value", [[], {}, False, 0, ""])
+def test_annotations_that_are_empty_or_no_list_are_no_training_answers(tmp_path, minilm_dir, value):
+    """A conversion script's `"annotations": []` (or {}, false, 0, "") read as the list of no
+    annotation, yet as annotated: every window trained as 'no answer', exit 0 (found by a review)."""
+    line = json.dumps({**json.loads(ANNOTATED[0]), "annotations": value})
+    path = write(tmp_path / "train.jsonl", [ANNOTATED[1], line])
+    said = "has no annotations" if value == [] else rf"annotations is {re.escape(json.dumps(value))}, not a list"
+    with pytest.raises(DistqaError, match=rf"train.jsonl, line 2: .*{said}"):
+        prepare_features(path, tmp_path / "f", tokenizer_name=str(minilm_dir), settings=TRAIN)
 
 
 def test_distqa_train_on_the_test_set_is_one_line(tmp_path, capsys, minilm_dir):

@@ -132,8 +132,16 @@ def test_real_data_needs_a_tokenizer(tmp_path):
 
 def test_malformed_training_file_names_file_and_line(tmp_path, minilm_dir):
     data = tmp_path / "train.jsonl"
+    no_answer = {"start_token": -1, "end_token": -1, "candidate_index": -1}
+    annotation = {"yes_no_answer": "NONE", "long_answer": no_answer, "short_answers": []}
     line = json.dumps(
-        {"example_id": 1, "question_text": "q", "document_text": "a b", "long_answer_candidates": [], "annotations": []}
+        {
+            "example_id": 1,
+            "question_text": "q",
+            "document_text": "a b",
+            "long_answer_candidates": [],
+            "annotations": [annotation],
+        }
     )
     data.write_text(line + "\n{oops\n")
     cfg = load_config(

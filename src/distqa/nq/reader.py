@@ -36,7 +36,7 @@ class NQExample:
     tokens: list[str]  # the document's whitespace tokens; HTML tags (<P>, <Table>) included
     candidates: list[dict[str, Any]]  # long-answer candidates: start_token, end_token, top_level
     annotations: list[dict[str, Any]] = field(default_factory=list)  # empty for the test set
-    annotated: bool = True  # False: the line has no "annotations" at all (the test set's lines)
+    annotated: bool = True  # False: the line has no annotation (the test set's lines have no key)
 
 
 class BadLine(ValueError):
@@ -150,9 +150,12 @@ def parse_example(line: str) -> NQExample:
             raise BadLine(
                 f"long_answer_candidates[{i}].top_level is {json.dumps(cand['top_level'])}, not true or false"
             )
-    annotations = raw.get("annotations", []) or []
-    if not isinstance(annotations, list):
-        raise BadLine("annotations is not a list")
+    # Only a list is one: `{}`, false or "" read as an empty list, and every window of such a line
+    # was "no answer" in training, exit 0. An empty list is no annotation, as a missing key.
+    given = raw.get("annotations")
+    if given is not None and not isinstance(given, list):
+        raise BadLine(f"annotations is {json.dumps(given)[:40]}, not a list")
+    annotations = given or []
     for i, ann in enumerate(annotations):
         if not isinstance(ann, dict):
             raise BadLine(f"annotations[{i}] is not an object")
@@ -172,7 +175,7 @@ def parse_example(line: str) -> NQExample:
         tokens,
         candidates,
         annotations,
-        annotated=raw.get("annotations") is not None,
+        annotated=bool(annotations),
     )
 
 
