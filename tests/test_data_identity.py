@@ -8,7 +8,10 @@ between two of those samples (`between_samples`): these tests fail if the finger
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -113,6 +116,51 @@ def test_dataclass_items_differing_where_their_repr_elides_change_the_fingerprin
     assert fingerprint([Features(ids, 2)]) != original  # type: ignore[arg-type]
     assert fingerprint([Other(ids, 1)]) != original  # type: ignore[arg-type]
     assert agreement.sample_digest([Features(changed, 1)]) != agreement.sample_digest([Features(ids, 1)])  # type: ignore[arg-type]
+
+
+class Pixels:
+    """A plain object: its repr, `<...Pixels object at 0x...>`, is another in every build."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+
+def test_objects_are_fingerprinted_by_content_not_by_a_repr_with_an_address_or_elided_values():
+    """A PIL image's repr holds its address: every build of an image dataset had another
+    fingerprint, so each resume was refused as other data, and a second node's copy too; a pandas
+    Series' repr leaves out its middle rows, so a change there went unseen."""
+    import pandas as pd
+    from PIL import Image
+
+    def images(value: int) -> list:
+        return [{"image": Image.fromarray(np.full((8, 8, 3), value, np.uint8)), "label": 1} for _ in range(3)]
+
+    assert fingerprint(images(0)) == fingerprint(images(0))  # type: ignore[arg-type]
+    assert fingerprint(images(0)) != fingerprint(images(1))  # type: ignore[arg-type]
+    assert fingerprint([Pixels([1, 2])]) == fingerprint([Pixels([1, 2])]) != fingerprint([Pixels([1, 3])])  # type: ignore[arg-type]
+    series = pd.Series(range(1000))
+    changed = series.copy()
+    changed[500] = 7
+    assert repr(series) == repr(changed)
+    assert fingerprint([series]) == fingerprint([series.copy()]) != fingerprint([changed])  # type: ignore[arg-type]
+
+
+def test_a_set_is_fingerprinted_alike_in_processes_whose_string_hashes_differ():
+    """A set of strings iterates in an order each process's hash seed sets: its repr differed per
+    node and per run."""
+    code = "from distqa.data_identity import fingerprint; print(fingerprint([{'tags': {'a', 'b', 'c', 'd' * 9}}]))"
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(seen) == 1
+    assert fingerprint([{"tags": {"a", "b"}}]) != fingerprint([{"tags": {"a", "c"}}])  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- Arrow datasets
@@ -280,7 +328,6 @@ def test_a_sample_reads_items_with_seeded_streams_and_counts_other_objects_by_th
         pass
 
     assert agreement.sample_digest([{"image": Picture()}] * 3) == agreement.sample_digest([{"image": Picture()}] * 3)
-    assert fingerprint([{"image": Picture()}] * 3) != fingerprint([{"image": Picture()}] * 3)
     items = [torch.rand(2) for _ in range(40)]
     state = torch.get_rng_state()
     assert len(agreement.sample_digest(items)) == 16 and torch.equal(torch.get_rng_state(), state)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import pickle
 import struct
 import sys
 from collections.abc import Mapping
@@ -31,7 +32,8 @@ from distqa.dist import usable_cpus
 
 DIGEST_CHARS = 32  # 128 bits; fingerprints of the earlier, sampling scheme had 16
 # What `feed` reads; checkpoints record it (those before format 2 have none). 2: a dataclass item
-# is hashed field by field (its repr, hashed before, elides a large tensor's values as `...`).
+# is hashed field by field (its repr, hashed before, elides a large tensor's values as `...`), a
+# set in sorted order, and another object by its pickle (its repr may hold an address).
 FINGERPRINT_FORMAT = 2
 LEAF_ROWS = 16_384  # rows per block that `arrow_fingerprint` hashes on one thread
 
@@ -39,8 +41,8 @@ LEAF_ROWS = 16_384  # rows per block that `arrow_fingerprint` hashes on one thre
 def feed(h: Any, obj: Any, exact: bool = True) -> None:
     """Hash `obj` canonically and self-delimited: the same value gives the same bytes whatever its
     container types, and no two different sequences of values give the same bytes. `exact=False`
-    (`sample_digest`): an object of another kind counts by its type only, since its repr may hold
-    what each process has of its own (a PIL image's address, a set's order)."""
+    (`sample_digest`): an object of another kind counts by its type only, since even its pickle
+    may hold what each process has of its own."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
@@ -78,9 +80,31 @@ def feed(h: Any, obj: Any, exact: bool = True) -> None:
         for field in fields:
             feed(h, field.name, exact)
             feed(h, getattr(obj, field.name), exact)
+    elif isinstance(obj, (set, frozenset)):  # in each process's order (a string's hash is seeded): sorted
+        members = sorted(_digest(item, exact) for item in obj)
+        h.update(f"({len(members)}".encode())
+        h.update(b"".join(members))
     else:
-        shown = f"{type(obj).__qualname__}:{obj!r}" if exact else type(obj).__qualname__
-        _feed_bytes(h, b"o", shown.encode("utf-8", errors="surrogatepass"))
+        name = type(obj).__qualname__.encode("utf-8", errors="surrogatepass")
+        _feed_bytes(h, b"o", name + b":" + _opaque(obj) if exact else name)
+
+
+def _digest(obj: Any, exact: bool) -> bytes:
+    one = hashlib.sha256()
+    feed(one, obj, exact)
+    return one.digest()
+
+
+def _opaque(obj: Any) -> bytes:
+    """An object of a kind `feed` does not know, by its pickle: a PIL image's mode, palette and
+    pixels, a pandas Series' values and index, a plain object's attributes. Its repr, hashed
+    before, holds an address (a PIL image's: every build of the data had another fingerprint, so
+    each resume and each second node was refused) or elides values (a Series' middle rows). An
+    object that does not pickle counts by its repr."""
+    try:
+        return pickle.dumps(obj, protocol=4)
+    except Exception:  # (a lambda, a lock, a C object without pickle support)
+        return repr(obj).encode("utf-8", errors="surrogatepass")
 
 
 def _as_int64(items: list | tuple) -> np.ndarray | None:
