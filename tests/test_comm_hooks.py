@@ -66,6 +66,28 @@ def test_powersgd_state_follows_the_parameters_into_other_buckets(group):
     assert not torch.equal(want[0], steps[6][0])
 
 
+def test_a_resume_at_the_step_powersgd_begins_compresses_as_the_uninterrupted_run(group):
+    """The checkpoint at train.powersgd_start_step holds no PowerSGD state yet: the resumed run's
+    first compressed step sees DDP's first buckets, the uninterrupted run its rebuilt ones. Their
+    first Qs, drawn one seed per bucket, differed (6.6e-3 apart at the end, exit 0)."""
+    train = TrainConfig(ddp_comm_hook="powersgd", powersgd_rank=2, powersgd_start_step=2)
+    model = _model()
+    first, rebuilt = [[0, 1], [2, 3, 4, 5]], [[4, 5, 0], [3, 1], [2]]
+    torch.manual_seed(1)
+    steps = [[torch.randn_like(p) for p in model.parameters()] for _ in range(6)]
+    straight = PowerSGD(model, train)
+    for grads in steps[:2]:
+        _step(straight, first if grads is steps[0] else rebuilt, grads)
+    resumed = PowerSGD(model, train)
+    resumed.load_state_dict(straight.state_dict())
+    assert resumed.state.iter == 2 and not resumed.pieces  # no state yet
+    for grads in steps[2:]:
+        want = _step(straight, rebuilt, grads)
+        got = _step(resumed, first if grads is steps[2] else rebuilt, grads)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not torch.equal(want[0], steps[5][0])  # compressed
+
+
 def test_bf16_hook_rounds_to_bf16_on_gloo(group):
     values = torch.tensor([1.0, 1.0 + 2**-10, 3.0e-3, -7.25])
     bucket = Bucket([values], params=[torch.nn.Parameter(values)])

@@ -8,7 +8,8 @@ step's Q). PyTorch's `powerSGD_hook` and `PowerSGDState` run it; distqa adds two
   them after the first step in the order gradients became ready, so a resumed run's first step sees
   other buckets than the uninterrupted run did at that step. The state is therefore kept, saved and
   restored per parameter (`_Pieces`), and laid out again for whatever bucket asks for it: the
-  arithmetic of each gradient matrix does not depend on which bucket it rides in.
+  arithmetic of each gradient matrix does not depend on which bucket it rides in. Its first Q,
+  too, is drawn per parameter (`PowerSGD._begin`), not per bucket as torch's hook draws it.
 - On gloo, `reduce_on_gloo` instead of torch's hook (why: `PowerSGD.__init__`). It keeps torch's
   state and its layout, so checkpoints are the same on either backend, and computes M^T P as
   (P^T M)^T: the same product (equal to rounding), but a CPU's product with a transposed tall
@@ -35,6 +36,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 if TYPE_CHECKING:
     from distqa.config import TrainConfig
+
+FIRST_Q_SEED = 0x5053_4744  # "PSGD": parameter i's first Q is drawn from this seed plus i
 
 
 def _matrices(state: powerSGD_hook.PowerSGDState, bucket: Any, source: torch.Tensor) -> tuple[list, list]:
@@ -188,6 +191,8 @@ class PowerSGD:
             self._split_unseen()
             self._assemble(index, layout, bucket.buffer())
             self.layouts[index] = layout
+        if self.state.iter >= self.state.start_powerSGD_iter and index not in self.state.p_memory_dict:
+            self._begin(index, layout, bucket.buffer())
         self.seen.add(index)
         if self.on_gloo:
             future = torch.futures.Future()
@@ -237,6 +242,25 @@ class PowerSGD:
         self.seen.clear()
         for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
             memory.clear()
+
+    def _begin(self, index: int, layout: tuple[int, ...], buffer: torch.Tensor) -> None:
+        """PowerSGD's first step for this bucket: each parameter's state starts as its own, a zero
+        error and a random Q drawn from the parameter's index (the same on every rank), then laid
+        out as a warm start. torch's hook (and `reduce_on_gloo` alike) drew every Q of a bucket from
+        one seed per bucket, in bucket order: a run resumed from the checkpoint at
+        train.powersgd_start_step, whose first step sees DDP's first buckets, not the rebuilt ones,
+        drew other Qs, and ended 6.6e-3 from the uninterrupted run, exit 0."""
+        places = self._layout(layout)
+        for pos, param in enumerate(layout):
+            if param in self.pieces:
+                continue
+            piece = {"error": torch.zeros(places.error[pos][1])}
+            if pos in places.p:
+                generator = torch.Generator().manual_seed(FIRST_Q_SEED + param)
+                piece["p"] = torch.zeros(places.p[pos][1])
+                piece["q"] = torch.randn(places.q[pos][1], generator=generator)
+            self.pieces[param] = piece
+        self._assemble(index, layout, buffer)
 
     def _assemble(self, index: int, layout: tuple[int, ...], buffer: torch.Tensor) -> None:
         if not all(param in self.pieces for param in layout):
