@@ -119,6 +119,10 @@ def test_fsdp_takes_the_16_bit_hooks_as_its_reduce_dtype():
         ({"ddp_comm_hook": "powersgd", "parallel": "fsdp"}, "train.ddp_comm_hook=powersgd"),
         ({"powersgd_rank": 0}, "train.powersgd_rank"),
         ({"powersgd_start_step": 1}, "train.powersgd_start_step"),
+        (
+            {"ddp_comm_hook": "powersgd", "precision": "fp16"},
+            "train.ddp_comm_hook=powersgd cannot run with train.precision=fp16",
+        ),
         ({"bucket_cap_mb": 0.0}, "train.bucket_cap_mb"),
     ],
 )

@@ -152,7 +152,7 @@ class TrainConfig:
     ddp_comm_hook: str = setting(
         "none",
         "gradient all-reduce: none (DDP's own, fp32) | fp16 | bf16 (16-bit: half the bytes; under "
-        "train.parallel=fsdp the reduce-scatter dtype) | powersgd (low-rank, with error feedback; ddp only)",
+        "train.parallel=fsdp the reduce-scatter dtype) | powersgd (low-rank, with error feedback; ddp, not fp16)",
         resume="applied",
     )
     powersgd_rank: int = setting(

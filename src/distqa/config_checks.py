@@ -228,6 +228,14 @@ def check_parallel(train: Any) -> None:
             "train.ddp_comm_hook=powersgd is a DDP hook, and train.parallel=fsdp reduce-scatters shards: "
             "use train.ddp_comm_hook=bf16 or fp16 with fsdp, or train.parallel=ddp"
         )
+    if train.ddp_comm_hook == "powersgd" and train.precision == "fp16":
+        # (Found by a review: the scale fell to 1.0 and 16 of 30 steps were skipped, exit 0.)
+        raise ConfigError(
+            "train.ddp_comm_hook=powersgd cannot run with train.precision=fp16: PowerSGD keeps what it left out of "
+            "each gradient (its error feedback) in fp16's loss-scaled units, and the first overflow, which the loss "
+            "scaler meets by design, leaves that memory NaN and every later step skipped: use train.precision=bf16 "
+            "or fp32 with powersgd, or train.ddp_comm_hook=fp16"
+        )
     check_min("train.powersgd_rank", train.powersgd_rank, 1)
     if train.powersgd_start_step < 2:
         raise ConfigError(
