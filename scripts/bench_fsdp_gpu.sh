@@ -9,9 +9,10 @@ set -euo pipefail
 
 out=${1:-results/bench-fsdp-gpu}
 shift || true
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# The GPUs torch sees (CUDA_VISIBLE_DEVICES applied): distqa bench refuses a count it cannot see.
+gpus=$("${PYTHON:-python3}" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if (( gpus == 0 )); then
-  echo "bench_fsdp_gpu.sh: no GPU visible (nvidia-smi -L lists none)" >&2
+  echo "bench_fsdp_gpu.sh: no GPU visible (torch.cuda.device_count() is 0)" >&2
   exit 2
 fi
 nproc=1

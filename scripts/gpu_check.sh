@@ -28,6 +28,7 @@ DEST=${OUT:-results/gpu}
 mkdir -p "$DEST"
 LOG=$DEST/gpu_tests.log
 FIGURES=$DEST/gpu_figures.json
+rm -f "$FIGURES" # an earlier run's counts must not stand for this one's, should this one be killed
 RAW=$(mktemp -d)
 trap 'rm -rf "$RAW"' EXIT
 
@@ -72,20 +73,37 @@ if [[ $gpus -gt 0 ]] && "$PYTHON" -c 'import xdist' 2> /dev/null; then
 fi
 echo "+ $PYTHON -m pytest ${args[*]}" | tee -a "$LOG"
 status=0
-"$PYTHON" -m pytest "${args[@]}" 2>&1 | tee -a "$LOG" || status=${PIPESTATUS[0]}
+# tee ignores the SIGINT a time box sends the whole group: pytest stops on it and writes its summary
+# and junit file, which a killed tee would cut off (and pytest's status with it: 1, not 2).
+"$PYTHON" -m pytest "${args[@]}" 2>&1 | (trap '' INT TERM && exec tee -a "$LOG") || status=${PIPESTATUS[0]}
 
-"$PYTHON" - "$RAW" "$FIGURES" "$status" <<'EOF'
-import json, sys
+"$PYTHON" - "$RAW" "$FIGURES" "$status" "$LOG" <<'EOF'
+import json, re, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-raw, figures, status = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+raw, figures, status, log = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 outcomes = {}
 if (raw / "junit.xml").is_file():
     for case in ET.parse(raw / "junit.xml").iter("testcase"):
+        if not case.get("name"):  # an interrupted run's junit adds a nameless case: no test's outcome
+            continue
         kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
         outcomes[case.get("name")] = {"outcome": kinds[0] if kinds else "passed", "seconds": float(case.get("time", 0))}
+# How many tests the run selected, from pytest's own line: those without an outcome never ended.
+text = log.read_text(errors="replace")
+workers = re.search(r"\bworkers? \[(\d+) items?\]", text)
+collected = re.search(r"collected (\d+) items?(?: / (\d+) deselected)?(?: / (\d+) selected)?", text)
+if workers:
+    expected = int(workers.group(1))
+elif collected:
+    expected = int(collected.group(3)) if collected.group(3) else int(collected.group(1)) - int(collected.group(2) or 0)
+else:
+    expected = None
 result = {
     "pytest_exit_status": status,
+    "expected": expected,
+    # 2: pytest was interrupted (its box ran out); or tests it selected have no outcome.
+    "cut_short": status == 2 or (expected is not None and len(outcomes) < expected),
     "environment": json.loads((raw / "env.json").read_text()),
     "tests": outcomes,
     "figures": json.loads((raw / "figures.json").read_text()) if (raw / "figures.json").is_file() else {},

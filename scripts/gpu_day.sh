@@ -78,13 +78,15 @@ for i in "${!setups[@]}"; do
     exit 2
   }
 done
-gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
+PYTHON=${PYTHON:-python3}
+# The GPUs torch sees (CUDA_VISIBLE_DEVICES applied), not those nvidia-smi lists: `distqa bench
+# --nproc 1,2` refuses a count it cannot see. (GPU_DAY_GPUS: the tests' stand-in for a GPU count.)
+gpus=${GPU_DAY_GPUS:-$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2> /dev/null || echo 0)}
 if ((gpus == 0)); then
-  echo "gpu_day.sh: no GPU visible (nvidia-smi -L lists none): nothing to run, nothing written" >&2
+  echo "gpu_day.sh: no GPU visible (torch.cuda.device_count() is 0 for $PYTHON): nothing to run, nothing written" >&2
   exit 2
 fi
 
-PYTHON=${PYTHON:-python3}
 budget=${GPU_DAY_BUDGET_S:-2400}
 min_box=${GPU_DAY_MIN_BOX_S:-60}
 max_box=${GPU_DAY_MAX_BOX_S:-510}
@@ -107,7 +109,9 @@ run_step() { # NAME BOX_S COMMAND...: COMMAND in its box, its output in logs/NAM
   ((box <= max_box)) || box=$max_box
   ((box <= left)) || box=$left
   if ((box < min_box)); then
-    report skip --name "$name" --reason "only ${left} s left of the ${budget} s budget"
+    local why="only ${left} s left of the ${budget} s budget"
+    ((box == left)) || why="its box of $box s is below GPU_DAY_MIN_BOX_S=$min_box"
+    report skip --name "$name" --reason "$why"
     return 0
   fi
   local log="$out/logs/${name//\//-}.log" start=$SECONDS started=${EPOCHREALTIME:-} rc=0

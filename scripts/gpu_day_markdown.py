@@ -94,7 +94,11 @@ def markdown(report: dict[str, Any]) -> str:
     if tests:
         counts = ", ".join(f"{tests[k]} {k}" for k in ("passed", "failed", "error", "skipped") if tests[k])
         missed = f" (not passed: {', '.join(tests['not_passed'])})" if tests["not_passed"] else ""
-        out.append(f"GPU acceptance suite (`make test-gpu`): {counts or 'no test ran'}{missed}.")
+        short = ""
+        if tests.get("cut_short"):
+            unrun = f"{tests['not_run']} never ran" if tests.get("not_run") is not None else "the rest never ran"
+            short = f" Cut short (its box ran out, or it was stopped): {unrun}."
+        out.append(f"GPU acceptance suite (`make test-gpu`): {counts or 'no test ran'}{missed}.{short}")
     for table in (_speed_table(report), _batch_table(report)):
         if table:
             out += ["", *table]

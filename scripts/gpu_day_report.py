@@ -36,7 +36,7 @@ BENCH_SETTINGS = ("device", "command", "model", "precision", "seq_len", "batch_s
 OUT_OF_MEMORY = re.compile(r"out of .*memory", re.IGNORECASE)
 SETUP = re.compile(r"^(?P<model>.+)-(?P<parallel>ddp|fsdp)-ac-(?P<ac>true|false)$")
 PYTEST_LINE = re.compile(
-    r"(?:(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+)?tests/test_gpu\.py::(\S+)(?:\s+(PASSED|FAILED|SKIPPED|ERROR))?"
+    r"(?:(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+)?tests/test_gpu\w*\.py::(\S+)(?:\s+(PASSED|FAILED|SKIPPED|ERROR))?"
 )
 
 
@@ -92,9 +92,14 @@ def test_counts(out: Path) -> dict[str, Any] | None:
     if not outcomes and not figures:
         return None
     counts = {kind: sum(1 for o in outcomes.values() if o == kind) for kind in ("passed", "failed", "error", "skipped")}
+    status = figures.get("pytest_exit_status") if figures else None
+    expected = figures.get("expected") if figures else None
     return {
         **counts,
-        "pytest_exit_status": figures.get("pytest_exit_status") if figures else None,
+        # Without gpu_check.sh's record the suite was stopped before it wrote one: cut short too.
+        "cut_short": bool(figures.get("cut_short") or status == 2) if figures else True,
+        "not_run": max(expected - len(outcomes), 0) if isinstance(expected, int) else None,
+        "pytest_exit_status": status,
         "figures": figures.get("figures", {}) if figures else {},
         "not_passed": sorted(t for t, o in outcomes.items() if o in ("failed", "error")),
     }

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import ROOT
 from distqa.bench.memory import ENCODERS, largest_batch
@@ -95,15 +98,17 @@ def _fakes(tmp_path: Path) -> dict[str, str]:
 
 
 def _run(env: dict[str, str], out: Path, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(SCRIPT), str(out)], env={**env, **extra}, capture_output=True, text=True, timeout=60
-    )
+    env = {**env, **extra}
+    if env.get("FAKE_GPUS", "0") != "0":  # the count torch would give; none: torch's own (0 here)
+        env["GPU_DAY_GPUS"] = env["FAKE_GPUS"]
+    return subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_without_a_gpu_it_exits_2_with_one_line_and_writes_nothing(tmp_path):
     proc = _run(_fakes(tmp_path), tmp_path / "day", FAKE_GPUS="0")
     assert proc.returncode == 2
-    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1 and "no GPU" in proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1
+    assert "no GPU visible (torch.cuda.device_count() is 0 for" in proc.stderr
     assert not (tmp_path / "day").exists()
 
 
@@ -242,6 +247,7 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     (out / "tests" / "gpu_tests.log").write_text(
         "[gw0] [ 10%] PASSED tests/test_gpu.py::test_bf16[tiny]\n"
         "tests/test_gpu.py::test_fsdp_ws1 FAILED\nSKIPPED tests/test_gpu.py::test_two_gpus\n"
+        "FAILED tests/test_gpu_nq.py::test_nq_trains\n"  # every file of the suite, not test_gpu.py alone
     )
     _bench_json(out / "bench", [_row(1, 750.0), _row(2, 1350.0), _row(2, 900.0, parallel="dp", dp_over_ddp=0.6667)])
     _bench_json(out / "compile", [_row(1, 960.0)])
@@ -284,8 +290,9 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     assert json.loads((out / "gpu_day.json").read_text()) == json.loads(json.dumps(report))
     assert [s["status"] for s in report["steps"]] == ["failed", "ok", "timed-out", "timed-out", "skipped"]
     assert report["steps"][0]["reason"] == "E   RuntimeError: CUDA error: no kernel image"
-    assert report["tests"]["passed"] == report["tests"]["failed"] == report["tests"]["skipped"] == 1
-    assert report["tests"]["not_passed"] == ["test_fsdp_ws1"]
+    assert report["tests"]["passed"] == report["tests"]["skipped"] == 1 and report["tests"]["failed"] == 2
+    assert report["tests"]["not_passed"] == ["test_fsdp_ws1", "test_nq_trains"]
+    assert report["tests"]["cut_short"] and report["tests"]["not_run"] is None
     assert [(r["mode"], r["nproc"], r["samples_per_s"]) for r in report["bench"]["rows"]] == [
         ("ddp", 1, 750.0), ("ddp", 2, 1350.0), ("dp", 2, 900.0)]  # fmt: skip
     assert report["compile"]["speedup"] == 960.0 / 750.0 and report["compile"]["compile_time_s"] is None
@@ -301,7 +308,10 @@ def test_report_from_ok_failed_timed_out_and_skipped_steps(tmp_path):
     assert (large["largest_batch"], large["stopped_by"], large["lower_bound"]) == (16, None, True)
     assert report["not_done"][0] == "1 GPU: DP/DDP scaling rows skipped" and len(report["not_done"]) == 5
     md = (out / "gpu_day.md").read_text()
-    assert "GPU acceptance suite (`make test-gpu`): 1 passed, 1 failed, 1 skipped (not passed: test_fsdp_ws1)." in md
+    assert (
+        "GPU acceptance suite (`make test-gpu`): 1 passed, 2 failed, 1 skipped (not passed: test_fsdp_ws1, "
+        "test_nq_trains). Cut short (its box ran out, or it was stopped): the rest never ran." in md
+    )
     assert "| eager, batch 32 | 750.0 | 300,000 | 25.0 % | 42.7 (39.9 / 1.3) | 8.3 |  |" in md
     assert "| DDP, 2 GPUs, eager, batch 32 per GPU | 1,350.0 | 540,000 | 25.0 % |" in md
     assert "| 8.3 | scaling efficiency 90.0 %; 0.67× DDP at as many GPUs |" in md
@@ -365,3 +375,66 @@ def test_without_the_suite_s_record_the_report_names_torch_s_build_and_cuda(tmp_
     assert (found["torch"], found["cuda"]) == ("2.11.0+cu130", "13.0")
     (site / "torch" / "version.py").write_text("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n")
     assert real(site) == {"torch": "2.13.0+cpu"}  # a CPU build: no CUDA to name
+
+
+SLEEPY = """import time
+
+import pytest
+
+
+@pytest.mark.gpu
+def test_first_quick():
+    pass
+
+
+@pytest.mark.gpu
+def test_then_slow():
+    time.sleep(120)
+
+
+@pytest.mark.gpu
+def test_never_reached():
+    pass
+"""
+
+
+@pytest.mark.launch  # the suite's collection imports torch and transformers: seconds
+def test_a_suite_its_box_stops_is_reported_cut_short_with_the_tests_that_never_ran(tmp_path):
+    """The box's SIGINT reached tee too: the log stopped mid-test, pytest's status read 1, the
+    junit file's nameless case counted as passed, and the report said "1 passed" of a suite
+    whose only selected test was cut off (found by a review)."""
+    extra = tmp_path / "test_sleepy.py"
+    extra.write_text(SLEEPY)
+    out = tmp_path / "tests"
+    env = {**os.environ, "OUT": str(out), "WHEELS": "", "PYTHON": sys.executable}
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    proc = subprocess.Popen(["timeout", "-s", "INT", "-k", "20", "30", "bash", script, str(extra)], env=env)
+    log = out / "gpu_tests.log"
+    deadline = time.monotonic() + 120
+    while "test_then_slow" not in (log.read_text() if log.is_file() else "") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # as timeout sends it, to the script (and tee, in its group)
+    assert proc.wait(timeout=60) == 2
+    figures = json.loads((out / "gpu_figures.json").read_text())
+    assert figures["pytest_exit_status"] == 2 and figures["cut_short"]
+    tests = figures["tests"]
+    assert None not in tests and "null" not in tests and tests["test_first_quick"]["outcome"] == "passed"
+    assert "test_never_reached" not in tests and "test_then_slow" not in tests
+    assert figures["expected"] >= len(tests) + 2  # the GPU files' tests too (each skips here)
+    assert "KeyboardInterrupt" in log.read_text() and " in " in log.read_text().splitlines()[-1]  # the summary
+    day = tmp_path
+    counts = gpu_day_report.test_counts(day)
+    assert counts["passed"] == 1 and counts["cut_short"] and counts["not_run"] == figures["expected"] - len(tests)
+    gpu_day_report.write(day, 1, 600)
+    assert "Cut short (its box ran out, or it was stopped): " in (day / "gpu_day.md").read_text()
+
+
+def test_a_box_set_below_the_smallest_is_skipped_saying_so(tmp_path):
+    """It said "only 180 s left of the 200 s budget", as if the day's time had run out."""
+    env, out = {**_fakes(tmp_path), "FAKE_GPUS": "1"}, tmp_path / "day"
+    proc = _run(env, out, GPU_DAY_STEPS="compile", GPU_DAY_MIN_BOX_S="60", GPU_DAY_BOX_COMPILE="40")
+    assert proc.returncode == 0, proc.stderr
+    steps = json.loads((out / "gpu_day.json").read_text())["steps"]
+    assert [(s["name"], s["status"], s["reason"]) for s in steps] == [
+        ("compile", "skipped", "its box of 40 s is below GPU_DAY_MIN_BOX_S=60")
+    ]
