@@ -27,6 +27,7 @@ help:
 	@echo "make test-torch-floor  make test again on torch 2.11, the oldest supported (its own venv; a CUDA build, GBs)"
 	@echo "make test-gpu   the GPU acceptance suite (CUDA, NCCL, bf16/fp16, compile, FSDP2, peak memory); skipped without a GPU"
 	@echo "make gpu-day    a lent GPU's day (40 min): GPU suite, bench rows, compile speed-up, profile, largest batches into gpu_day.json/.md"
+	@echo "make gpu-wheels the wheels a lent GPU machine lacks, into .whl/ (carried by a call of scripts/gpu_day_call.sh)"
 	@echo "make lint       ruff"
 	@echo "make docs       regenerate docs/keys.md from \`distqa train --help\` (tests/test_docs.py checks it)"
 	@echo "make clean      remove .venv and everything under results/"
@@ -170,3 +171,15 @@ clean:
 GPU_DAY_OUT ?= results/gpu-day
 gpu-day:
 	PATH="$(CURDIR)/$(BIN):$$PATH" scripts/gpu_day.sh $(GPU_DAY_OUT)
+
+# The wheels a lent GPU machine lacks (it has torch, tokenizers, pyarrow, ... but no omegaconf or
+# datasets, and an older transformers), fetched here into .whl/ (ignored by git) for Python 3.12 on
+# x86-64; a call of that machine carries .whl and scripts/gpu_day_call.sh installs them first.
+.PHONY: gpu-wheels
+GPU_WHEELS = transformers==5.23.0 datasets==5.2.0 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19 \
+	regex==2026.11.19 fsspec==2026.9.0
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	@du -sh .whl

@@ -438,3 +438,21 @@ def test_a_box_set_below_the_smallest_is_skipped_saying_so(tmp_path):
     assert [(s["name"], s["status"], s["reason"]) for s in steps] == [
         ("compile", "skipped", "its box of 40 s is below GPU_DAY_MIN_BOX_S=60")
     ]
+
+
+def test_one_call_gathers_its_files_flat_into_out(tmp_path):
+    """A lent machine's call returns only $OUT's files, at most 8 and 2 folders down: the day's
+    report, the suite's record and log, and one archive of the rest."""
+    env = {**_fakes(tmp_path), "GPU_DAY_GPUS": "1", "GPU_DAY_DIR": str(tmp_path / "day"), "OUT": str(tmp_path / "out")}
+    call = ["bash", str(ROOT / "scripts" / "gpu_day_call.sh"), "tests bench", "300"]
+    proc = subprocess.run(call, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    back = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert back == ["day.tar.gz", "gpu_day.json", "gpu_day.md", "gpu_figures.json", "gpu_tests.log"]
+    report = json.loads((tmp_path / "out" / "gpu_day.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [("gpu-tests", "ok"), ("bench", "ok")]
+    listed = subprocess.run(["tar", "-tzf", str(tmp_path / "out" / "day.tar.gz")], capture_output=True, text=True)
+    assert "day/bench/bench.json" in listed.stdout.split() and "day/logs/bench.log" in listed.stdout.split()
+    without = {k: v for k, v in env.items() if k != "OUT"}
+    proc = subprocess.run(call, env=without, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "$OUT is the folder whose files come back" in proc.stderr
