@@ -282,6 +282,19 @@ def test_a_pid_reused_by_another_process_on_this_machine_is_stale_at_once(tmp_pa
         other.wait()
 
 
+def test_a_lock_of_an_earlier_process_with_this_very_pid_is_taken_over(tmp_path, capsys):
+    """A container restarted after a SIGKILL: the same host name, pid namespace and boot, and its
+    rank 0 often the same pid as before. Its own pid was taken for a live holder: 'in use by
+    another run', and the restart policy's next try failed (found by a review, 2 of 4 restarts)."""
+    me = runlock._identity()
+    started = runlock.process_start(os.getpid())
+    foreign_lock(tmp_path, **{**me, "proc_start": str(int(started) - 1), "token": "t"})
+    lock = RunLock(tmp_path)
+    assert acquire_within(lock, runlock.LEASE_S + 3) < 1
+    assert "its process no longer exists" in capsys.readouterr().out
+    lock.release()
+
+
 def test_verify_reports_a_takeover_or_a_deleted_lock_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(runlock, "HEARTBEAT_S", 3600.0)  # the heartbeat thread never looks
     lock = RunLock(tmp_path)

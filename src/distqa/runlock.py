@@ -169,7 +169,10 @@ class RunLock:
             and type(holder.get("pid")) is int
             and holder["pid"] > 0
         ):
-            if holder["pid"] == me["pid"] or process_start(holder["pid"]) == holder.get("proc_start"):
+            # Alive only if its pid is still that process (its start time). Our own pid counts no
+            # more: a container restarted after a SIGKILL keeps its host name and often its pid and
+            # pid namespace, and its lock, refused as "in use by another run", stopped the restart.
+            if process_start(holder["pid"]) == holder.get("proc_start"):
                 raise self._held(holder)
             self._remove_stale(raw, holder, "its process no longer exists")
             return
