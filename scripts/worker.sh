@@ -403,6 +403,11 @@ DISTQA_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/distqa-error.XXXXXX" 2>/dev/null ||
   mktemp /dev/shm/distqa-error.XXXXXX 2>/dev/null) ||
   die "cannot create a file in ${TMPDIR:-/tmp} (TMPDIR) or /dev/shm, where the ranks say how the run ended: set TMPDIR to a writable folder"
 export DISTQA_ERROR_FILE
+if [[ $DISTQA_ERROR_FILE == /dev/shm/* ]]; then
+  # Python finds no temp folder either, and torchrun's `import torch` stopped with a traceback.
+  note "${TMPDIR:-/tmp} (TMPDIR) cannot be written (a read-only root file system?): the run's TMPDIR is /dev/shm; set TMPDIR to a writable volume for another"
+  export TMPDIR=/dev/shm
+fi
 # A restart round waits this long for every node's workers (distqa.rounds), then names the missing node.
 export DISTQA_RDZV_TIMEOUT=$rdzv_timeout
 # Without job control `setsid` execs torchrun in place (this script's children are not group
@@ -433,15 +438,22 @@ while :; do
   wait "$child" 2>/dev/null && status=0 || status=$?
   kill -0 "$child" 2>/dev/null || break # `wait` also returns when a trapped signal arrives
 done
+# The lines of torchrun's last restart round, from its first `distqa: started: ..., round R` line
+# on (distqa.outcome.this_round): an earlier round's preempted line (a node joining makes every
+# rank checkpoint) beside a later round's error was read as a preemption, 143.
+said=$DISTQA_ERROR_FILE.round
+awk '$1 == "distqa:" && $2 == "started:" { r = $NF + 0; if (!seen || r > last) { last = r; seen = 1; first = NR } }
+  { line[NR] = $0 } END { for (i = seen ? first : 1; i <= NR; i++) print line[i] }' "$DISTQA_ERROR_FILE" >"$said" 2>/dev/null ||
+  said=$DISTQA_ERROR_FILE
 # every_rank_finished: each local rank wrote `distqa: finished: local rank L of N` (its train returned).
 every_rank_finished() {
   awk '$1 == "distqa:" && $2 == "finished:" && $4 == "rank" && $6 == "of" { done[$5] = 1; n = $7 }
-    END { for (r = 0; r < n; r++) if (!(r in done)) exit 1; exit n > 0 ? 0 : 1 }' "$DISTQA_ERROR_FILE" 2>/dev/null
+    END { for (r = 0; r < n; r++) if (!(r in done)) exit 1; exit n > 0 ? 0 : 1 }' "$said" 2>/dev/null
 }
 preempted="" error=""
-if ((status != 0)) && [[ -s $DISTQA_ERROR_FILE ]]; then
-  preempted=$(grep -m 1 '^distqa: preempted: ' "$DISTQA_ERROR_FILE" || true)
-  error=$(grep -m 1 -E '^distqa( \[rank [0-9]+\])?: error: ' "$DISTQA_ERROR_FILE" || true)
+if ((status != 0)) && [[ -s $said ]]; then
+  preempted=$(grep -m 1 '^distqa: preempted: ' "$said" || true)
+  error=$(grep -m 1 -E '^distqa( \[rank [0-9]+\])?: error: ' "$said" || true)
 fi
 if ((status != 0)) && every_rank_finished; then
   # The run completed (train returned on every rank, after its last barrier); torchrun failed only
@@ -451,12 +463,12 @@ elif [[ -n $preempted ]]; then
   # Every rank checkpointed and said so (each writes the line; rank 0 also prints it): the run
   # stopped as asked, whatever torchrun's own status after its SIGTERM. Said here where no rank
   # of this node printed it (nodes other than 0), so that it is the last line on every node.
-  if ! grep -q -F -x "# printed: $preempted" "$DISTQA_ERROR_FILE"; then echo "$preempted" >&2; fi
+  if ! grep -q -F -x "# printed: $preempted" "$said"; then echo "$preempted" >&2; fi
   status=$stop_status
 elif [[ -n $error ]]; then
   # A rank printed it already; distqa.torchrun then leaves out torchrun's report, a stand-in may not.
   if ((!wrapped)); then echo "$error" >&2; fi
-elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' "$DISTQA_ERROR_FILE" 2>/dev/null; then
+elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' "$said" 2>/dev/null; then
   # No rank had begun to train (each says so once SIGTERM means a checkpoint to it): the stop
   # came while the model and data were loading, and nothing was lost. A preemption's status, not
   # a failure's, so that a platform restarts the job rather than giving it up.
@@ -470,5 +482,5 @@ elif ((status > 128)); then
 elif ((status != 0 && term_sent)); then
   note "error: stopped by SIG$stopped_by, but distqa confirmed no checkpoint (torchrun exited $status): the next run resumes from the newest complete checkpoint"
 fi
-rm -f "$DISTQA_ERROR_FILE"
+rm -f "$DISTQA_ERROR_FILE" "$DISTQA_ERROR_FILE.round"
 exit "$status"

@@ -119,6 +119,30 @@ def test_a_line_another_rank_kept_to_itself_is_still_printed_by_the_rank_that_sh
     assert outcome.read(tmp_path / "node.txt").preempted
 
 
+def test_only_the_last_restart_rounds_lines_say_how_the_run_ended(tmp_path, monkeypatch, capsys):
+    """A launcher's file keeps every restart round's lines: round 0 checkpointed for a joining node
+    (preempted), round 1 lost a peer. The run failed; and round 1's line is printed though round
+    0 printed the same words."""
+    file = tmp_path / "node.txt"
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(file))
+    monkeypatch.setattr(outcome, "_said", set())
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    outcome.started()
+    outcome.report("distqa: preempted: stopped at step 40")
+    outcome.report("distqa [rank 0]: error: lost a peer")
+    monkeypatch.setattr(outcome, "_said", set())  # a new process of the next round
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    outcome.started()
+    outcome.report("distqa [rank 0]: error: lost a peer")
+    assert capsys.readouterr().err.count("lost a peer") == 2
+    said = outcome.read(file)
+    assert said.error_ranks == {0} and not said.preempted
+    assert "distqa: started: local rank 0 of 1, round 1" in file.read_text().splitlines()
+    lines = ["distqa: started: local rank 0 of 1, round 2", "x", "distqa: started: local rank 0 of 1, round 1", "y"]
+    assert outcome.this_round(lines) == lines and outcome.this_round(["a", "b"]) == ["a", "b"]
+    assert outcome.this_round(["a", *lines[2:], lines[0], "z"]) == [lines[0], "z"]
+
+
 def test_without_a_launcher_the_ranks_of_one_torchrun_share_a_file_of_their_own(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("DISTQA_ERROR_FILE", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))

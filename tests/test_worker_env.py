@@ -608,6 +608,7 @@ trap 'n=$((n + 1))' TERM
 read -r _ _ _ _ pgid _ </proc/$$/stat
 echo "$pgid" >"$DIR/pgid"
 echo "$DISTQA_ERROR_FILE" >"$DIR/outcome-file"
+echo "${TMPDIR:-}" >"$DIR/tmpdir"
 touch "$DIR/ready"
 for _ in $(seq 100); do ((n > 0)) && break; sleep 0.1; done
 for _ in $(seq 15); do sleep 0.1; done  # time for a second SIGTERM to arrive, if one does
@@ -689,6 +690,9 @@ def test_the_outcome_file_falls_back_to_dev_shm_where_tmpdir_cannot_be_written(t
     assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
     used = Path((tmp_path / "outcome-file").read_text().strip())
     assert used.parent == Path("/dev/shm") and used.name.startswith("distqa-error.")
+    # torchrun's `import torch` found no temp folder either (a traceback): the run's TMPDIR is /dev/shm.
+    assert (tmp_path / "tmpdir").read_text().strip() == "/dev/shm"
+    assert f"{tmp_path / 'missing'} (TMPDIR) cannot be written (a read-only root file system?)" in stderr
     assert not used.exists()  # removed at the end
 
 
@@ -742,3 +746,44 @@ def test_sigterm_before_torchrun_starts_ends_at_once_with_143(tmp_path):
     assert stderr.strip().splitlines()[-1] == (
         "worker.sh: stopped by SIGTERM before training started: nothing to checkpoint"
     )
+
+
+# ---- restart rounds: only the last round's lines say how the run ended -------------------------
+
+# Writes two restart rounds' lines as distqa's ranks would (FIRST, then LAST: "preempted" or
+# "error"), and ends as torchrun does when its last round failed (status 1), no signal sent.
+ROUNDS_TORCHRUN = """#!/bin/bash
+say() {
+  case $2 in
+    preempted) echo "distqa: preempted: stopped at step $3 to restart with the nodes there are; ..." ;;
+    error) echo "distqa [rank 0]: error: lost a peer at step $3: ..." ;;
+  esac >>"$DISTQA_ERROR_FILE"
+}
+for round in 0 1; do
+  echo "distqa: started: local rank 0 of 1, round $round" >>"$DISTQA_ERROR_FILE"
+  echo "distqa: training: local rank 0 of 1" >>"$DISTQA_ERROR_FILE"
+  if ((round == 0)); then say 0 "$FIRST" 40; else say 1 "$LAST" 74; fi
+done
+exit 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "status", "said"),
+    [
+        ("preempted", "error", 1, "distqa [rank 0]: error: lost a peer at step 74: ..."),
+        ("error", "preempted", 143, "distqa: preempted: stopped at step 74 to restart with the nodes there are; ..."),
+    ],
+)
+def test_an_earlier_restart_rounds_line_does_not_decide_how_the_run_ended(tmp_path, first, last, status, said):
+    """A node joining made every rank checkpoint (a preempted line); a peer lost rounds later, with
+    no restart left, exited 143, as if stopped after a checkpoint (found by a review)."""
+    fake = tmp_path / "torchrun"
+    fake.write_text(ROUNDS_TORCHRUN)
+    fake.chmod(0o755)
+    env = base_env(
+        tmp_path, WORKER_DRY_RUN="0", TORCHRUN=str(fake), MASTER_PORT=str(free_port()), FIRST=first, LAST=last
+    )
+    proc = subprocess.run([str(WORKER)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == status, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == said

@@ -14,10 +14,15 @@ returned). Without a launcher the file is one under the temp folder, named after
 (its run id, restart round and process), used for the deduplication only.
 
 Lines, one per rank and event (and `# printed: ...` for what this node printed):
+    distqa: started: local rank L of N, round R  (R: torchrun's restart count)
     distqa [rank R]: error: MESSAGE      (`distqa: error: ...` for a single process)
     distqa: preempted: MESSAGE
     distqa: finished: local rank L of N
     distqa: training: local rank L of N  (SIGTERM from here on means a checkpoint)
+
+A launcher's file outlives torchrun's restart rounds, so only the last round's lines say how the
+run ended (`this_round`): an earlier round's preempted line (a node joining makes every rank
+checkpoint) beside a later round's error made worker.sh report the failure as a preemption, 143.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from distqa.runlock import process_start
 ERROR = re.compile(r"^distqa(?: \[rank (\d+)\])?: error: (.*)$")
 PREEMPTED = "distqa: preempted: "
 FINISHED = re.compile(r"^distqa: finished: local rank (\d+) of (\d+)$")
+STARTED = re.compile(r"^distqa: started: local rank \d+ of \d+, round (\d+)$")
 # Marks a message printed on this node (a rank that does not show its line, as a lost peer's other
 # local ranks, still writes it, and must not keep local rank 0 from printing it). Readers skip it.
 PRINTED = "# printed: "
@@ -102,7 +108,8 @@ def report(line: str, *, show: bool = True) -> None:
     if path is not None:
         try:
             with _locked(path) as f:
-                shown = {earlier[len(PRINTED) :] for earlier in f.read().splitlines() if earlier.startswith(PRINTED)}
+                earlier_lines = this_round(f.read().splitlines())
+                shown = {earlier[len(PRINTED) :] for earlier in earlier_lines if earlier.startswith(PRINTED)}
                 if show and _message(line) in shown:
                     show = False  # a rank of this node printed it
                 elif show:
@@ -119,6 +126,21 @@ def report(line: str, *, show: bool = True) -> None:
 _said: set[str] = set()
 
 
+def this_round(lines: list[str]) -> list[str]:
+    """The lines of the last restart round: from its first `started` line on (all of them in a file
+    without one). torchrun starts a round's workers only once the last round's have ended."""
+    rounds = [(int(found.group(1)), i) for i, line in enumerate(lines) if (found := STARTED.match(line))]
+    if not rounds:
+        return lines
+    last = max(number for number, _ in rounds)
+    return lines[next(i for number, i in rounds if number == last) :]
+
+
+def started() -> None:
+    """This rank began, in restart round TORCHELASTIC_RESTART_COUNT: where its round's lines begin."""
+    _say_once("started", f", round {int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)}")
+
+
 def finished() -> None:
     """This rank's training is complete (its last barrier passed on every rank), whatever torchrun's
     status after a late SIGTERM (`train(..., whole_process=True)` says it). Only for a launcher
@@ -132,14 +154,14 @@ def training() -> None:
     _say_once("training")
 
 
-def _say_once(event: str) -> None:
+def _say_once(event: str, more: str = "") -> None:
     path = launcher_file()
     if path is None or event in _said:
         return
     _said.add(event)
     local_rank, local_size = os.environ.get("LOCAL_RANK", "0"), os.environ.get("LOCAL_WORLD_SIZE", "1")
     with contextlib.suppress(OSError), _locked(path) as f:
-        f.write(f"distqa: {event}: local rank {local_rank} of {local_size}\n")
+        f.write(f"distqa: {event}: local rank {local_rank} of {local_size}{more}\n")
 
 
 def _print(line: str) -> None:
@@ -169,8 +191,9 @@ class Outcome:
 
 
 def read(path: Path) -> Outcome:
+    """What the ranks of the last restart round wrote."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = this_round(path.read_text(errors="replace").splitlines())
     except OSError:
         lines = []
     errors, finished, local_size = set(), set(), 0
