@@ -5,6 +5,7 @@ with task.skip_bad_lines, on every run that uses those features, not only the on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -502,3 +503,27 @@ def test_features_made_by_a_reader_that_checked_less_are_not_reused(tmp_path, mi
     # A folder `distqa prepare` made with it, named directly, says why it is not used.
     with pytest.raises(DistqaError, match="prepared by an older distqa, whose reader took lines this one refuses"):
         resolve_features(cfg, str(built), tokenizer, training=training)
+
+
+def test_training_features_of_empty_annotations_made_before_they_were_refused_are_not_reused(
+    tmp_path, minilm_dir, monkeypatch
+):
+    """The reader of INPUT_CHECKS 1 took `"annotations": []` as annotated (every window "no
+    answer"); its cache, found by the same key, trained on with exit 0 (found by a review)."""
+    import distqa.nq.feature_stamp as stamp
+    import distqa.nq.reader as reader_module
+
+    path = write(tmp_path / "empty.jsonl", [json.dumps({**json.loads(line), "annotations": []}) for line in SHORT])
+    cfg = load_config(None, [f"model.tokenizer={minilm_dir}", "task.max_seq_len=64", f"task.cache_dir={tmp_path}/c"])
+    tokenizer = load_tokenizer(cfg.model)
+    strict = reader_module.parse_example
+
+    def lenient(line: str):  # that reader: an empty list counted as annotated
+        return dataclasses.replace(strict(line), annotated=True)
+
+    with monkeypatch.context() as old:
+        old.setattr(reader_module, "parse_example", lenient)
+        old.setattr(stamp, "INPUT_CHECKS", 1)
+        assert resolve_features(cfg, str(path), tokenizer, training=True).is_dir()
+    with pytest.raises(DistqaError, match=r"line 1: example .* has no annotations"):
+        resolve_features(cfg, str(path), tokenizer, training=True)

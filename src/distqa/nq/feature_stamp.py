@@ -27,8 +27,9 @@ FEATURES_VERSION = 2
 # Bump when the reader refuses lines it used to read: features made from such lines must not be
 # reused, since a reused cache never reads its input again. 1: lines without
 # long_answer_candidates, or annotations without long_answer, short_answers or yes_no_answer (read
-# as "none": every target "no answer"), training lines without annotations, repeated ids.
-INPUT_CHECKS = 1
+# as "none": every target "no answer"), training lines without annotations, repeated ids. 2:
+# training lines whose annotations are an empty list, or no list ({}, false, "").
+INPUT_CHECKS = 2
 
 
 def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
