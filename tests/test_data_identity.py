@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import datasets
@@ -145,13 +146,32 @@ def test_objects_are_fingerprinted_by_content_not_by_a_repr_with_an_address_or_e
     assert fingerprint([series]) == fingerprint([series.copy()]) != fingerprint([changed])  # type: ignore[arg-type]
 
 
-def test_a_set_is_fingerprinted_alike_in_processes_whose_string_hashes_differ():
-    """A set of strings iterates in an order each process's hash seed sets: its repr differed per
-    node and per run."""
-    code = "from distqa.data_identity import fingerprint; print(fingerprint([{'tags': {'a', 'b', 'c', 'd' * 9}}]))"
+ACROSS_PROCESSES = """
+import dataclasses, threading, types
+import torch
+from distqa.data_identity import fingerprint
+
+@dataclasses.dataclass
+class Node:
+    name: str
+    children: list
+    parent: object = None
+
+root = Node("root", [])
+root.children.append(Node("kid", [], root))  # a cycle: a RecursionError before
+item = {"tags": {"a", "b", "c", "d" * 9}, "ns": types.SimpleNamespace(ids=torch.arange(3)), "lock": threading.Lock()}
+print(fingerprint([{**item, "tree": root}]))
+"""
+
+
+def test_items_are_fingerprinted_alike_in_every_process():
+    """What differs between processes is no content: a set of strings iterates in the order its
+    process's hash seed sets; a pickle, read instead of a repr for a while, holds a tensor's storage
+    address (an object holding a tensor had another fingerprint in every process: each resume and
+    each second node refused, found by a review); a lock's repr holds its address."""
     seen = {
         subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, "-c", ACROSS_PROCESSES],
             env={**os.environ, "PYTHONHASHSEED": seed},
             capture_output=True,
             text=True,
@@ -161,6 +181,8 @@ def test_a_set_is_fingerprinted_alike_in_processes_whose_string_hashes_differ():
     }
     assert len(seen) == 1
     assert fingerprint([{"tags": {"a", "b"}}]) != fingerprint([{"tags": {"a", "c"}}])  # type: ignore[arg-type]
+    one, two = (types.SimpleNamespace(ids=torch.arange(3) + k) for k in (0, 1))
+    assert fingerprint([one]) != fingerprint([two])  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- Arrow datasets

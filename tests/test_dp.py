@@ -153,6 +153,7 @@ def test_the_rows_of_a_dp_batch_are_read_from_its_first_tensor_that_has_rows(tmp
     assert all(torch.allclose(mine[k], theirs[k], atol=1e-6) for k in mine)
     assert batch_rows({"n": torch.tensor(3), "ids": ["a"] * 5, "x": torch.zeros(6, 2)}) == 6
     assert batch_rows({"n": torch.tensor(3), "ids": ["a"] * 5}) == 5
+    assert batch_rows({"inputs": {"n": torch.tensor(3), "x": torch.zeros(4, 2)}, "ids": ["a"] * 5}) == 4  # nested
     with pytest.raises(DistqaError, match=r"no tensor or list of examples \(keys: n, name\)"):
         batch_rows({"n": torch.tensor(3), "name": "a"})
 

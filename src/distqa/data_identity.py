@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import pickle
+import re
 import struct
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,16 +34,17 @@ from distqa.dist import usable_cpus
 DIGEST_CHARS = 32  # 128 bits; fingerprints of the earlier, sampling scheme had 16
 # What `feed` reads; checkpoints record it (those before format 2 have none). 2: a dataclass item
 # is hashed field by field (its repr, hashed before, elides a large tensor's values as `...`), a
-# set in sorted order, and another object by its pickle (its repr may hold an address).
+# set in sorted order, and another object by its reduced state (its repr may hold an address).
 FINGERPRINT_FORMAT = 2
 LEAF_ROWS = 16_384  # rows per block that `arrow_fingerprint` hashes on one thread
 
 
-def feed(h: Any, obj: Any, exact: bool = True) -> None:
+def feed(h: Any, obj: Any, exact: bool = True, walk: _Walk | None = None) -> None:
     """Hash `obj` canonically and self-delimited: the same value gives the same bytes whatever its
     container types, and no two different sequences of values give the same bytes. `exact=False`
-    (`sample_digest`): an object of another kind counts by its type only, since even its pickle
-    may hold what each process has of its own."""
+    (`sample_digest`): an object of a kind not known here counts by its type only. `walk` carries
+    what one pass has met (`_Walk`); each top-level call gets its own."""
+    walk = walk if walk is not None else _Walk()
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
@@ -50,14 +52,14 @@ def feed(h: Any, obj: Any, exact: bool = True) -> None:
     elif isinstance(obj, np.ndarray):
         h.update(f"A{obj.dtype}{obj.shape}".encode())
         if obj.dtype.hasobject:  # its bytes would be pointers: hash the values
-            feed(h, obj.tolist(), exact)
+            feed(h, obj.tolist(), exact, walk)
         else:
             h.update(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
     elif isinstance(obj, Mapping):
         h.update(f"{{{len(obj)}".encode())
         for key in sorted(obj, key=str):
-            feed(h, str(key), exact)
-            feed(h, obj[key], exact)
+            feed(h, str(key), exact, walk)
+            feed(h, obj[key], exact, walk)
     elif isinstance(obj, (list, tuple)):
         h.update(f"[{len(obj)}".encode())
         ints = _as_int64(obj)
@@ -66,45 +68,92 @@ def feed(h: Any, obj: Any, exact: bool = True) -> None:
             h.update(ints)
             return
         for item in obj:
-            feed(h, item, exact)
+            feed(h, item, exact, walk)
     elif isinstance(obj, str):
         _feed_bytes(h, b"s", obj.encode("utf-8", errors="surrogatepass"))
     elif isinstance(obj, bytes):
         _feed_bytes(h, b"b", obj)
     elif isinstance(obj, (bool, int, float, type(None), np.generic)):
         h.update(f"n{type(obj).__name__}:{obj!r};".encode())
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = dataclasses.fields(obj)
-        _feed_bytes(h, b"d", type(obj).__qualname__.encode("utf-8", errors="surrogatepass"))
-        h.update(f"{{{len(fields)}".encode())
-        for field in fields:
-            feed(h, field.name, exact)
-            feed(h, getattr(obj, field.name), exact)
     elif isinstance(obj, (set, frozenset)):  # in each process's order (a string's hash is seeded): sorted
-        members = sorted(_digest(item, exact) for item in obj)
+        members = sorted(walk.digest(item, exact, alone=True) for item in obj)
         h.update(f"({len(members)}".encode())
         h.update(b"".join(members))
+    elif isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):  # a class, a function
+        _feed_bytes(h, b"c", _name(obj).encode("utf-8", errors="surrogatepass"))
+    elif dataclasses.is_dataclass(obj) or exact:
+        _feed_bytes(h, b"o", _name(type(obj)).encode("utf-8", errors="surrogatepass"))
+        h.update(walk.digest(obj, exact))
     else:
-        name = type(obj).__qualname__.encode("utf-8", errors="surrogatepass")
-        _feed_bytes(h, b"o", name + b":" + _opaque(obj) if exact else name)
+        _feed_bytes(h, b"o", _name(type(obj)).encode("utf-8", errors="surrogatepass"))
 
 
-def _digest(obj: Any, exact: bool) -> bytes:
-    one = hashlib.sha256()
-    feed(one, obj, exact)
-    return one.digest()
+class _Walk:
+    """What one pass over a dataset has met: the digests of the objects it read (the last 1024,
+    each kept alive so that its id names it alone) and the objects being read. A tokenizer that
+    every item holds is read once, not per item; an object met again inside itself (a parent and
+    its children) counts as a cycle, not a RecursionError."""
+
+    def __init__(self) -> None:
+        self.memo: OrderedDict[int, tuple[Any, bytes]] = OrderedDict()
+        self.open: set[int] = set()
+
+    def digest(self, obj: Any, exact: bool, alone: bool = False) -> bytes:
+        """`obj`'s digest: its own contents (`alone`: any value), for objects memoised by id."""
+        if alone:
+            one = hashlib.sha256()
+            feed(one, obj, exact, self)
+            return one.digest()
+        key = id(obj)
+        if key in self.memo:
+            self.memo.move_to_end(key)
+            return self.memo[key][1]
+        if key in self.open:
+            return b"cycle"
+        self.open.add(key)
+        try:
+            one = hashlib.sha256()
+            _feed_state(one, obj, exact, self)
+        finally:
+            self.open.discard(key)
+        self.memo[key] = (obj, one.digest())
+        if len(self.memo) > 1024:
+            self.memo.popitem(last=False)
+        return self.memo[key][1]
 
 
-def _opaque(obj: Any) -> bytes:
-    """An object of a kind `feed` does not know, by its pickle: a PIL image's mode, palette and
-    pixels, a pandas Series' values and index, a plain object's attributes. Its repr, hashed
-    before, holds an address (a PIL image's: every build of the data had another fingerprint, so
-    each resume and each second node was refused) or elides values (a Series' middle rows). An
-    object that does not pickle counts by its repr."""
+def _feed_state(h: Any, obj: Any, exact: bool, walk: _Walk) -> None:
+    """An object's contents. A dataclass by its fields (its repr elides a large tensor's values as
+    `...`); another by what pickle would keep of it (`__reduce_ex__`: its class, arguments and
+    state: a PIL image's mode, size, palette and pixels, a plain object's attributes), each part
+    hashed as a value, never as pickle's bytes, which hold a tensor's storage address and a set's
+    process-own order. Its repr only where there is no such state (a lock)."""
+    if dataclasses.is_dataclass(obj):
+        fields = dataclasses.fields(obj)
+        h.update(f"D{len(fields)}".encode())
+        for field in fields:
+            feed(h, field.name, exact, walk)
+            feed(h, getattr(obj, field.name), exact, walk)
+        return
     try:
-        return pickle.dumps(obj, protocol=4)
-    except Exception:  # (a lambda, a lock, a C object without pickle support)
-        return repr(obj).encode("utf-8", errors="surrogatepass")
+        reduced = obj.__reduce_ex__(4)
+    except Exception:  # (a lock, a C object without pickle support)
+        reduced = None
+    if isinstance(reduced, str):  # a module-level singleton, named
+        _feed_bytes(h, b"g", reduced.encode("utf-8", errors="surrogatepass"))
+    elif isinstance(reduced, tuple) and len(reduced) >= 2:
+        parts = [None if part is None else list(part) if i >= 3 else part for i, part in enumerate(reduced[:5])]
+        feed(h, parts, exact, walk)
+    else:  # its repr, unless it shows an address (other in every process): then its type alone
+        shown = repr(obj)
+        _feed_bytes(h, b"r", b"" if _ADDRESS.search(shown) else shown.encode("utf-8", errors="surrogatepass"))
+
+
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{6,}\b")
+
+
+def _name(kind: Any) -> str:
+    return f"{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', repr(kind))}"
 
 
 def _as_int64(items: list | tuple) -> np.ndarray | None:
@@ -138,8 +187,9 @@ def fingerprint(dataset: Dataset) -> str:
         return arrow_fingerprint(dataset)
     length = len(dataset)  # type: ignore[arg-type]
     h = hashlib.sha256(f"len={length}".encode())
+    walk = _Walk()  # one for the pass: an object every item holds is read once
     for index in range(length):
-        feed(h, dataset[index])
+        feed(h, dataset[index], walk=walk)
     return h.hexdigest()[:DIGEST_CHARS]
 
 
@@ -230,6 +280,6 @@ def _feed_arrow(stream: _Streams, path: tuple[str, ...], array: Any) -> None:
     elif pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
         stream((*path, "values")).update(np.ascontiguousarray(array.to_numpy(zero_copy_only=False)).view(np.uint8))
     else:  # structs, dictionaries, dates...: rare in training data, hashed through Python values
-        h = stream((*path, "python"))
+        h, walk = stream((*path, "python")), _Walk()
         for value in array.to_pylist():
-            feed(h, value)
+            feed(h, value, walk=walk)

@@ -277,17 +277,25 @@ def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -
         return  # a checkpoint from before data identities were recorded
     if same_identity(saved, now):
         return
-    old = str(saved.get("fingerprint", ""))
-    # Written by a distqa whose fingerprint sampled 64 examples (16 characters), or read items
-    # another way (an earlier FINGERPRINT_FORMAT): the two cannot be compared.
-    older = len(old) != len(str(now["fingerprint"])) or saved.get("format", 1) != now.get("format", 1)
-    if saved.get("examples") == now["examples"] and older:
+    old, same_length = str(saved.get("fingerprint", "")), saved.get("examples") == now["examples"]
+    if same_length and len(old) != len(str(now["fingerprint"])):
+        # Written by a distqa whose fingerprint sampled 64 examples (16 characters): not comparable.
         what = (
-            f"checkpoint {directory} recorded its data with an older kind of fingerprint ({old}, format "
-            f"{saved.get('format', 1)}; now format {now.get('format', 1)}), which cannot be compared with this one "
-            f"(data.train={cfg.data.train!r}, {now['examples']} examples)"
+            f"checkpoint {directory} recorded its data with an older kind of fingerprint ({old}), which "
+            f"cannot be compared with this one (data.train={cfg.data.train!r}, {now['examples']} examples)"
         )
         going_on, fix = "continuing", "if data.train is unchanged, set train.allow_data_change=true once to resume"
+    elif same_length and saved.get("format", 1) != now.get("format", 1):
+        # Format 2 reads dataclasses, sets and other objects otherwise; dicts, lists, tensors, text
+        # and Arrow columns as before: for those a differing fingerprint is other data.
+        what = (
+            f"data.train={cfg.data.train!r} has another fingerprint than checkpoint {directory} recorded "
+            f"({old}, format {saved.get('format', 1)}; now {now['fingerprint']}, format {now.get('format', 1)}): "
+            "if its items hold only dicts, lists, tensors, text and numbers the data changed; if they hold "
+            "dataclasses, sets or other objects, format 2 reads those otherwise"
+        )
+        going_on = "continuing"
+        fix = "restore the data, or (the same data, read otherwise) set train.allow_data_change=true once to resume"
     else:
         what = (
             f"data.train={cfg.data.train!r} is not the data checkpoint {directory} was trained on "

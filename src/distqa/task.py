@@ -8,6 +8,7 @@ model or task, subclass `Task` in your own module and run `distqa train task.nam
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,13 +45,16 @@ Batch = Mapping[str, Any]
 
 def batch_rows(batch: Batch) -> int:
     """How many examples a batch holds (samples/s; the rows DataParallel splits): the first dim of
-    its first tensor that has one, else the length of its first list. The first value alone was
+    its first tensor that has one (nested mappings too), else the length of its first list. The first value alone was
     read: a 0-dim count or a list of another length first miscounted, or stopped with a traceback."""
     listed = None
     for value in batch.values():
         if torch.is_tensor(value):
             if value.dim() >= 1:
                 return int(value.shape[0])
+        elif isinstance(value, Mapping):  # a nested batch ({"inputs": {...}, "labels": ...})
+            with contextlib.suppress(DistqaError):
+                return batch_rows(value)
         elif listed is None and isinstance(value, list | tuple):
             listed = len(value)
     if listed is None:
