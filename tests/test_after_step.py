@@ -165,8 +165,8 @@ def test_a_checkpoint_of_an_earlier_fingerprint_format_is_not_taken_for_other_da
     cfg = load_config(None, ["train.max_steps=4", f"output_dir={tmp_path}"])
     state = {**_state(cfg, 2), "data": {"examples": 64, "fingerprint": "a" * 32}}  # no format: 1
     now = {"examples": 64, "fingerprint": "b" * 32, "format": FINGERPRINT_FORMAT}
-    with pytest.raises(ConfigError, match=r"another fingerprint .*\(a{32}, format 1; now b{32}, format 2\): if its items "
-                       r"hold only dicts.* the data changed; .*set train.allow_data_change=true once"):  # fmt: skip
+    said = r"another fingerprint .*\(a{32}, format 1; now b{32}, format 2\): if its items hold only dicts.* the data "
+    with pytest.raises(ConfigError, match=said + r"changed; .*set train.allow_data_change=true once"):
         check_continuation(tmp_path, state, cfg, total_steps=4, data=now)
     # The same format and another fingerprint is other data; the same fingerprint resumes.
     state["data"]["format"] = FINGERPRINT_FORMAT
