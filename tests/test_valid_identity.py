@@ -114,3 +114,33 @@ def test_a_refusal_of_rank_0_s_scoring_stops_every_rank_with_its_line(tmp_path, 
     assert any(x.startswith("distqa [rank 1" + line) for x in lines), lines
     assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()
     assert outcome.read(said).error_ranks == {0, 1} and "lost a peer" not in said.read_text(), lines
+
+
+def test_nq_validation_data_is_identified_by_its_gold_answers_too(tmp_path, minilm_dir):
+    """The identity hashed the validation windows alone: a data.valid whose answers alone changed
+    kept it, and the best record measured on the old answers stayed (a step scoring 0.0 on the
+    file in use exported as the best; found by a review)."""
+    from distqa.nq.task import NQTask
+
+    sample = Path(__file__).parent / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
+    lines = [json.loads(line) for line in sample.read_text().splitlines()[:3]]
+    first = tmp_path / "a.jsonl"
+    first.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    moved = tmp_path / "moved.jsonl"
+    moved.write_bytes(first.read_bytes())
+    regraded = tmp_path / "b.jsonl"
+    lines[0]["annotations"][0]["long_answer"] = {"start_token": -1, "end_token": -1, "candidate_index": -1}
+    lines[0]["annotations"][0]["short_answers"] = []
+    regraded.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    def identity(valid: Path) -> str:
+        cfg = load_config(None, [f"model.tokenizer={minilm_dir}", "task.max_seq_len=64", f"data.valid={valid}",
+                                 f"task.cache_dir={tmp_path / 'cache'}", "model.name=tiny"])  # fmt: skip
+        task = NQTask(cfg)
+        task.build_model()  # (the DummyDataset's vocabulary size)
+        task.build_train_dataset()
+        dataset = task.build_eval_dataset()
+        return task.data_fingerprint(dataset)
+
+    assert identity(first) == identity(moved)  # the same answers elsewhere: the same data
+    assert identity(regraded) != identity(first)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from distqa.data_identity import digest_of
 from distqa.errors import DistqaError
 from distqa.evaluation import eval_mode, to_device
 from distqa.nq.data import pad_collate
@@ -93,6 +94,14 @@ class GoldIndex:
                 ) from None
             example.tokens = []  # candidates are all postprocessing needs; the text is large
             self.examples[example.example_id] = example
+
+    def digest(self) -> str:
+        """The gold answers and candidates of every example, in example-id order (the file's order
+        does not change a score): part of the validation set's identity (`NQTask.data_fingerprint`)."""
+        return digest_of(
+            [[key, sorted(self.gold[key][0]), sorted(self.gold[key][1]), self.examples[key].candidates]
+             for key in sorted(self.gold)]
+        )  # fmt: skip
 
 
 Rows = list[tuple[float, str, set[str]]]  # (score, prediction, gold) of one kind, one per example
