@@ -139,7 +139,9 @@ def test_the_last_step_s_failed_evaluation_is_run_before_the_export_and_again_un
     assert [row["step"] for row in rows(out)] == [1, 2, 3, 4] and "eval_score" not in rows(out)[-1]
 
     monkeypatch.setattr(FailingEvalTask, "FAILS", set())
+    assert not (out / "metrics.png").exists()
     run(out, "train.max_steps=4")
+    assert (out / "metrics.png").is_file()  # the owed evaluation's record plotted (it was never drawn)
     assert json.loads((out / "model" / "chosen.json").read_text()) == {"chosen_at": 4}
     assert rows(out)[-1]["eval_score"] == 0.9 and pending(out, 4) is False
     state = json.loads((out / "checkpoints" / "step-4" / "trainer_state.json").read_text())

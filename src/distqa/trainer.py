@@ -132,13 +132,15 @@ class Trainer:
         step = self._restore(resume_from, saved, finished)
         # From here on, SIGTERM means "checkpoint, then exit"; after the last step, nothing.
         self.stop = StopSignal(self.info, self.lock)
-        if self.state.evaluation_pending:  # type: ignore[union-attr]  # (the restore made it)
+        # An evaluation owed (it failed, its checkpoint written first) adds a record: plotted again.
+        if owed := self.state.evaluation_pending:  # type: ignore[union-attr]  # (the restore made it)
             evaluate_again(self, step)
         if step < self.total_steps:
             self._run_steps(dataset, resume_from)
         elif aside is not None:  # finished at PATH: the set-aside line's records cut back, as a resume's
             MetricsWriter(self.out, self.info, resume_step=step).close()
-        self._finish(finished, resume_from if finished else self.ckpt_root / f"step-{self.total_steps}")  # type: ignore[arg-type]
+        final = resume_from if finished else self.ckpt_root / f"step-{self.total_steps}"
+        self._finish(final, plot=not finished or owed)  # type: ignore[arg-type]
         barrier()
         return self.out / "model"
 
@@ -307,14 +309,15 @@ class Trainer:
         return record
 
     # ----------------------------------------------------------------------------- finish
-    def _finish(self, finished: bool, final: Path) -> None:
-        """model/ from the final weights (checkpoint `final`), and the run's plot (unless it only exports)."""
+    def _finish(self, final: Path, plot: bool) -> None:
+        """model/ from the final weights (checkpoint `final`), and the run's plot (`plot`: not when
+        it only exports, unless an owed evaluation added its record)."""
         # Rank 0 holds the lock; every rank must learn if it was lost (they all stop, none waits).
         lost = self.lock.verify() if self.lock is not None else None
         raise_on_every_rank(f"{lost}: the model is not exported" if lost else None)
         if not self.save_outputs:
             return
-        plotted = self.info.is_main and not finished and plot_run(self.out, self.cfg, self.task, self.global_batch)
+        plotted = self.info.is_main and plot and plot_run(self.out, self.cfg, self.task, self.global_batch)
         export_final(self.task, self.raw_model, self.out, self.info, final=final, step=self.step, sharded=self.sharded)
         summary(self.out, plotted)
 
