@@ -129,7 +129,8 @@ for ((rank = 0; rank < nnodes; rank++)); do
     --shm-size "$shm"
     # The results folder belongs to the host user: write it as that user.
     --user "$(id -u):$(id -g)"
-    -v "$results:/app/results" -e NNODES="$nnodes" -e NODE_RANK="$rank"
+    # The only folder that outlives the container: distqa refuses an output_dir elsewhere.
+    -v "$results:/app/results" -e DISTQA_OUTPUT_ROOT=/app/results -e NNODES="$nnodes" -e NODE_RANK="$rank"
     -e MASTER_PORT="${MASTER_PORT:-29500}" -e RDZV_TIMEOUT="${RDZV_TIMEOUT:-600}"
     -e GLOO_SOCKET_IFNAME="$ifname" -e NCCL_SOCKET_IFNAME="$ifname"
     # A plain `docker stop` of a node then allows this long for its checkpoint (Docker's own 10 s is

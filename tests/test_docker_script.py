@@ -59,6 +59,7 @@ def test_two_cpu_nodes_on_a_user_network(tmp_path):
         assert run[-3:] == ["distqa", "model.name=tiny", "train.max_steps=3"]
         env = env_of(run)
         assert env["NNODES"] == "2" and env["NODE_RANK"] == str(rank)
+        assert env["DISTQA_OUTPUT_ROOT"] == "/app/results"  # an output_dir elsewhere went with the container
     assert env_of(runs[0])["MASTER_ADDR"] == "self"
     assert env_of(runs[1])["MASTER_ADDR"] == "t1-node0"  # node 0's name on the user network
     assert ["logs", "--follow", "t1-node0"] in docker

@@ -355,3 +355,28 @@ def test_a_step_saved_again_is_whole_whenever_the_save_is_killed(tmp_path, monke
     assert choose_checkpoint(tmp_path, "auto", MAIN) == root / "step-1"
     save(root, 1, fill=3.0)  # and the next save of it clears what the kill left
     assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+
+
+def test_an_output_dir_outside_the_launchs_kept_folder_is_refused(tmp_path, monkeypatch):
+    """run_docker_nodes.sh mounts RESULTS_DIR alone: output_dir=runs/a was written inside each
+    container and removed with it, the script saying 'finished; results in ...', exit 0 (found by
+    a review). A launch names its kept folder in DISTQA_OUTPUT_ROOT."""
+    import torch
+
+    from distqa.dist import DistInfo
+    from distqa.outdir import claim
+
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    kept = tmp_path / "results"
+    kept.mkdir()
+    monkeypatch.setenv("DISTQA_OUTPUT_ROOT", str(kept))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DistqaError, match=rf"output_dir='runs/a' \({tmp_path}/runs/a\) is not under {kept}, the only"):
+        claim(Path("runs/a"), info)
+    assert not (tmp_path / "runs").exists()
+    (kept / "elsewhere").symlink_to(tmp_path / "outside", target_is_directory=True)
+    with pytest.raises(DistqaError, match="is not under"):  # a link out of it is out of it
+        claim(Path("results/elsewhere/run"), info)
+    lock = claim(Path("results/a"), info)
+    assert lock is not None and (kept / "a" / "run.lock").exists()
+    lock.release()

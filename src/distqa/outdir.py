@@ -47,10 +47,29 @@ def linked_run_path(output_dir: Path) -> str | None:
     return None
 
 
+def check_output_root(output_dir: Path) -> None:
+    """A launch whose containers keep one mounted folder and nothing else (scripts/run_docker_nodes.sh
+    mounts RESULTS_DIR at /app/results, .neuro/live.yml the results volume) names it in
+    DISTQA_OUTPUT_ROOT: an output_dir elsewhere was written inside the container and removed with
+    it, the script saying 'finished; results in ...' over an empty folder, exit 0."""
+    root = os.environ.get("DISTQA_OUTPUT_ROOT")
+    if not root:
+        return
+    where, kept = Path(output_dir).resolve(), Path(root).resolve()
+    if not where.is_relative_to(kept):
+        raise DistqaError(
+            f"output_dir={str(output_dir)!r} ({where}) is not under {kept}, the only folder of this container "
+            f"that outlives it (DISTQA_OUTPUT_ROOT, set by the launch that mounts it): set output_dir to a folder in "
+            f"{kept}, e.g. output_dir={kept}/{where.name}"
+        )
+
+
 def claim(output_dir: Path, info: DistInfo) -> RunLock | None:
     """Create output_dir and take its run lock (rank 0; None elsewhere). Raises on every rank if
     the folder cannot be written, one of its run files is a symbolic link (checked before the
-    lock is taken: run.lock itself may be one), or another run holds it."""
+    lock is taken: run.lock itself may be one), another run holds it, or it lies outside the
+    launch's DISTQA_OUTPUT_ROOT (the same verdict on every rank: no file is read)."""
+    check_output_root(output_dir)
     lock: RunLock | None = None
 
     def take() -> None:
