@@ -85,9 +85,11 @@ raw, figures, status, log = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3
 outcomes = {}
 if (raw / "junit.xml").is_file():
     for case in ET.parse(raw / "junit.xml").iter("testcase"):
-        if not case.get("name"):  # an interrupted run's junit adds a nameless case: no test's outcome
-            continue
         kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        if not case.get("name"):  # an interrupted run's nameless case is none; a file that failed to collect is one
+            if "error" in kinds:
+                outcomes[f"collecting {case.get('classname') or 'a test file'}"] = {"outcome": "error", "seconds": 0.0}
+            continue
         outcomes[case.get("name")] = {"outcome": kinds[0] if kinds else "passed", "seconds": float(case.get("time", 0))}
 # How many tests the run selected, from pytest's own line: those without an outcome never ended.
 text = log.read_text(errors="replace")
@@ -99,11 +101,13 @@ elif collected:
     expected = int(collected.group(3)) if collected.group(3) else int(collected.group(1)) - int(collected.group(2) or 0)
 else:
     expected = None
+# pytest's 2 is an interrupt (the box ran out) or a file that failed to collect (a missing wheel, say).
+collecting = re.search(r"Interrupted: (\d+) errors? during collection", text)
 result = {
     "pytest_exit_status": status,
     "expected": expected,
-    # 2: pytest was interrupted (its box ran out); or tests it selected have no outcome.
-    "cut_short": status == 2 or (expected is not None and len(outcomes) < expected),
+    "collection_errors": int(collecting.group(1)) if collecting else 0,
+    "cut_short": not collecting and (status == 2 or (expected is not None and len(outcomes) < expected)),
     "environment": json.loads((raw / "env.json").read_text()),
     "tests": outcomes,
     "figures": json.loads((raw / "figures.json").read_text()) if (raw / "figures.json").is_file() else {},

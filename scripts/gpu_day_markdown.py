@@ -95,7 +95,10 @@ def markdown(report: dict[str, Any]) -> str:
         counts = ", ".join(f"{tests[k]} {k}" for k in ("passed", "failed", "error", "skipped") if tests[k])
         missed = f" (not passed: {', '.join(tests['not_passed'])})" if tests["not_passed"] else ""
         short = ""
-        if tests.get("cut_short"):
+        if tests.get("collection_errors"):
+            count = tests["collection_errors"]
+            short = f" {count} test file(s) could not be collected (the log says why): nothing ran."
+        elif tests.get("cut_short"):
             unrun = f"{tests['not_run']} never ran" if tests.get("not_run") is not None else "the rest never ran"
             short = f" Cut short (its box ran out, or it was stopped): {unrun}."
         out.append(f"GPU acceptance suite (`make test-gpu`): {counts or 'no test ran'}{missed}.{short}")

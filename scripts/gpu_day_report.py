@@ -97,7 +97,8 @@ def test_counts(out: Path) -> dict[str, Any] | None:
     return {
         **counts,
         # Without gpu_check.sh's record the suite was stopped before it wrote one: cut short too.
-        "cut_short": bool(figures.get("cut_short") or status == 2) if figures else True,
+        "collection_errors": figures.get("collection_errors", 0) if figures else 0,
+        "cut_short": bool(figures.get("cut_short")) if figures else True,
         "not_run": max(expected - len(outcomes), 0) if isinstance(expected, int) else None,
         "pytest_exit_status": status,
         "figures": figures.get("figures", {}) if figures else {},

@@ -456,3 +456,24 @@ def test_one_call_gathers_its_files_flat_into_out(tmp_path):
     without = {k: v for k, v in env.items() if k != "OUT"}
     proc = subprocess.run(call, env=without, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "$OUT is the folder whose files come back" in proc.stderr
+
+
+def test_a_suite_that_could_not_collect_is_not_reported_cut_short(tmp_path):
+    """pytest's status 2 is also a file that failed to import (a missing wheel): it read as "cut
+    short (its box ran out)" (found by a review)."""
+    (tmp_path / "tests").mkdir()
+    figures = {
+        "pytest_exit_status": 2,
+        "expected": 21,
+        "collection_errors": 1,
+        "cut_short": False,
+        "tests": {"collecting tests/test_gpu.py": {"outcome": "error"}},
+        "environment": {},
+        "figures": {},
+    }
+    (tmp_path / "tests" / "gpu_figures.json").write_text(json.dumps(figures))
+    counts = gpu_day_report.test_counts(tmp_path)
+    assert counts["error"] == 1 and not counts["cut_short"] and counts["collection_errors"] == 1
+    gpu_day_report.write(tmp_path, 1, 600)
+    md = (tmp_path / "gpu_day.md").read_text()
+    assert "1 test file(s) could not be collected (the log says why): nothing ran." in md and "Cut short" not in md
