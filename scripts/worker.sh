@@ -479,6 +479,18 @@ elif ((status > 128)); then
   # Its workers outlive it (each in a session of its own) and stop themselves once they see it gone,
   # checkpointing the step they are in where they still can: their own lines may follow this one.
   note "error: torchrun (pid $child) was killed by SIG${signal#SIG}: its workers stop on their own, each checkpointing its current step if it still can; run the same command again to resume from the newest checkpoint"
+  if (($$ == 1)); then
+    # PID 1 of a container: once this script returns, the kernel kills every process left, the
+    # workers mid-checkpoint among them (they stop within their 10 s grace, distqa.parent_watch).
+    # They are this script's children now: wait for them, as long as a checkpoint may take.
+    for ((waited = 0; waited < ${ORPHAN_WAIT_S:-120}; waited++)); do
+      left=0
+      for entry in /proc/[0-9]*; do [[ ${entry#/proc/} == "$$" ]] || left=1; done
+      ((left)) || break
+      sleep 1
+    done
+    note "the workers left by torchrun have ended (waited ${waited} s, as the container's first process)"
+  fi
 elif ((status != 0 && term_sent)); then
   note "error: stopped by SIG$stopped_by, but distqa confirmed no checkpoint (torchrun exited $status): the next run resumes from the newest complete checkpoint"
 fi

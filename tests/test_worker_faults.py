@@ -196,6 +196,38 @@ def test_no_process_of_a_killed_run_survives_and_the_same_command_runs_again(kil
     assert last_step(k["out"]) == newest + 4 and (not done or f"step-{newest} at step {newest}" in stdout)
 
 
+def test_as_a_containers_first_process_worker_sh_waits_for_the_workers_checkpoint(tmp_path):
+    """A SIGKILL to torchrun in a container: worker.sh, PID 1, returned at once, and the kernel
+    killed the workers mid-checkpoint, while its last line promised that they checkpoint (found
+    by a review: only the periodic checkpoints were there). Here PID 1 of a new PID namespace."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"no PID namespace here (unshare: {probe.stderr.decode(errors='replace').strip()[:120]})")
+    out = tmp_path / "run"
+    # No periodic checkpoint in reach: one at all is the workers' own, on torchrun's loss.
+    args = [*FAULT_RUN, "train.max_steps=600", "train.checkpoint_every=1000", f"output_dir={out}"]
+    env = worker_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", str(WORKER), *args],
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+        )  # fmt: skip
+    wait_for(out / "metrics.jsonl", proc)
+    launchers = (b"torch.distributed.run", b"distqa.torchrun")
+    torchrun = [
+        pid for pid in processes_of(str(out)) if any(m in Path(f"/proc/{pid}/cmdline").read_bytes() for m in launchers)
+    ]
+    assert len(torchrun) == 1, torchrun
+    os.kill(torchrun[0], signal.SIGKILL)
+    assert proc.wait(timeout=150) == 128 + signal.SIGKILL, log.read_text()[-3000:]
+    said = log.read_text()
+    assert "the workers left by torchrun have ended" in said, said[-3000:]
+    done = list_checkpoints(out / "checkpoints")
+    assert done and verify_checkpoint(done[-1]) is None, said[-3000:]
+    assert processes_of(str(out)) == []
+
+
 # ---- two node 0s ------------------------------------------------------------------------------
 
 
