@@ -144,3 +144,14 @@ def test_nq_validation_data_is_identified_by_its_gold_answers_too(tmp_path, mini
 
     assert identity(first) == identity(moved)  # the same answers elsewhere: the same data
     assert identity(regraded) != identity(first)
+    # A checkpoint from before the gold counted recorded the windows alone: the same data still
+    # (its record dropped and its best pruned as other data, found by a review); the gold is not seen.
+    from distqa.data_agreement import same_identity
+
+    windows, gold = identity(first).split("+")
+    assert same_identity({"examples": 3, "fingerprint": windows}, {"examples": 3, "fingerprint": identity(first)})
+    assert same_identity({"examples": 3, "fingerprint": windows}, {"examples": 3, "fingerprint": identity(regraded)})
+    assert not same_identity(
+        {"examples": 3, "fingerprint": identity(first)}, {"examples": 3, "fingerprint": identity(regraded)}
+    )
+    assert not same_identity({"examples": 3, "fingerprint": windows}, {"examples": 4, "fingerprint": identity(first)})

@@ -20,7 +20,6 @@ import hashlib
 import re
 import struct
 import sys
-from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -71,8 +70,8 @@ def feed(h: Any, obj: Any, exact: bool = True, walk: _Walk | None = None) -> Non
             feed(h, item, exact, walk)
     elif isinstance(obj, str):
         _feed_bytes(h, b"s", obj.encode("utf-8", errors="surrogatepass"))
-    elif isinstance(obj, bytes):
-        _feed_bytes(h, b"b", obj)
+    elif isinstance(obj, (bytes, bytearray, memoryview)):  # (a memoryview: LMDB's buffers=True)
+        _feed_bytes(h, b"b", bytes(obj))
     elif isinstance(obj, (bool, int, float, type(None), np.generic)):
         h.update(f"n{type(obj).__name__}:{obj!r};".encode())
     elif isinstance(obj, (set, frozenset)):  # in each process's order (a string's hash is seeded): sorted
@@ -89,13 +88,14 @@ def feed(h: Any, obj: Any, exact: bool = True, walk: _Walk | None = None) -> Non
 
 
 class _Walk:
-    """What one pass over a dataset has met: the digests of the objects it read (the last 1024,
-    each kept alive so that its id names it alone) and the objects being read. A tokenizer that
-    every item holds is read once, not per item; an object met again inside itself (a parent and
-    its children) counts as a cycle, not a RecursionError."""
+    """What the reading of one value (an item) has met: the digests of the objects it read and the
+    objects being read. An object met twice in an item is read once; one met again inside itself
+    (a parent and its children) counts as a cycle, not a RecursionError. Never across items: a
+    dataset may fill one object anew for each item (a reused record), and a memo of the pass read
+    its first content for all, and held a thousand items' images alive."""
 
     def __init__(self) -> None:
-        self.memo: OrderedDict[int, tuple[Any, bytes]] = OrderedDict()
+        self.memo: dict[int, tuple[Any, bytes]] = {}  # id -> (the object, kept alive: its id is its own; digest)
         self.open: set[int] = set()
 
     def digest(self, obj: Any, exact: bool, alone: bool = False) -> bytes:
@@ -106,7 +106,6 @@ class _Walk:
             return one.digest()
         key = id(obj)
         if key in self.memo:
-            self.memo.move_to_end(key)
             return self.memo[key][1]
         if key in self.open:
             return b"cycle"
@@ -117,8 +116,6 @@ class _Walk:
         finally:
             self.open.discard(key)
         self.memo[key] = (obj, one.digest())
-        if len(self.memo) > 1024:
-            self.memo.popitem(last=False)
         return self.memo[key][1]
 
 
@@ -187,9 +184,8 @@ def fingerprint(dataset: Dataset) -> str:
         return arrow_fingerprint(dataset)
     length = len(dataset)  # type: ignore[arg-type]
     h = hashlib.sha256(f"len={length}".encode())
-    walk = _Walk()  # one for the pass: an object every item holds is read once
     for index in range(length):
-        feed(h, dataset[index], walk=walk)
+        feed(h, dataset[index])
     return h.hexdigest()[:DIGEST_CHARS]
 
 
@@ -280,6 +276,6 @@ def _feed_arrow(stream: _Streams, path: tuple[str, ...], array: Any) -> None:
     elif pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
         stream((*path, "values")).update(np.ascontiguousarray(array.to_numpy(zero_copy_only=False)).view(np.uint8))
     else:  # structs, dictionaries, dates...: rare in training data, hashed through Python values
-        h, walk = stream((*path, "python")), _Walk()
+        h = stream((*path, "python"))
         for value in array.to_pylist():
-            feed(h, value, walk=walk)
+            feed(h, value)
