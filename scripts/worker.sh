@@ -438,12 +438,12 @@ while :; do
   wait "$child" 2>/dev/null && status=0 || status=$?
   kill -0 "$child" 2>/dev/null || break # `wait` also returns when a trapped signal arrives
 done
-# The lines of torchrun's last restart round, from its first `distqa: started: ..., round R` line
-# on (distqa.outcome.this_round): an earlier round's preempted line (a node joining makes every
-# rank checkpoint) beside a later round's error was read as a preemption, 143.
+# The lines of torchrun's last restart round, after the agent's last `distqa: round: K` line
+# (distqa.outcome.this_round; all of them without one): an earlier round's preempted line (a node
+# joining makes every rank checkpoint) beside a later round's error was read as a preemption, 143.
 said=$DISTQA_ERROR_FILE.round
-awk '$1 == "distqa:" && $2 == "started:" { r = $NF + 0; if (!seen || r > last) { last = r; seen = 1; first = NR } }
-  { line[NR] = $0 } END { for (i = seen ? first : 1; i <= NR; i++) print line[i] }' "$DISTQA_ERROR_FILE" >"$said" 2>/dev/null ||
+awk '$1 == "distqa:" && $2 == "round:" { first = NR + 1 } { line[NR] = $0 }
+  END { for (i = first ? first : 1; i <= NR; i++) print line[i] }' "$DISTQA_ERROR_FILE" >"$said" 2>/dev/null ||
   said=$DISTQA_ERROR_FILE
 # every_rank_finished: each local rank wrote `distqa: finished: local rank L of N` (its train returned).
 every_rank_finished() {
@@ -483,13 +483,17 @@ elif ((status > 128)); then
     # PID 1 of a container: once this script returns, the kernel kills every process left, the
     # workers mid-checkpoint among them (they stop within their 10 s grace, distqa.parent_watch).
     # They are this script's children now: wait for them, as long as a checkpoint may take.
-    for ((waited = 0; waited < ${ORPHAN_WAIT_S:-120}; waited++)); do
+    for ((waited = 0; ; waited++)); do
       left=0
       for entry in /proc/[0-9]*; do [[ ${entry#/proc/} == "$$" ]] || left=1; done
-      ((left)) || break
+      ((left && waited < 120)) || break
       sleep 1
     done
-    note "the workers left by torchrun have ended (waited ${waited} s, as the container's first process)"
+    if ((left)); then
+      note "processes left by torchrun still run after ${waited} s: they end with this container"
+    else
+      note "the workers left by torchrun have ended (waited ${waited} s, as the container's first process)"
+    fi
   fi
 elif ((status != 0 && term_sent)); then
   note "error: stopped by SIG$stopped_by, but distqa confirmed no checkpoint (torchrun exited $status): the next run resumes from the newest complete checkpoint"

@@ -122,25 +122,36 @@ def test_a_line_another_rank_kept_to_itself_is_still_printed_by_the_rank_that_sh
 def test_only_the_last_restart_rounds_lines_say_how_the_run_ended(tmp_path, monkeypatch, capsys):
     """A launcher's file keeps every restart round's lines: round 0 checkpointed for a joining node
     (preempted), round 1 lost a peer. The run failed; and round 1's line is printed though round
-    0 printed the same words."""
+    0 printed the same words. (torch's restart count stays 0 across a join: the agent marks rounds.)"""
     file = tmp_path / "node.txt"
     monkeypatch.setenv("DISTQA_ERROR_FILE", str(file))
-    monkeypatch.setattr(outcome, "_said", set())
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    outcome.started()
+    outcome.new_round(0)
     outcome.report("distqa: preempted: stopped at step 40")
     outcome.report("distqa [rank 0]: error: lost a peer")
-    monkeypatch.setattr(outcome, "_said", set())  # a new process of the next round
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    outcome.started()
+    outcome.new_round(1)
     outcome.report("distqa [rank 0]: error: lost a peer")
     assert capsys.readouterr().err.count("lost a peer") == 2
     said = outcome.read(file)
     assert said.error_ranks == {0} and not said.preempted
-    assert "distqa: started: local rank 0 of 1, round 1" in file.read_text().splitlines()
-    lines = ["distqa: started: local rank 0 of 1, round 2", "x", "distqa: started: local rank 0 of 1, round 1", "y"]
-    assert outcome.this_round(lines) == lines and outcome.this_round(["a", "b"]) == ["a", "b"]
-    assert outcome.this_round(["a", *lines[2:], lines[0], "z"]) == [lines[0], "z"]
+    assert outcome.this_round(["a", "b"]) == ["a", "b"]
+    assert outcome.this_round(["a", "distqa: round: 0", "b", "distqa: round: 1", "c"]) == ["c"]
+
+
+@pytest.mark.launch  # torchrun's agent and two workers: seconds
+def test_distqa_torchrun_marks_each_worker_group_it_starts(tmp_path):
+    """The agent writes `distqa: round: K` before each worker group, a restart's too."""
+    script = tmp_path / "fail_once.py"
+    script.write_text("import os, sys\nsys.exit(1 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n")
+    file = tmp_path / "node.txt"
+    env = {**os.environ, "DISTQA_ERROR_FILE": str(file)}
+    args = ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.1", str(script)]
+    proc = subprocess.run([sys.executable, "-m", "distqa.torchrun", *args], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [line for line in file.read_text().splitlines() if line.startswith("distqa: round:")] == [
+        "distqa: round: 0",
+        "distqa: round: 1",
+    ]
 
 
 def test_without_a_launcher_the_ranks_of_one_torchrun_share_a_file_of_their_own(tmp_path, monkeypatch, capsys):

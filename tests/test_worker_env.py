@@ -760,7 +760,7 @@ say() {
   esac >>"$DISTQA_ERROR_FILE"
 }
 for round in 0 1; do
-  echo "distqa: started: local rank 0 of 1, round $round" >>"$DISTQA_ERROR_FILE"
+  echo "distqa: round: $round" >>"$DISTQA_ERROR_FILE"  # as distqa.torchrun's agent marks it
   echo "distqa: training: local rank 0 of 1" >>"$DISTQA_ERROR_FILE"
   if ((round == 0)); then say 0 "$FIRST" 40; else say 1 "$LAST" 74; fi
 done

@@ -14,7 +14,7 @@ returned). Without a launcher the file is one under the temp folder, named after
 (its run id, restart round and process), used for the deduplication only.
 
 Lines, one per rank and event (and `# printed: ...` for what this node printed):
-    distqa: started: local rank L of N, round R  (R: torchrun's restart count)
+    distqa: round: K                     (the agent, `distqa.torchrun`: a worker group starts)
     distqa [rank R]: error: MESSAGE      (`distqa: error: ...` for a single process)
     distqa: preempted: MESSAGE
     distqa: finished: local rank L of N
@@ -23,6 +23,8 @@ Lines, one per rank and event (and `# printed: ...` for what this node printed):
 A launcher's file outlives torchrun's restart rounds, so only the last round's lines say how the
 run ended (`this_round`): an earlier round's preempted line (a node joining makes every rank
 checkpoint) beside a later round's error made worker.sh report the failure as a preemption, 143.
+The agent marks each round, a node's joining included (torch's TORCHELASTIC_RESTART_COUNT does
+not count that one).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from distqa.runlock import process_start
 ERROR = re.compile(r"^distqa(?: \[rank (\d+)\])?: error: (.*)$")
 PREEMPTED = "distqa: preempted: "
 FINISHED = re.compile(r"^distqa: finished: local rank (\d+) of (\d+)$")
-STARTED = re.compile(r"^distqa: started: local rank \d+ of \d+, round (\d+)$")
+ROUND = re.compile(r"^distqa: round: \d+$")
 # Marks a message printed on this node (a rank that does not show its line, as a lost peer's other
 # local ranks, still writes it, and must not keep local rank 0 from printing it). Readers skip it.
 PRINTED = "# printed: "
@@ -127,18 +129,19 @@ _said: set[str] = set()
 
 
 def this_round(lines: list[str]) -> list[str]:
-    """The lines of the last restart round: from its first `started` line on (all of them in a file
-    without one). torchrun starts a round's workers only once the last round's have ended."""
-    rounds = [(int(found.group(1)), i) for i, line in enumerate(lines) if (found := STARTED.match(line))]
-    if not rounds:
-        return lines
-    last = max(number for number, _ in rounds)
-    return lines[next(i for number, i in rounds if number == last) :]
+    """The lines of the last restart round: after the agent's last `round` line (all of them in a
+    file without one). The agent starts a round's workers only once the last round's have ended."""
+    marks = [i for i, line in enumerate(lines) if ROUND.match(line)]
+    return lines[marks[-1] + 1 :] if marks else lines
 
 
-def started() -> None:
-    """This rank began, in restart round TORCHELASTIC_RESTART_COUNT: where its round's lines begin."""
-    _say_once("started", f", round {int(os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0)}")
+def new_round(number: int) -> None:
+    """The agent starts a worker group: the first, a restart, or one for a node that joined."""
+    path = launcher_file()
+    if path is None:
+        return
+    with contextlib.suppress(OSError), _locked(path) as f:
+        f.write(f"distqa: round: {number}\n")
 
 
 def finished() -> None:
@@ -154,14 +157,14 @@ def training() -> None:
     _say_once("training")
 
 
-def _say_once(event: str, more: str = "") -> None:
+def _say_once(event: str) -> None:
     path = launcher_file()
     if path is None or event in _said:
         return
     _said.add(event)
     local_rank, local_size = os.environ.get("LOCAL_RANK", "0"), os.environ.get("LOCAL_WORLD_SIZE", "1")
     with contextlib.suppress(OSError), _locked(path) as f:
-        f.write(f"distqa: {event}: local rank {local_rank} of {local_size}{more}\n")
+        f.write(f"distqa: {event}: local rank {local_rank} of {local_size}\n")
 
 
 def _print(line: str) -> None:

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from distqa import outcome
 
@@ -109,6 +111,7 @@ def _explained_status(err: BaseException, said: outcome.Outcome) -> int:
 
 def main(argv: list[str]) -> int:
     from torch.distributed import DistStoreError
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
@@ -129,6 +132,14 @@ def main(argv: list[str]) -> int:
     note = (logging.getLogger("torch.distributed.elastic.agent.server.api"), _ExitBarrierNote())
     for logger, log_filter in (quiet, note):
         logger.addFilter(log_filter)
+    agent, start_workers = SimpleElasticAgent, SimpleElasticAgent._initialize_workers
+    rounds = itertools.count()
+
+    def marked(self: Any, worker_group: Any) -> None:
+        outcome.new_round(next(rounds))  # the lines after it are this worker group's (outcome.this_round)
+        start_workers(self, worker_group)
+
+    agent._initialize_workers = marked  # type: ignore[method-assign]
     try:
         torchrun_main(argv)
         return 0
@@ -145,6 +156,7 @@ def main(argv: list[str]) -> int:
             return _explained_status(err, said)
         raise
     finally:
+        agent._initialize_workers = start_workers  # type: ignore[method-assign]
         for logger, log_filter in (quiet, note):
             logger.removeFilter(log_filter)
         if made is not None:

@@ -329,7 +329,6 @@ def train(cfg: Config, *, whole_process: bool = False) -> Path:
     SIGTERM (a platform stopping a job that is done) is ignored, not a failure, and the launcher is
     told that this rank finished. In-process callers (tests) get their own SIGTERM handling back:
     processes they fork later must stay killable."""
-    outcome.started()  # where this restart round's lines begin in a launcher's file
     watch_parent()  # before the rendezvous, which is where an orphan would otherwise wait longest
     info = init_distributed()
     quiet_libraries(is_main=info.is_main)
