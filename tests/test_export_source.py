@@ -107,6 +107,7 @@ def test_a_damaged_model_folder_is_written_again_not_taken_for_the_finished_run(
         assert len(said) == 1 and said[0].startswith(f"distqa: warning: {out / 'model'} is damaged (model.safetensors ")
         assert said[0].endswith("): writing it again"), said
         assert weights.read_bytes() == whole
+    assert not list(tmp_path.glob("run/model.replaced-*"))  # damaged weights are written again, not kept
     # An export of an older distqa records no files: taken as it is, as before.
     source = json.loads((out / "model" / SOURCE_FILE).read_text())
     del source["files"]
@@ -114,6 +115,25 @@ def test_a_damaged_model_folder_is_written_again_not_taken_for_the_finished_run(
     weights.write_bytes(whole[:100])
     train(load_config(None, settings))
     assert "already finished at step 2" in capsys.readouterr().out
+
+
+def test_a_model_folder_the_user_added_to_or_edited_is_kept_aside_when_written_again(tmp_path, capsys):
+    """A rerun found model/ "damaged" (an edited file), wrote it again and removed the old folder
+    whole: the user's notes and submission in it went too, exit 0 (found by a review)."""
+    out = tmp_path / "run"
+    settings = [*TOY, f"output_dir={out}", "train.max_steps=2"]
+    train(load_config(None, settings))
+    (out / "model" / "notes.txt").write_text("mine\n")
+    written = (out / "model" / "toy.json").read_text()
+    (out / "model" / "toy.json").write_text(written.replace("}", ', "mine": 1}'))
+    capsys.readouterr()
+    train(load_config(None, settings))
+    said = capsys.readouterr().out
+    kept = list(tmp_path.glob("run/model.replaced-*"))
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine\n"
+    assert '"mine": 1' in (kept[0] / "toy.json").read_text()
+    assert (out / "model" / "toy.json").read_text() == written and not (out / "model" / "notes.txt").exists()
+    assert f"held files it did not write (notes.txt); files edited since (toy.json): kept as {kept[0]}" in said
 
 
 def test_an_export_never_replaces_a_model_folder_of_the_users_nor_writes_in_checkpoints(tmp_path, monkeypatch):

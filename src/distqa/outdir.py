@@ -13,16 +13,18 @@ following one (`distqa.durable`), for a link planted after that check.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
 
-from distqa.checkpoint_verify import SOURCE_FILE, export_files, source_of
+from distqa.checkpoint_verify import SOURCE_FILE, export_files, recorded_source, source_of
 from distqa.dist import DistInfo
 from distqa.durable import fsync_path, held_exclusively, read_no_link, write_atomically
 from distqa.errors import DistqaError
@@ -154,6 +156,30 @@ class Stale(DistqaError):
     """What an export was made of is no longer there: said as it is, not as a write that failed."""
 
 
+def _changed_by_hand(previous: Path) -> str | None:
+    """What a replaced export holds that its export did not write, or that was edited since (a
+    user's notes, a submission, an edited config.json), in a few words; None when it is as written,
+    its weights aside (damaged weights are written again, not kept), or when there is no folder. A
+    rerun that found it "damaged" wrote the model again and removed all of it, the user's files too."""
+    if previous.is_symlink() or not previous.is_dir():
+        return None
+    now = export_files(previous)
+    recorded = (recorded_source(previous) or {}).get("files")
+    if not isinstance(recorded, dict):  # an export of an older distqa, or an empty folder
+        return "files no export record lists" if now else None
+    extra = sorted(set(now) - set(recorded))
+    edited = sorted(
+        name for name, entry in recorded.items()
+        if name in now and now[name] != entry and not name.endswith((".safetensors", ".bin"))
+    )  # fmt: skip
+    parts = []
+    for what, names in (("files it did not write", extra), ("files edited since", edited)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{what} ({', '.join(names[:3])}{more})")
+    return "; ".join(parts) or None
+
+
 def export_atomically(
     save: Callable[[Path], None],
     directory: Path,
@@ -204,7 +230,17 @@ def export_atomically(
             if directory.exists():
                 directory.rename(old)
             tmp.rename(directory)
-            _remove(old)  # the previous export, or the link `directory` was (unlinked: rmtree refuses links)
+            if (changed := _changed_by_hand(old)) is not None:
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                names = (
+                    directory.with_name(f"{directory.name}.replaced-{stamp}{f'-{n}' if n else ''}")
+                    for n in itertools.count()
+                )
+                kept = next(path for path in names if not path.exists())
+                old.rename(kept)
+                print(f"distqa: the {directory.name}/ it replaces held {changed}: kept as {kept}", flush=True)
+            else:
+                _remove(old)  # the previous export, or the link `directory` was (unlinked: rmtree refuses links)
         except Stale:
             raise
         except (OSError, RuntimeError, ValueError, SafetensorError, DistqaError) as err:
