@@ -197,7 +197,7 @@ class TrainConfig:
     # Applied: a changed metric starts its record afresh (the trainer compares it with the saved one).
     best_metric: str | None = setting(
         None,
-        "keep the checkpoint with the best value of this evaluation metric (eval_KEY, e.g. eval_f1) as "
+        "keep the checkpoint with the best value of this evaluation metric (eval_KEY, e.g. eval_micro_f1) as "
         "checkpoints/best, never pruned; needs an evaluation (data.valid); default: none",
         resume="applied",
     )
@@ -231,7 +231,7 @@ class TrainConfig:
         _check_choice("train.best_mode", self.best_mode, ("auto", "max", "min"))
         if self.best_metric is not None and not self.best_metric.startswith("eval_"):
             raise ConfigError(
-                f"train.best_metric={self.best_metric!r} must name an evaluation metric, eval_KEY (e.g. eval_f1)"
+                f"train.best_metric={self.best_metric!r} must name an evaluation metric, eval_KEY (e.g. eval_micro_f1)"
             )
         check_fraction("train.warmup_ratio", self.warmup_ratio)
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
