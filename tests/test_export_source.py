@@ -134,6 +134,16 @@ def test_a_model_folder_the_user_added_to_or_edited_is_kept_aside_when_written_a
     assert '"mine": 1' in (kept[0] / "toy.json").read_text()
     assert (out / "model" / "toy.json").read_text() == written and not (out / "model" / "notes.txt").exists()
     assert f"held files it did not write (notes.txt); files edited since (toy.json): kept as {kept[0]}" in said
+    # A kill between the export's two renames left the previous folder as .old-model: the next
+    # export removed it, the user's files in it too (found by a review). Kept aside now.
+    import shutil
+
+    shutil.copytree(out / "model", out / ".old-model")
+    (out / ".old-model" / "notes.txt").write_text("left\n")
+    (out / "model" / "model.safetensors").write_bytes(b"damaged")
+    train(load_config(None, settings))
+    left = [p for p in tmp_path.glob("run/model.replaced-*") if (p / "notes.txt").is_file() and p not in kept]
+    assert len(left) == 1 and (left[0] / "notes.txt").read_text() == "left\n" and not (out / ".old-model").exists()
 
 
 def test_an_export_never_replaces_a_model_folder_of_the_users_nor_writes_in_checkpoints(tmp_path, monkeypatch):

@@ -163,7 +163,10 @@ def _changed_by_hand(previous: Path) -> str | None:
     rerun that found it "damaged" wrote the model again and removed all of it, the user's files too."""
     if previous.is_symlink() or not previous.is_dir():
         return None
-    now = export_files(previous)
+    try:
+        now = export_files(previous)
+    except OSError as err:  # a file it cannot read (another user's): kept, not judged
+        return f"a file it cannot read ({reason(err)})"
     recorded = (recorded_source(previous) or {}).get("files")
     if not isinstance(recorded, dict):  # an export of an older distqa, or an empty folder
         return "files no export record lists" if now else None
@@ -214,9 +217,21 @@ def export_atomically(
     def note_for(err: BaseException) -> str:
         return note.replace("{fix}", fix_for(err, str(directory.parent)))  # (not format: a path may hold braces)
 
+    def keep_aside(folder: Path, changed: str) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        names = (
+            directory.with_name(f"{directory.name}.replaced-{stamp}{f'-{n}' if n else ''}") for n in itertools.count()
+        )
+        kept = next(path for path in names if not path.exists())
+        folder.rename(kept)
+        print(f"distqa: the {directory.name}/ it replaces held {changed}: kept as {kept}", flush=True)
+
     def _export() -> None:
         try:
             _remove(tmp)
+            # A previous export a kill left between its two renames: the user's files in it are kept.
+            if source is not None and (changed := _changed_by_hand(old)) is not None:
+                keep_aside(old, changed)
             _remove(old)
             save(tmp)
             if source is not None:
@@ -227,18 +242,14 @@ def export_atomically(
             if still_valid is not None and (gone := still_valid()):
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise Stale(gone)
+            # Read before anything moves: what of the folder it replaces is the user's (an export
+            # that records its files alone can tell; moved aside, not removed).
+            changed = _changed_by_hand(directory) if source is not None else None
             if directory.exists():
                 directory.rename(old)
             tmp.rename(directory)
-            if (changed := _changed_by_hand(old)) is not None:
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                names = (
-                    directory.with_name(f"{directory.name}.replaced-{stamp}{f'-{n}' if n else ''}")
-                    for n in itertools.count()
-                )
-                kept = next(path for path in names if not path.exists())
-                old.rename(kept)
-                print(f"distqa: the {directory.name}/ it replaces held {changed}: kept as {kept}", flush=True)
+            if changed is not None:
+                keep_aside(old, changed)
             else:
                 _remove(old)  # the previous export, or the link `directory` was (unlinked: rmtree refuses links)
         except Stale:
