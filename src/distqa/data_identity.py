@@ -42,7 +42,7 @@ def feed(h: Any, obj: Any, exact: bool = True, walk: _Walk | None = None) -> Non
     """Hash `obj` canonically and self-delimited: the same value gives the same bytes whatever its
     container types, and no two different sequences of values give the same bytes. `exact=False`
     (`sample_digest`): an object of a kind not known here counts by its type only. `walk` carries
-    what one pass has met (`_Walk`); each top-level call gets its own."""
+    what the reading of this value has met (`_Walk`); each top-level call (an item) gets its own."""
     walk = walk if walk is not None else _Walk()
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
