@@ -40,28 +40,44 @@ def _step(powersgd: PowerSGD, buckets: list[list[int]], grads: list[torch.Tensor
     return [out[i] for i in range(len(params))]
 
 
-def test_powersgd_state_follows_the_parameters_into_other_buckets(group):
-    """The resume's first step sees DDP's first buckets, the uninterrupted run its rebuilt ones:
-    the state saved per parameter must give the same reduced gradients in either."""
+FIRST, REBUILT = [[0, 1], [2, 3, 4, 5]], [[4, 5, 0], [3, 1], [2]]  # DDP's first buckets; as rebuilt after step 1
+
+
+def _resumed_at(step: int, total: int) -> tuple[PowerSGD, PowerSGD, list[list[torch.Tensor]]]:
+    """PowerSGD (starting at step 2) run `step` steps, and another resumed from its state as a
+    checkpoint holds it; with the gradients of all `total` steps."""
     train = TrainConfig(ddp_comm_hook="powersgd", powersgd_rank=2, powersgd_start_step=2)
     model = _model()
-    first, rebuilt = [[0, 1], [2, 3, 4, 5]], [[4, 5, 0], [3, 1], [2]]
     torch.manual_seed(1)
-    steps = [[torch.randn_like(p) for p in model.parameters()] for _ in range(7)]
+    steps = [[torch.randn_like(p) for p in model.parameters()] for _ in range(total)]
     straight = PowerSGD(model, train)
-    for grads in steps[:5]:
-        _step(straight, rebuilt if grads is not steps[0] else first, grads)
+    for grads in steps[:step]:
+        _step(straight, FIRST if grads is steps[0] else REBUILT, grads)
     # Through a file as a checkpoint holds it (weights_only: plain types and tensors only).
     saved = io.BytesIO()
     torch.save(straight.state_dict(), saved)
     saved.seek(0)
     resumed = PowerSGD(model, train)
     resumed.load_state_dict(torch.load(saved, weights_only=True))
-    assert resumed.state.iter == straight.state.iter == 5
-    for grads in steps[5:]:
-        want = _step(straight, rebuilt, grads)
-        got = _step(resumed, first if grads is steps[5] else rebuilt, grads)
+    return straight, resumed, steps
+
+
+def _steps_agree(straight: PowerSGD, resumed: PowerSGD, steps: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The remaining steps on both: the resume's first sees DDP's first buckets, the uninterrupted
+    run its rebuilt ones, and every reduced gradient must be equal. The last step's, returned."""
+    for grads in steps:
+        want = _step(straight, REBUILT, grads)
+        got = _step(resumed, FIRST if grads is steps[0] else REBUILT, grads)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
+    return want
+
+
+def test_powersgd_state_follows_the_parameters_into_other_buckets(group):
+    """The resume's first step sees DDP's first buckets, the uninterrupted run its rebuilt ones:
+    the state saved per parameter must give the same reduced gradients in either."""
+    straight, resumed, steps = _resumed_at(5, 7)
+    assert resumed.state.iter == straight.state.iter == 5
+    want = _steps_agree(straight, resumed, steps[5:])
     # The hook did compress: the reduced gradient is not the gradient (one rank: a mean is itself).
     assert not torch.equal(want[0], steps[6][0])
 
@@ -70,21 +86,9 @@ def test_a_resume_at_the_step_powersgd_begins_compresses_as_the_uninterrupted_ru
     """The checkpoint at train.powersgd_start_step holds no PowerSGD state yet: the resumed run's
     first compressed step sees DDP's first buckets, the uninterrupted run its rebuilt ones. Their
     first Qs, drawn one seed per bucket, differed (6.6e-3 apart at the end, exit 0)."""
-    train = TrainConfig(ddp_comm_hook="powersgd", powersgd_rank=2, powersgd_start_step=2)
-    model = _model()
-    first, rebuilt = [[0, 1], [2, 3, 4, 5]], [[4, 5, 0], [3, 1], [2]]
-    torch.manual_seed(1)
-    steps = [[torch.randn_like(p) for p in model.parameters()] for _ in range(6)]
-    straight = PowerSGD(model, train)
-    for grads in steps[:2]:
-        _step(straight, first if grads is steps[0] else rebuilt, grads)
-    resumed = PowerSGD(model, train)
-    resumed.load_state_dict(straight.state_dict())
+    straight, resumed, steps = _resumed_at(2, 6)
     assert resumed.state.iter == 2 and not resumed.pieces  # no state yet
-    for grads in steps[2:]:
-        want = _step(straight, rebuilt, grads)
-        got = _step(resumed, first if grads is steps[2] else rebuilt, grads)
-        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    want = _steps_agree(straight, resumed, steps[2:])
     assert not torch.equal(want[0], steps[5][0])  # compressed
 
 
