@@ -75,16 +75,15 @@ def feed(h: Any, obj: Any, exact: bool = True, walk: _Walk | None = None) -> Non
     elif isinstance(obj, (bool, int, float, type(None), np.generic)):
         h.update(f"n{type(obj).__name__}:{obj!r};".encode())
     elif isinstance(obj, (set, frozenset)):  # in each process's order (a string's hash is seeded): sorted
-        members = sorted(walk.digest(item, exact, alone=True) for item in obj)
+        members = sorted(walk.value_digest(item, exact) for item in obj)
         h.update(f"({len(members)}".encode())
         h.update(b"".join(members))
     elif isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):  # a class, a function
         _feed_bytes(h, b"c", _name(obj).encode("utf-8", errors="surrogatepass"))
-    elif dataclasses.is_dataclass(obj) or exact:
-        _feed_bytes(h, b"o", _name(type(obj)).encode("utf-8", errors="surrogatepass"))
-        h.update(walk.digest(obj, exact))
     else:
         _feed_bytes(h, b"o", _name(type(obj)).encode("utf-8", errors="surrogatepass"))
+        if dataclasses.is_dataclass(obj) or exact:  # (a sample reads other objects by their type alone)
+            h.update(walk.object_digest(obj, exact))
 
 
 class _Walk:
@@ -98,12 +97,14 @@ class _Walk:
         self.memo: dict[int, tuple[Any, bytes]] = {}  # id -> (the object, kept alive: its id is its own; digest)
         self.open: set[int] = set()
 
-    def digest(self, obj: Any, exact: bool, alone: bool = False) -> bytes:
-        """`obj`'s digest: its own contents (`alone`: any value), for objects memoised by id."""
-        if alone:
-            one = hashlib.sha256()
-            feed(one, obj, exact, self)
-            return one.digest()
+    def value_digest(self, value: Any, exact: bool) -> bytes:
+        """Any value's digest, on its own (a set's member)."""
+        one = hashlib.sha256()
+        feed(one, value, exact, self)
+        return one.digest()
+
+    def object_digest(self, obj: Any, exact: bool) -> bytes:
+        """An object's contents (`_feed_state`), memoised by id; b"cycle" inside itself."""
         key = id(obj)
         if key in self.memo:
             return self.memo[key][1]
