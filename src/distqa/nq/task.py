@@ -52,6 +52,7 @@ class NQTask(Task):
             )
         self._valid_folder: Path | None = None
         self._gold: GoldIndex | None = None  # rank 0 only, read at start (build_train_dataset)
+        self._gold_digest: str | None = None  # each node's first process: part of the validation identity
         self.thresholds: dict[str, float] | None = None
         # The step whose weights the thresholds were chosen on (None: a checkpoint of an older distqa).
         self.thresholds_step: int | None = None
@@ -79,6 +80,7 @@ class NQTask(Task):
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 gold = self._read_gold()
                 self._gold = gold if os.environ.get("RANK", "0") == "0" else None
+                self._gold_digest = gold.digest()  # this process hashes the node's validation set
         if data.train == "dummy":
             if self.cfg.model.name not in RANDOM_MODELS:  # fine-tuning real weights on noise: say so once
                 print0(
@@ -106,10 +108,10 @@ class NQTask(Task):
         features = train_data_fingerprint(dataset)
         if not isinstance(dataset, FeatureDataset) or dataset.columns != EVAL_COLUMNS or self._valid_folder is None:
             return features
-        if self._gold is None:  # rank 0 read it in build_train_dataset; another node's hashing process now
-            self._gold = self._read_gold()
+        if self._gold_digest is None:  # read in build_train_dataset; a process that did not, now
+            self._gold_digest = self._read_gold().digest()
         # "+": a record of the windows alone (a checkpoint from before the gold counted) compares by them.
-        return f"{features}+{self._gold.digest()[:16]}"
+        return f"{features}+{self._gold_digest[:16]}"
 
     def _special_ids(self) -> dict[str, int]:
         """The tokenizer's own [CLS]/[SEP]/[PAD] ids (DummyDataset's defaults are BERT's)."""
