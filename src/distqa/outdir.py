@@ -24,7 +24,7 @@ from typing import Any
 
 from safetensors import SafetensorError
 
-from distqa.checkpoint_verify import SOURCE_FILE, export_files, recorded_source, source_of
+from distqa.checkpoint_verify import SOURCE_FILE, export_files, manifest_entry, recorded_source, source_of
 from distqa.dist import DistInfo
 from distqa.durable import fsync_path, held_exclusively, read_no_link, write_atomically
 from distqa.errors import DistqaError
@@ -163,18 +163,19 @@ def _changed_by_hand(previous: Path) -> str | None:
     rerun that found it "damaged" wrote the model again and removed all of it, the user's files too."""
     if previous.is_symlink() or not previous.is_dir():
         return None
-    try:
-        now = export_files(previous)
-    except OSError as err:  # a file it cannot read (another user's): kept, not judged
-        return f"a file it cannot read ({reason(err)})"
+    there = {p.relative_to(previous).as_posix() for p in previous.rglob("*") if p.is_file()} - {SOURCE_FILE}
     recorded = (recorded_source(previous) or {}).get("files")
     if not isinstance(recorded, dict):  # an export of an older distqa, or an empty folder
-        return "files no export record lists" if now else None
-    extra = sorted(set(now) - set(recorded))
-    edited = sorted(
-        name for name, entry in recorded.items()
-        if name in now and now[name] != entry and not name.endswith((".safetensors", ".bin"))
-    )  # fmt: skip
+        return "files no export record lists" if there else None
+    extra = sorted(there - set(recorded))
+    try:  # (the weights are not read: damaged weights are written again, not kept)
+        edited = sorted(
+            name for name, entry in recorded.items()
+            if name in there and not name.endswith((".safetensors", ".bin"))
+            and manifest_entry(previous / name) != entry
+        )  # fmt: skip
+    except OSError as err:  # a file it cannot read (another user's): kept, not judged
+        return f"a file it cannot read ({reason(err)})"
     parts = []
     for what, names in (("files it did not write", extra), ("files edited since", edited)):
         if names:
