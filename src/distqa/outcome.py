@@ -137,11 +137,7 @@ def this_round(lines: list[str]) -> list[str]:
 
 def new_round(number: int) -> None:
     """The agent starts a worker group: the first, a restart, or one for a node that joined."""
-    path = launcher_file()
-    if path is None:
-        return
-    with contextlib.suppress(OSError), _locked(path) as f:
-        f.write(f"distqa: round: {number}\n")
+    _append(f"distqa: round: {number}")
 
 
 def finished() -> None:
@@ -158,13 +154,19 @@ def training() -> None:
 
 
 def _say_once(event: str) -> None:
-    path = launcher_file()
-    if path is None or event in _said:
+    if launcher_file() is None or event in _said:
         return
     _said.add(event)
     local_rank, local_size = os.environ.get("LOCAL_RANK", "0"), os.environ.get("LOCAL_WORLD_SIZE", "1")
-    with contextlib.suppress(OSError), _locked(path) as f:
-        f.write(f"distqa: {event}: local rank {local_rank} of {local_size}\n")
+    _append(f"distqa: {event}: local rank {local_rank} of {local_size}")
+
+
+def _append(line: str) -> None:
+    """`line` into a launcher's file, if there is one (a convenience: never a failure of its own)."""
+    path = launcher_file()
+    if path is not None:
+        with contextlib.suppress(OSError), _locked(path) as f:
+            f.write(line + "\n")
 
 
 def _print(line: str) -> None:
