@@ -8,7 +8,6 @@ model or task, subclass `Task` in your own module and run `distqa train task.nam
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,23 +44,29 @@ Batch = Mapping[str, Any]
 
 def batch_rows(batch: Batch) -> int:
     """How many examples a batch holds (samples/s; the rows DataParallel splits): the first dim of
-    its first tensor that has one (nested mappings too), else the length of its first list. The first value alone was
-    read: a 0-dim count or a list of another length first miscounted, or stopped with a traceback."""
+    its first tensor that has one (in a nested mapping too), else the length of its first list. The
+    first value alone was read: a 0-dim count or a list of another length first miscounted, or
+    stopped with a traceback."""
+    rows = _rows(batch)
+    if rows is None:
+        raise DistqaError(
+            f"the task's collate returned a batch with no tensor or list of examples (keys: "
+            f"{', '.join(map(str, batch))}): give it a tensor whose first dimension is the batch's examples"
+        )
+    return rows
+
+
+def _rows(batch: Mapping[str, Any]) -> int | None:
     listed = None
     for value in batch.values():
         if torch.is_tensor(value):
             if value.dim() >= 1:
                 return int(value.shape[0])
         elif isinstance(value, Mapping):  # a nested batch ({"inputs": {...}, "labels": ...})
-            with contextlib.suppress(DistqaError):
-                return batch_rows(value)
+            if (inner := _rows(value)) is not None:
+                return inner
         elif listed is None and isinstance(value, list | tuple):
             listed = len(value)
-    if listed is None:
-        raise DistqaError(
-            f"the task's collate returned a batch with no tensor or list of examples (keys: "
-            f"{', '.join(map(str, batch))}): give it a tensor whose first dimension is the batch's examples"
-        )
     return listed
 
 

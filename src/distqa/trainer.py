@@ -197,10 +197,10 @@ class Trainer:
         )
         self.parts = Parts(self.raw_model, self.optimizer, scheduler, scaler, self.task, self.state, comm_hook)
         self.checkpoints.track(self.parts)
-        models = (self.model, self.raw_model, self.ddp)  # as wrapped, as built, and DDP's instance (or None)
         self.train_step = TrainStep(
-            self.task, *models, self.optimizer, scheduler, scaler, cfg.train, info, self.timer, self.autocast_dtype
-        )
+            self.task, self.model, self.raw_model, self.ddp, self.optimizer, scheduler, scaler,
+            cfg.train, info, self.timer, self.autocast_dtype,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------------------- restore
     def _restore(self, resume_from: Path | None, saved: dict[str, Any] | None, finished: bool) -> int:
