@@ -441,19 +441,17 @@ done
 # The lines of torchrun's last restart round, after the agent's last `distqa: round: K` line
 # (distqa.outcome.this_round; all of them without one): an earlier round's preempted line (a node
 # joining makes every rank checkpoint) beside a later round's error was read as a preemption, 143.
-said=$DISTQA_ERROR_FILE.round
-awk '$1 == "distqa:" && $2 == "round:" { first = NR + 1 } { line[NR] = $0 }
-  END { for (i = first ? first : 1; i <= NR; i++) print line[i] }' "$DISTQA_ERROR_FILE" >"$said" 2>/dev/null ||
-  said=$DISTQA_ERROR_FILE
+said=$(awk '$1 == "distqa:" && $2 == "round:" { first = NR + 1 } { line[NR] = $0 }
+  END { for (i = first ? first : 1; i <= NR; i++) print line[i] }' "$DISTQA_ERROR_FILE" 2>/dev/null || true)
 # every_rank_finished: each local rank wrote `distqa: finished: local rank L of N` (its train returned).
 every_rank_finished() {
   awk '$1 == "distqa:" && $2 == "finished:" && $4 == "rank" && $6 == "of" { done[$5] = 1; n = $7 }
-    END { for (r = 0; r < n; r++) if (!(r in done)) exit 1; exit n > 0 ? 0 : 1 }' "$said" 2>/dev/null
+    END { for (r = 0; r < n; r++) if (!(r in done)) exit 1; exit n > 0 ? 0 : 1 }' <<<"$said"
 }
 preempted="" error=""
-if ((status != 0)) && [[ -s $said ]]; then
-  preempted=$(grep -m 1 '^distqa: preempted: ' "$said" || true)
-  error=$(grep -m 1 -E '^distqa( \[rank [0-9]+\])?: error: ' "$said" || true)
+if ((status != 0)) && [[ -n $said ]]; then
+  preempted=$(grep -m 1 '^distqa: preempted: ' <<<"$said" || true)
+  error=$(grep -m 1 -E '^distqa( \[rank [0-9]+\])?: error: ' <<<"$said" || true)
 fi
 if ((status != 0)) && every_rank_finished; then
   # The run completed (train returned on every rank, after its last barrier); torchrun failed only
@@ -463,12 +461,12 @@ elif [[ -n $preempted ]]; then
   # Every rank checkpointed and said so (each writes the line; rank 0 also prints it): the run
   # stopped as asked, whatever torchrun's own status after its SIGTERM. Said here where no rank
   # of this node printed it (nodes other than 0), so that it is the last line on every node.
-  if ! grep -q -F -x "# printed: $preempted" "$said"; then echo "$preempted" >&2; fi
+  if ! grep -q -F -x "# printed: $preempted" <<<"$said"; then echo "$preempted" >&2; fi
   status=$stop_status
 elif [[ -n $error ]]; then
   # A rank printed it already; distqa.torchrun then leaves out torchrun's report, a stand-in may not.
   if ((!wrapped)); then echo "$error" >&2; fi
-elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' "$said" 2>/dev/null; then
+elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' <<<"$said"; then
   # No rank had begun to train (each says so once SIGTERM means a checkpoint to it): the stop
   # came while the model and data were loading, and nothing was lost. A preemption's status, not
   # a failure's, so that a platform restarts the job rather than giving it up.
@@ -498,5 +496,5 @@ elif ((status > 128)); then
 elif ((status != 0 && term_sent)); then
   note "error: stopped by SIG$stopped_by, but distqa confirmed no checkpoint (torchrun exited $status): the next run resumes from the newest complete checkpoint"
 fi
-rm -f "$DISTQA_ERROR_FILE" "$DISTQA_ERROR_FILE.round"
+rm -f "$DISTQA_ERROR_FILE"
 exit "$status"
