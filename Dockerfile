@@ -3,8 +3,9 @@
 # and starts torchrun; the default command trains the tiny model on the DummyDataset.
 #
 #   docker build -t distqa .
-#   docker run --rm --gpus all --shm-size=8g distqa     # every GPU of this host
-#   docker run --rm distqa                              # a CPU host: one process on the CPU
+#   docker run --rm --gpus all --shm-size=8g -v "$PWD/results:/app/results" distqa   # every GPU of this host
+#   docker run --rm -v "$PWD/results:/app/results" distqa                          # a CPU host: one process
+# (Without -v the results stay in the container and go with it; the run warns of that.)
 #
 # `docker stop` (SIGTERM, SIGKILL 10 s later) is a preemption: the current step is checkpointed and
 # the container exits 143. The tiny model's stop takes a few seconds; for a larger model give the

@@ -663,3 +663,21 @@ def test_a_switch_given_a_number_as_text_or_through_an_interpolation_is_refused(
         load_config(*args)
     monkeypatch.setenv("DISTQA_TEST_SWITCH", "true")
     assert load_config(None, ["train.compile=${oc.env:DISTQA_TEST_SWITCH}"]).train.compile is True
+
+
+def test_a_momentum_the_optimizer_does_not_use_is_refused(tmp_path):
+    """AdamW has no momentum setting (its moments are its betas): train.momentum with it would do nothing."""
+    with pytest.raises(
+        ConfigError, match=r"^train.momentum=0.9 applies to train.optimizer=sgd only \(this run's is adamw\)"
+    ):
+        load_config(None, ["train.momentum=0.9"])
+    assert load_config(None, ["train.momentum=0"]).train.optimizer == "adamw"
+    assert load_config(None, ["train.optimizer=sgd", "train.momentum=0.9"]).train.momentum == 0.9
+    # A checkpoint whose settings were recorded before the refusal still exports: the momentum it
+    # names did nothing.
+    from distqa.export import checkpoint_config
+
+    recorded = dataclasses.asdict(load_config())
+    recorded["train"]["momentum"] = 0.9
+    assert checkpoint_config(recorded, tmp_path).train.momentum == 0.0
+    assert recorded["train"]["momentum"] == 0.9  # the checkpoint's record is left as it is

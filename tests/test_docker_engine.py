@@ -114,9 +114,24 @@ def test_docker_run_trains_as_uid_1000_into_a_mounted_folder(build_log, tmp_path
     assert "worker.sh: node 0 of 1, 1 process(es)" in proc.stderr
     assert "1 process(es) on cpu" in proc.stdout + proc.stderr
     assert "model written to results/one/model" in proc.stdout + proc.stderr
+    assert "own file system" not in proc.stderr  # the mounted folder: no warning
     assert (results / "one" / "model" / "model.safetensors").is_file()
     owners = {path.relative_to(results): path.stat().st_uid for path in (results / "one").rglob("*")}
     assert owners and set(owners.values()) == {1000}, owners
+
+
+def test_a_docker_run_without_a_mounted_results_folder_is_warned_first_and_last(build_log):
+    """The README's plain `docker run --rm distqa` trained into the container's own layer and said
+    'model written to results/quickstart/model', exit 0; --rm then removed it all."""
+    proc = docker(
+        "run", "--rm", IMAGE, "model.name=tiny", "data.train=dummy", "train.max_steps=1", "output_dir=results/gone",
+        timeout=900,
+    )  # fmt: skip
+    warning = (
+        "distqa: warning: output_dir='results/gone' (/app/results/gone) is in this container's own file system, "
+        "not a mounted folder: its checkpoints and model are removed with the container"
+    )
+    assert proc.stderr.count(warning) == 2, proc.stderr[-3000:]  # at the start, and after the model is written
 
 
 def test_two_containers_equal_a_two_process_host_run(build_log, tmp_path):

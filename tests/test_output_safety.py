@@ -380,3 +380,60 @@ def test_an_output_dir_outside_the_launchs_kept_folder_is_refused(tmp_path, monk
     lock = claim(Path("results/a"), info)
     assert lock is not None and (kept / "a" / "run.lock").exists()
     lock.release()
+
+
+# /proc/self/mountinfo as a container shows it: the root is the container's overlay layer, the
+# results folder a bind mount of the host's, the data a mount whose name holds a space (escaped).
+CONTAINER_MOUNTS = """\
+601 540 0:52 / / rw,relatime master:310 - overlay overlay rw,lowerdir=/var/lib/docker/overlay2/l/A,upperdir=/x
+602 601 0:55 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw
+610 601 254:0 /srv/results /app/results rw,relatime - ext4 /dev/vda rw
+611 601 254:0 /srv/d /app/my\\040data rw,relatime - ext4 /dev/vda rw
+612 610 0:60 / /app/results/tmp rw,relatime - overlay overlay rw
+"""
+HOST_MOUNTS = "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+
+
+@pytest.mark.parametrize(
+    ("path", "in_layer"),
+    [
+        ("/app/results/quickstart", False),  # the mounted folder
+        ("/app/results", False),
+        ("/app/runs/a", True),  # beside it: in the container's own layer
+        ("/app/resultsX/a", True),  # a name that only starts like the mount
+        ("/app/my data/run", False),  # the escaped mount point
+        ("/app/results/tmp/a", False),  # an overlay mounted on a folder is not the container's root
+    ],
+)
+def test_a_path_in_the_containers_own_layer_is_told_from_a_mounted_one(path, in_layer):
+    from distqa.outdir import in_container_layer
+
+    assert in_container_layer(Path(path), CONTAINER_MOUNTS) is in_layer
+    assert in_container_layer(Path(path), HOST_MOUNTS) is False  # a host's root is no container layer
+
+
+def test_a_run_into_the_containers_own_layer_is_warned_at_start_and_at_the_end(tmp_path, monkeypatch, capsys):
+    """A plain `docker run --rm distqa` without -v trained into the container's layer and said
+    'model written to results/quickstart/model', exit 0; the container's removal took it all."""
+    from distqa import outdir
+    from distqa.finish import summary
+
+    mountinfo = tmp_path / "mountinfo"
+    monkeypatch.setattr(outdir, "MOUNTINFO", mountinfo)
+    mountinfo.write_text(HOST_MOUNTS)
+    claim(tmp_path / "kept", MAIN).release()
+    summary(tmp_path / "kept", plotted=False)
+    assert "warning" not in capsys.readouterr().err
+    mountinfo.write_text(CONTAINER_MOUNTS.replace("/app/results", str(tmp_path / "mounted")))
+    claim(tmp_path / "mounted" / "run", MAIN).release()
+    assert capsys.readouterr().err == ""
+    claim(tmp_path / "run", MAIN).release()
+    start = capsys.readouterr().err.splitlines()
+    summary(tmp_path / "run", plotted=False)
+    end = capsys.readouterr().err.splitlines()
+    warning = (
+        f"distqa: warning: output_dir='{tmp_path}/run' ({tmp_path}/run) is in this container's own file "
+        "system, not a mounted folder: its checkpoints and model are removed with the container; mount a "
+        'folder there to keep them (docker run -v "$PWD/results:/app/results" ...)'
+    )
+    assert start == [warning] and end == [warning]

@@ -218,6 +218,13 @@ class TrainConfig:
         _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_min("train.lr", self.lr, 0.0, strict=True)
         check_fraction("train.momentum", self.momentum)
+        if self.momentum and self.optimizer != "sgd":
+            # AdamW's moments are its betas: a momentum it does not use would be a setting that
+            # silently does nothing.
+            raise ConfigError(
+                f"train.momentum={self.momentum} applies to train.optimizer=sgd only (this run's is "
+                f"{self.optimizer}): drop train.momentum, or set train.optimizer=sgd"
+            )
         check_min("train.weight_decay", self.weight_decay, 0.0)
         check_min("train.max_grad_norm", self.max_grad_norm, 0.0)
         check_min("train.eval_every", self.eval_every, 0)

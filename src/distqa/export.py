@@ -42,6 +42,11 @@ _NOT_NEEDED = ("data.train=dummy", "data.valid=null", "train.resume=auto")
 
 def checkpoint_config(saved: dict[str, Any], directory: Path) -> Config:
     """The run's settings as the checkpoint recorded them, checked as `distqa train` checks them."""
+    train = saved.get("train")
+    # Recorded before train.momentum without sgd was refused: it did nothing then, so an export of
+    # such a checkpoint reads it as unset rather than refusing the checkpoint.
+    if isinstance(train, dict) and train.get("optimizer") != "sgd" and train.get("momentum"):
+        saved = {**saved, "train": {**train, "momentum": 0.0}}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.yaml"
         OmegaConf.save(OmegaConf.create(escaped(saved)), path)

@@ -22,7 +22,7 @@ from distqa.console import outputs_summary, run_title
 from distqa.dist import DistInfo, print0
 from distqa.errors import DistqaError
 from distqa.metrics import plot_metrics
-from distqa.outdir import export_atomically
+from distqa.outdir import export_atomically, layer_warning
 from distqa.rank0 import on_rank0
 from distqa.task import Task
 
@@ -94,3 +94,6 @@ def plot_run(out: Path, cfg: Config, task: Task, global_batch: int) -> bool:
 
 def summary(out: Path, plotted: bool) -> None:
     print0(outputs_summary(out, plotted=plotted))
+    # Said again as the last line: the one a user reads before the container is gone.
+    if (warning := layer_warning(out)) is not None:
+        print0(warning, file=sys.stderr)

@@ -16,7 +16,9 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +68,51 @@ def check_output_root(output_dir: Path) -> None:
         )
 
 
+# The file systems a container's own writable layer is made of (Docker's overlay2, containerd's
+# overlayfs, rootless fuse-overlayfs, old aufs): what is written there is removed with the container.
+CONTAINER_LAYERS = frozenset({"overlay", "fuse.fuse-overlayfs", "fuse-overlayfs", "aufs"})
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def in_container_layer(path: Path, mountinfo: str | None = None) -> bool:
+    """Whether `path` would be written into the container's own root file system (its writable
+    layer) rather than a mounted folder: the mount that holds it is "/" and an overlay. A plain
+    `docker run --rm distqa` with no `-v` trains into that layer; its results go with the
+    container, exit 0. False where /proc/self/mountinfo cannot be read (not Linux)."""
+    if mountinfo is None:
+        try:
+            mountinfo = MOUNTINFO.read_text()
+        except OSError:
+            return False
+    where, holder, kind = Path(path).resolve(), None, ""
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not tail:
+            continue
+        point = Path(_unescape(parts[4]))
+        # The longest mount point above `where` holds it (a later mount over the same point wins).
+        if where.is_relative_to(point) and (holder is None or len(point.parts) >= len(holder.parts)):
+            holder, kind = point, tail.split()[0]
+    return holder == Path("/") and kind in CONTAINER_LAYERS
+
+
+def layer_warning(output_dir: Path) -> str | None:
+    """One line for a run whose output_dir is in the container's own layer (None elsewhere)."""
+    if not in_container_layer(output_dir):
+        return None
+    return (
+        f"distqa: warning: output_dir={str(output_dir)!r} ({Path(output_dir).resolve()}) is in this container's "
+        "own file system, not a mounted folder: its checkpoints and model are removed with the container; "
+        'mount a folder there to keep them (docker run -v "$PWD/results:/app/results" ...)'
+    )
+
+
 def claim(output_dir: Path, info: DistInfo) -> RunLock | None:
     """Create output_dir and take its run lock (rank 0; None elsewhere). Raises on every rank if
     the folder cannot be written, one of its run files is a symbolic link (checked before the
@@ -84,6 +131,8 @@ def claim(output_dir: Path, info: DistInfo) -> RunLock | None:
             raise DistqaError(linked)
         lock = RunLock(output_dir)
         lock.acquire()
+        if (warning := layer_warning(output_dir)) is not None:
+            print(warning, file=sys.stderr, flush=True)
 
     def failure(err: BaseException) -> str:
         # The file it failed on, when not output_dir itself (a folder named run.lock, say).
