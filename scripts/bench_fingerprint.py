@@ -7,6 +7,8 @@ Makes (once) a features folder of `--rows` rows by repeating the rows of a small
   warm   the Arrow files already in the page cache (a restart on the same node)
   cold   the files evicted from the page cache first (posix_fadvise DONTNEED): read from disk
   each on 1 thread and on every CPU of the process (the default), in the same run;
+  verify the node's first process's check of a prepared folder at start: every column against
+         the digest its stamp records (`load_features(verify=True)`), warm
   item by item  the generic path (`data_identity.fingerprint`) over `--item-rows` rows, per row,
          for comparison: what the same data costs without the Arrow path
 
@@ -31,6 +33,7 @@ from torch.utils.data import Subset
 
 from distqa.data_identity import arrow_fingerprint, fingerprint, usable_cpus
 from distqa.nq.data import TRAIN_COLUMNS, FeatureDataset
+from distqa.nq.feature_stamp import content_digest, load_features
 from distqa.nq.prepare import FINGERPRINT_FILE
 
 BLOCK = 1000  # rows per Arrow record batch, as `prepare` writes them
@@ -45,7 +48,10 @@ def make_folder(source: Path, output: Path, rows: int) -> None:
     block = pa.concat_tables([table] * (BLOCK // table.num_rows + 1)).slice(0, BLOCK).combine_chunks()
     full = pa.concat_tables([block] * (rows // BLOCK + 1)).slice(0, rows)  # references, not copies
     datasets.Dataset(datasets.table.InMemoryTable(full)).save_to_disk(str(output))
-    shutil.copy(source / FINGERPRINT_FILE, output / FINGERPRINT_FILE)
+    # The source's stamp, with this folder's count and content digest, as `prepare` would write them.
+    stamp = json.loads((source / FINGERPRINT_FILE).read_text())
+    stamp.update(features=rows, content=content_digest(datasets.load_from_disk(str(output))))
+    (output / FINGERPRINT_FILE).write_text(json.dumps(stamp))
 
 
 def arrow_files(folder: Path) -> list[Path]:
@@ -100,6 +106,11 @@ def main() -> None:
             for cold in (False, True):
                 key = f"{'cold' if cold else 'warm'}_s_{'1_thread' if threads else f'{usable_cpus()}_threads'}"
                 times.setdefault(key, []).append(run(args.output, args.procs, cold, threads))
+    # What the node's first process adds at start: every column read against the stamp's digest.
+    for _ in range(args.repeat):
+        started = time.perf_counter()
+        load_features(args.output, verify=True)
+        times.setdefault("verify_every_column_warm_s", []).append(time.perf_counter() - started)
     started = time.perf_counter()
     fingerprint(Subset(dataset, range(args.item_rows)))
     item_us = (time.perf_counter() - started) / args.item_rows * 1e6

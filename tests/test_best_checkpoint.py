@@ -326,3 +326,15 @@ def test_a_resume_after_the_old_default_starts_the_loss_record_afresh(tmp_path, 
     train(load_config(None, [*loss, "train.max_steps=12", f"output_dir={root}"]))
     assert "changed settings, applied from step 8 on: train.best_mode ('max' -> 'min')" in capsys.readouterr().out
     assert os.readlink(root / "checkpoints" / "best") == "step-10"  # 0.2: the lowest after the resume at 8
+
+
+def test_a_best_metric_that_is_not_finite_is_said_at_each_evaluation(capsys):
+    """A metric NaN at every evaluation ended the run without checkpoints/best, and without a word."""
+    from distqa.best import new_best
+
+    assert new_best({"step": 4, "eval_f1": float("nan")}, "eval_f1", "max", None) is None
+    assert capsys.readouterr().out == (
+        "warning: train.best_metric=eval_f1 is nan at step 4: no candidate for the best checkpoint\n"
+    )
+    assert new_best({"step": 6, "eval_f1": 0.5}, "eval_f1", "max", None) is not None
+    assert capsys.readouterr().out == ""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from conftest import ROOT, help_texts
 from distqa import config_layers
@@ -681,3 +682,74 @@ def test_a_momentum_the_optimizer_does_not_use_is_refused(tmp_path):
     recorded["train"]["momentum"] = 0.9
     assert checkpoint_config(recorded, tmp_path).train.momentum == 0.0
     assert recorded["train"]["momentum"] == 0.9  # the checkpoint's record is left as it is
+
+
+def test_an_empty_or_comments_only_config_file_is_refused(tmp_path):
+    """An empty file in place of configs/bert-base.yaml (a failed template step, an empty mounted
+    ConfigMap) trained the tiny model on the DummyDataset, exit 0."""
+    for text in ("", "# only a comment\n", "\n\n"):
+        path = tmp_path / "empty.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^config file {path} sets no settings \(it is empty, or holds only"):
+            load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "text", ["task:\n  name: ${oc.env:DISTQA_TEST_UNSET}\n", "task: ${oc.env:DISTQA_TEST_UNSET}\n"]
+)
+def test_a_task_name_in_a_file_that_cannot_be_resolved_is_one_line(tmp_path, text, monkeypatch):
+    monkeypatch.delenv("DISTQA_TEST_UNSET", raising=False)
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="DISTQA_TEST_UNSET' not found") as caught:
+        load_config(str(path))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("train.max_steps=100 #1000", "holds ' #', where YAML's comments start: it would be train.max_steps=100"),
+        ("train.compile=false #true", "it would be train.compile=false"),
+        ("seed=7_", "YAML reads it as 7 (it drops underscores"),
+        ("train.lr=0.001_", "YAML reads it as 0.001 (it drops underscores"),
+        ("train.max_steps=1__000", "YAML reads it as 1000"),
+        ("train.max_steps=0x10", "the number 16 in base 16: write 16"),
+        ("train.max_steps=0b11", "the number 3 in base 2: write 3"),
+        ("train.max_steps=!!int 010", "a tagged value"),
+    ],
+)
+def test_a_number_yaml_reads_otherwise_than_it_looks_is_refused(given, said):
+    """Each was accepted as the number on the right, exit 0: 100 steps for `100 #1000`, seed 7 for `7_`."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(None, [given])
+
+
+def test_numbers_as_they_look_and_texts_with_a_hash_are_kept():
+    cfg = load_config(None, ["train.lr=1e-3", "train.max_steps=100", "seed=7", "output_dir=runs/x #2"])
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.seed, cfg.output_dir) == (1e-3, 100, 7, "runs/x #2")
+
+
+def test_a_number_in_a_file_with_underscores_or_another_base_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 0x10  # a comment in a file is YAML's own\n")
+    with pytest.raises(ConfigError, match=rf"seed=0x10 in config file {path}: YAML reads it as the number 16"):
+        load_config(str(path))
+    path.write_text("seed: 16  # a comment in a file is YAML's own\n")
+    assert load_config(str(path)).seed == 16
+
+
+def test_a_setting_may_default_to_a_list_or_a_dict_each_instance_its_own():
+    """setting(["the", "a"], ...) was a bare traceback (dataclasses refuse a mutable default)."""
+
+    @dataclasses.dataclass
+    class Words:
+        stop_words: list[str] = setting(["the", "a"], "words dropped")
+        weights: dict[str, float] = setting({"positive": 2.0}, "class weights")
+
+    one, two = Words(), Words()
+    one.stop_words.append("an")
+    one.weights["negative"] = 1.0
+    assert (two.stop_words, two.weights) == (["the", "a"], {"positive": 2.0})
+    merged = OmegaConf.merge(OmegaConf.structured(Words), OmegaConf.from_dotlist(["stop_words=[x]"]))
+    assert OmegaConf.to_object(merged).stop_words == ["x"]

@@ -113,3 +113,15 @@ def test_a_masking_collate_gives_the_same_weights_whatever_data_num_workers(tmp_
         == 0
     )
     assert max_abs_diff(two, checkpoint_weights(run(tmp_path / "none", *masked, "data.num_workers=0"), 6)) == 0
+
+
+def test_a_training_set_whose_length_changes_between_epochs_stops_in_one_line(tmp_path):
+    """Its epochs were planned from the length at start: a shrunk set ended in a StopIteration
+    traceback at the first step past its end, a grown one was read in part without a word."""
+    from distqa.errors import DistqaError
+
+    args = [*TOY, "task.name=toy_data_tasks:ShrinkingTask", "data.num_workers=0", "train.epochs=2"]
+    with pytest.raises(
+        DistqaError, match=r"^the training set's length changed during the run: 64 examples at start, 21 at epoch 1"
+    ):
+        train(load_config(None, [*args, f"output_dir={tmp_path / 'run'}"]))

@@ -264,9 +264,20 @@ def test_predict_with_skipped_lines_says_in_its_last_line_that_they_have_no_rows
 # Stale features, and the output path
 
 
-def test_predict_refuses_features_cached_from_an_earlier_version_of_the_file(tmp_path, capsys, tiny_run, minilm_dir):
-    """The cache is keyed on path, size and mtime: an id edited in place, mtime restored, once gave
+def frozen_change_time(monkeypatch) -> None:
+    """A file system that keeps no change time: the cache key then sees path, size and mtime only,
+    and an edit in place with its mtime restored finds the old entry; the ids behind it catch that."""
+    from distqa.nq import feature_stamp
+
+    monkeypatch.setattr(feature_stamp, "change_time_ns", lambda stat: 0)
+
+
+def test_predict_refuses_features_cached_from_an_earlier_version_of_the_file(
+    tmp_path, capsys, tiny_run, minilm_dir, monkeypatch
+):
+    """The cache was keyed on path, size and mtime: an id edited in place, mtime restored, once gave
     an empty answer for the renamed example and a submission with exit 0."""
+    frozen_change_time(monkeypatch)
     source = write(tmp_path / "in.jsonl", SHORT[:2])
     assert predict_here(tmp_path, capsys, tiny_run, minilm_dir, source)[0] == 0
     old_id = str(json.loads(LINES[0])["example_id"])
@@ -290,11 +301,13 @@ def annotated(line: str) -> str:
     return json.dumps(obj)
 
 
-def test_validation_refuses_features_cached_from_an_earlier_version_of_its_file(tmp_path, minilm_dir):
+def test_validation_refuses_features_cached_from_an_earlier_version_of_its_file(tmp_path, minilm_dir, monkeypatch):
     """The same stale cache under `data.valid`: the gold is read from the file, the windows from
     the cache, and a renamed example scored as unanswered (a lower eval_micro_f1, exit 0). The
     refusal comes at start, when the data is built, not at the first evaluation hours later."""
     from distqa.nq.task import NQTask
+
+    frozen_change_time(monkeypatch)
 
     source = write(tmp_path / "valid.jsonl", [annotated(line) for line in SHORT[:2]])
     args = [*SMALL, f"model.tokenizer={minilm_dir}", f"task.cache_dir={tmp_path / 'cache'}", f"data.valid={source}"]

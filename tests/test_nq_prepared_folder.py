@@ -112,6 +112,91 @@ def test_a_damaged_prepared_folder_is_one_line_and_a_damaged_cache_entry_is_made
     assert prepare_features(SAMPLE, entry, tokenizer_name=str(minilm_dir), settings=settings).reused
 
 
+def zero_middle(arrow: Path) -> None:
+    """Zero the middle third of a file in place (same size): an interrupted copy into space set
+    aside for it. Arrow keeps no checksum of its data, and the row count survives."""
+    data = bytearray(arrow.read_bytes())
+    third = len(data) // 3
+    data[third : 2 * third] = bytes(third)
+    arrow.write_bytes(bytes(data))
+
+
+def test_features_zeroed_in_part_are_refused_or_made_again_never_trained_on(
+    tmp_path, prepared, minilm_dir, monkeypatch
+):
+    """Such a folder loaded with its count intact, and a run trained on empty attention masks,
+    exit 0. The stamp records a digest of every value; the node's first process compares it."""
+    import shutil
+
+    from distqa.data_identity import arrow_fingerprint
+
+    cfg = config(minilm_dir)
+    tokenizer = load_tokenizer(cfg.model, required=True)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(prepared["train"], damaged)
+    (arrow,) = damaged.glob("*.arrow")
+    zero_middle(arrow)
+    assert len(load_features(damaged)) == json.loads((damaged / FINGERPRINT_FILE).read_text())["features"]
+    with pytest.raises(DistqaError, match=rf"^the features at {damaged} are damaged: their content is not what"):
+        resolve_features(cfg, str(damaged), tokenizer, training=True)
+    # Another process of the node (LOCAL_RANK 1) comes after the first, which checked: it does not read it all again.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_features(cfg, str(damaged), tokenizer, training=True) == damaged
+    monkeypatch.delenv("LOCAL_RANK")
+    # A folder stamped before the digest was recorded cannot be checked: prepared again, said in one line.
+    old = tmp_path / "old"
+    shutil.copytree(prepared["train"], old)
+    stamp = json.loads((old / FINGERPRINT_FILE).read_text())
+    del stamp["content"]
+    (old / FINGERPRINT_FILE).write_text(json.dumps(stamp))
+    with pytest.raises(DistqaError, match=rf"^the features at {old} cannot be checked: .*: delete {old} and prepare"):
+        resolve_features(cfg, str(old), tokenizer, training=True)
+    # A cache entry in that state is made again, the same as it was first made.
+    settings = feature_settings(cfg, training=True)
+    entry = tmp_path / "entry"
+    assert not prepare_features(SAMPLE, entry, tokenizer_name=str(minilm_dir), settings=settings).reused
+    first = arrow_fingerprint(load_features(entry))
+    (arrow,) = entry.glob("*.arrow")
+    zero_middle(arrow)
+    assert arrow_fingerprint(load_features(entry)) != first
+    assert not prepare_features(SAMPLE, entry, tokenizer_name=str(minilm_dir), settings=settings).reused
+    assert arrow_fingerprint(load_features(entry)) == first
+    assert prepare_features(SAMPLE, entry, tokenizer_name=str(minilm_dir), settings=settings).reused
+
+
+def test_an_input_edited_in_place_with_its_size_and_mtime_kept_is_prepared_again(tmp_path, minilm_dir):
+    """The cache was keyed on path, size and mtime: a short answer corrected in place (213 -> 214,
+    the same bytes) with `touch -r` afterwards reused the old features, old labels and all, exit 0."""
+    import os
+
+    from distqa.data_identity import arrow_fingerprint
+
+    cfg = config(minilm_dir, f"task.cache_dir={tmp_path / 'cache'}", "task.keep_unknown=0")
+    tokenizer = load_tokenizer(cfg.model, required=True)
+    lines = SAMPLE.read_text().splitlines()
+    obj = json.loads(lines[0])
+    short = obj["annotations"][0]["short_answers"][0]
+    assert short["end_token"] - short["start_token"] >= 2
+    source = tmp_path / "train.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    before = resolve_features(cfg, str(source), tokenizer, training=True)
+    stat = source.stat()
+    old = f'"start_token": {short["start_token"]}, "end_token": {short["end_token"]}'
+    new = f'"start_token": {short["start_token"] + 1}, "end_token": {short["end_token"]}'
+    assert len(old) == len(new) and old in lines[0]
+    source.write_text(source.read_text().replace(old, new, 1))
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (source.stat().st_size, source.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    after = resolve_features(cfg, str(source), tokenizer, training=True)
+    assert after != before
+    fresh = tmp_path / "fresh"
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(source.read_bytes())
+    prepare_features(copy, fresh, tokenizer_name=str(minilm_dir), settings=feature_settings(cfg, training=True))
+    assert arrow_fingerprint(load_features(after)) == arrow_fingerprint(load_features(fresh))
+    assert arrow_fingerprint(load_features(after)) != arrow_fingerprint(load_features(before))
+
+
 def test_features_prepared_again_during_a_run_stop_it_in_its_dataloader_workers(tmp_path, prepared, minilm_dir):
     """DataLoader workers get the dataset pickled at each epoch, and the Arrow table comes back by
     path: a folder prepared again meanwhile fed the workers its new windows (length 128 where the run

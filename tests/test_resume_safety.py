@@ -320,3 +320,45 @@ def test_a_checkpoint_past_the_end_is_refused(four_steps, tmp_path):
     out = copy_run(four_steps, tmp_path)
     with pytest.raises(ConfigError, match=r"step-4 is at step 4, past this run's 3 steps: raise train.max_steps"):
         run(out, "train.max_steps=3")
+
+
+def test_a_task_setting_renamed_added_or_dropped_since_the_checkpoint_is_a_change(four_steps, monkeypatch):
+    """Only keys on both sides were compared: a fork's task.max_words renamed task.max_len (16 words
+    cut to 2 from the resume step on), or a dict setting's entry left out (a class weight back to
+    1.0), resumed without a word, exit 0. A core key an older distqa lacked is still no change."""
+    import copy
+    import dataclasses
+
+    from distqa import resume
+    from distqa.checkpoint_verify import read_trainer_state
+
+    directory = four_steps / "checkpoints" / "step-4"
+    state = read_trainer_state(directory)
+    cfg = load_config(None, [*BASE, f"output_dir={four_steps}", "train.max_steps=4"])
+    assert resume.changed_settings(state, cfg) == ({}, {})
+    older = copy.deepcopy(state)
+    del older["config"]["train"]["check_finite"]  # a core key the checkpoint's distqa did not have
+    assert resume.changed_settings(older, cfg) == ({}, {})
+
+    renamed = copy.deepcopy(state)
+    renamed["config"]["task"]["max_words"] = renamed["config"]["task"].pop("max_seq_len")
+    renamed["config"]["task"]["weights"] = {"positive": 2.0}
+    assert resume.changed_settings(renamed, cfg) == (
+        {"task.max_seq_len": resume.ABSENT, "task.max_words": 64, "task.weights.positive": 2.0},
+        {"task.max_seq_len": 64, "task.max_words": resume.ABSENT, "task.weights.positive": resume.ABSENT},
+    )
+    monkeypatch.setattr(resume, "read_trainer_state", lambda _: renamed)
+    with pytest.raises(
+        ConfigError, match=r"changed task.max_seq_len \(absent -> 64\), task.max_words \(64 -> absent\)"
+    ):
+        resume.check_resumable(directory, cfg, global_batch=state["global_batch"])
+
+    # A tuple default is the list trainer_state.json holds: no change (every resume of it was refused).
+    @dataclasses.dataclass
+    class Words:
+        name: str = "nq"
+        stop_words: tuple[str, ...] = ("the", "a")
+
+    listed = copy.deepcopy(state)
+    listed["config"]["task"] = {"name": "nq", "stop_words": ["the", "a"]}
+    assert resume.changed_settings(listed, dataclasses.replace(cfg, task=Words())) == ({}, {})

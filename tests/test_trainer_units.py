@@ -265,3 +265,15 @@ def test_samples_per_s_leaves_out_the_time_a_checkpoint_takes_to_save(tmp_path, 
     # 2 steps of 2 examples each: the window's time follows from its rate. Two tiny steps take far
     # less than the save's sleep, which was counted in whole before.
     assert 4 / window["samples_per_s"] < slow_s / 2, window
+
+
+def test_to_device_moves_the_tensors_of_nested_batches():
+    """A batch of {"inputs": {...}} kept its inner tensors on the CPU (a device mismatch on a GPU)."""
+    import torch
+
+    from distqa.evaluation import to_device
+
+    batch = {"inputs": {"ids": torch.ones(2)}, "pair": (torch.ones(1), [torch.ones(1)]), "id": ["a", "b"]}
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["inputs"]["ids"].is_meta and moved["pair"][0].is_meta and moved["pair"][1][0].is_meta
+    assert isinstance(moved["pair"], tuple) and moved["id"] == ["a", "b"]

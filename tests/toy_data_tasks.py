@@ -108,3 +108,26 @@ class SharedGeneratorTask(ToyClassificationTask):
 
     def compute_metrics(self, outputs: list, step: int) -> dict[str, float]:
         return {"eval_items": float(len(outputs))}
+
+
+class ShrinkingBlobs(BlobsDataset):
+    """A third of its examples once all have been read: a filter a fork applies during training."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        super().__init__(size, seed)
+        self.read: set[int] = set()
+
+    def __len__(self) -> int:
+        return self.size // 3 if len(self.read) >= self.size else self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        self.read.add(int(index))  # counted in this process: run with data.num_workers=0
+        return super().__getitem__(index)
+
+
+class ShrinkingTask(ToyClassificationTask):
+    def build_train_dataset(self) -> Dataset:
+        return ShrinkingBlobs(self.cfg.task.size, seed=self.cfg.seed)
+
+    def data_fingerprint(self, dataset: Dataset) -> str:
+        return "fixed"  # reads no item: the first epoch is the first to read them all

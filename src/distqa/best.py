@@ -51,6 +51,9 @@ def new_best(record: dict[str, Any], metric: str, mode: str, best: dict[str, Any
         what = f"it reported {', '.join(reported)}" if reported else "it reported nothing (is data.valid set?)"
         raise DistqaError(f"train.best_metric={metric!r} is not a metric of this task's evaluation: {what}")
     value = float(record[metric])
+    if not math.isfinite(value):  # never a best: said, or a run whose every value is NaN ends without one silently
+        step = record["step"]
+        print0(f"warning: train.best_metric={metric} is {value} at step {step}: no candidate for the best checkpoint")
     if not is_better(value, best, mode):
         return None
     return {"metric": metric, "mode": mode, "value": value, "step": int(record["step"])}

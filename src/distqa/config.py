@@ -8,6 +8,7 @@ file and `KEY=VALUE` overrides against it; a task's own settings join under `tas
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Iterator
@@ -32,7 +33,8 @@ def setting(default: Any, help: str, *, resume: str | None = None, finite: bool 
     operated, nothing computed changes), "applied" (takes effect from the resume step on, with a
     warning); without it the change is refused (it changes the model, the data or the optimizer
     the checkpoint holds). A float setting must be finite unless declared `finite=False` (then
-    +-inf is allowed, never nan). A dataclass as `default` is a section of settings.
+    +-inf is allowed, never nan). A dataclass as `default` is a section of settings; a list or a
+    dict is copied for each instance.
     """
     if resume not in (None, *RESUME_RULES):
         raise ValueError(f"setting(resume={resume!r}): use one of {RESUME_RULES} or leave it out (refused)")
@@ -43,6 +45,8 @@ def setting(default: Any, help: str, *, resume: str | None = None, finite: bool 
         metadata["finite"] = False
     if isinstance(default, type) and dataclasses.is_dataclass(default):
         return field(default_factory=default, metadata=metadata)
+    if isinstance(default, list | dict):  # each instance its own copy (dataclasses refuse a shared one)
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 

@@ -126,17 +126,55 @@ _OCTAL = re.compile(r"[-+]?0[0-7_]+")
 _BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
 
 
+_RADIX = re.compile(r"[-+]?0[xb][0-9a-fA-F_]+")  # YAML 1.1's hexadecimal and binary integers
+
+
 def check_yaml_number(key: str, raw: str, source: str) -> None:
-    """An unquoted value that YAML reads in another base than the decimal it looks like:
-    train.max_steps=010 trained 8 steps, without a word."""
+    """An unquoted value that YAML reads as another number than the decimal it looks like:
+    train.max_steps=010 trained 8 steps and seed=7_ was 7, without a word (1_000 is 1000, as in Python)."""
     raw, digits = raw.strip(), raw.strip().replace("_", "")
     if _OCTAL.fullmatch(raw) and int(digits, 8) != int(digits):
         read, fix = f"the octal number {int(digits, 8)}", f"write {int(digits)} without the leading zero"
     elif _BASE_60.fullmatch(raw):
         read, fix = "a base-60 number (1:30 is 90)", "write the number itself"
+    elif _RADIX.fullmatch(raw):
+        read, fix = f"the number {int(digits, 0)} in base {16 if 'x' in raw else 2}", f"write {int(digits, 0)}"
+    elif "_" in raw and not _grouped(raw) and isinstance(number := _yaml_number(raw), (int, float)):
+        read, fix = f"{number} (it drops underscores in a number)", f"write {number} if that is meant"
+    elif raw.startswith("!"):
+        read, fix = "a tagged value (!!int 010 is 8)", "write the value without the tag"
     else:
         return
     raise ConfigError(f"{key}={raw} in {source}: YAML reads it as {read}: {fix}")
+
+
+def _yaml_number(raw: str) -> int | float | None:
+    """What YAML makes of `raw` when that is a number (bools aside), else None."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _grouped(raw: str) -> bool:
+    """Underscores between digits only, as Python writes 1_000: the number it looks like."""
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def check_no_comment(key: str, value: str) -> None:
+    """A command-line number or switch holding ` #`: YAML reads the rest as a comment, so
+    train.max_steps=100 #1000 trained 100 steps (a text key keeps the text whole)."""
+    typed = value.strip()
+    if typed[:1] not in ("'", '"') and (found := re.search(r"\s#", typed)):
+        raise ConfigError(
+            f"{key}={value} on the command line holds ' #', where YAML's comments start: it would be "
+            f"{key}={typed[: found.start()].strip()}: remove the comment"
+        )
 
 
 def plain_scalars(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:

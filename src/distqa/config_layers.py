@@ -23,6 +23,7 @@ from distqa.config_checks import (
     bool_keys,
     check_bool,
     check_floats,
+    check_no_comment,
     check_not_a_section,
     check_sections,
     check_text,
@@ -56,6 +57,11 @@ def _read_yaml(path: str) -> DictConfig:
         raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from err
     if not isinstance(layer, DictConfig):
         raise ConfigError(f"config file {path} is not a mapping of settings")
+    if len(layer) == 0:  # a file cut to nothing, an empty ConfigMap: the defaults trained, exit 0
+        raise ConfigError(
+            f"config file {path} sets no settings (it is empty, or holds only comments): give the file that "
+            "holds the run's settings (e.g. configs/bert-base.yaml), or no --config for the defaults"
+        )
     dotted = next((key for key in layer if isinstance(key, str) and "." in key), None)
     if dotted is not None:  # `train.lr: 0.5`: YAML keys do not nest by dots
         section, _, rest = dotted.partition(".")
@@ -63,8 +69,11 @@ def _read_yaml(path: str) -> DictConfig:
             f"config file {path} has the key '{dotted}': YAML nests keys by indenting, not by dots: "
             f"write '{section}:' and, indented on the line below it, '{rest}: VALUE'"
         )
-    if isinstance(layer.get("task"), str):  # `task: NAME`, the shorthand of `task: {name: NAME}`
-        layer["task"] = {"name": layer["task"]}
+    try:  # (task: ${oc.env:TASK}, resolved here, with TASK unset)
+        if isinstance(layer.get("task"), str):  # `task: NAME`, the shorthand of `task: {name: NAME}`
+            layer["task"] = {"name": layer["task"]}
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"config file {path}: task: {str(err).splitlines()[0]}") from None
     return layer
 
 
@@ -122,7 +131,10 @@ def _task_name(layer: DictConfig | None, items: list[str]) -> str:
                 raise ConfigError(f"{item} on the command line: {str(err).splitlines()[0]}") from None
             return "" if name is None else str(name)
     if layer is not None and isinstance(layer.get("task"), DictConfig) and "name" in layer["task"]:
-        return str(layer["task"]["name"])
+        try:
+            return str(layer["task"]["name"])
+        except OmegaConfBaseException as err:  # name: ${oc.env:TASK} in the file, with TASK unset
+            raise ConfigError(f"task.name in the config file: {str(err).splitlines()[0]}") from None
     return TaskSettings().name
 
 
@@ -171,6 +183,7 @@ def load_config(
         key, _, value = item.partition("=")
         check_not_a_section(key, known)
         if key not in text:  # (a text key's value is taken as typed: output_dir=010 is the folder 010)
+            check_no_comment(key, value)
             check_yaml_number(key, value, "the command line")
         try:
             override = _command_line_layer(item, text)

@@ -43,9 +43,16 @@ from distqa.rng_state import capture_rng_state, restore_rng_state
 from distqa.rounds import as_peer_loss
 
 
-def to_device(batch: Any, device: torch.device) -> dict[str, Any]:
-    """Tensors to the device; other values (example ids as strings, say) stay as they are."""
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors to the device, in nested mappings, lists and tuples too (`{"inputs": {...}}`, as
+    `Task.batch_rows` reads them); other values (example ids as strings, say) stay as they are."""
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if type(batch) in (list, tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
 
 def evaluate_dataset(task: Any, model: nn.Module, dataset: Dataset, info: DistInfo, step: int) -> dict[str, float]:

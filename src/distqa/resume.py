@@ -15,6 +15,7 @@ changed one is refused unless `train.allow_data_change=true`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -173,12 +174,29 @@ def _refuse_finished_with_other_settings(state: dict[str, Any], cfg: Config, tot
         )
 
 
+class _Absent:
+    """A key one side of a resume has and the other lacks."""
+
+    def __repr__(self) -> str:
+        return "absent"
+
+
+ABSENT = _Absent()
+
+
 def changed_settings(state: dict[str, Any], cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(checkpoint's value, this run's value) of every key that differs, by key."""
-    saved, now = flatten(state["config"]), flatten(dataclasses.asdict(cfg))
-    # Keys the checkpoint's version did not have yet (or that were removed since) are not compared.
-    changed = sorted(k for k in now if k in saved and saved[k] != now[k])
-    return {k: saved[k] for k in changed}, {k: now[k] for k in changed}
+    """(checkpoint's value, this run's value) of every key that differs, by key (ABSENT: one side
+    lacks it)."""
+    # Through JSON, as trainer_state.json holds them: a tuple default is the list it was saved as,
+    # not a change (every resume of a fork with one was refused).
+    saved, now = flatten(state["config"]), flatten(json.loads(json.dumps(dataclasses.asdict(cfg))))
+    # A core key the checkpoint's distqa did not have yet (or that was removed since) is not
+    # compared. A task's key is: a setting of a fork renamed, added or dropped, or an entry of a
+    # dict setting given or left out, changed what the run computes without a word.
+    keys = [k for k in now if k in saved or k.startswith("task.")]
+    keys += [k for k in saved if k not in now and k.startswith("task.")]
+    changed = sorted(k for k in keys if saved.get(k, ABSENT) != now.get(k, ABSENT))
+    return {k: saved.get(k, ABSENT) for k in changed}, {k: now.get(k, ABSENT) for k in changed}
 
 
 def _changed_of_kind(kind: str, state: dict[str, Any], cfg: Config) -> tuple[list[str], dict[str, Any], dict[str, Any]]:

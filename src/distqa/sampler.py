@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from distqa.dist import DistInfo, default_num_workers
-from distqa.errors import ConfigError
+from distqa.errors import ConfigError, DistqaError
 from distqa.loader_server import loader_context
 from distqa.worker_signals import loader_worker_init, sigterm_held
 
@@ -207,10 +207,24 @@ class SeededCollate:
 
 
 def training_batches(
-    dataset: Dataset, collate: Callable[[list[Any]], Any], cfg: Config, info: DistInfo, epoch: int, start_step: int
+    dataset: Dataset,
+    collate: Callable[[list[Any]], Any],
+    cfg: Config,
+    info: DistInfo,
+    epoch: int,
+    start_step: int,
+    length: int | None = None,
 ) -> Iterator[Any]:
     """This rank's batches of one epoch, from optimizer step `start_step` on, its DataLoader workers
-    started."""
+    started. `length`: the set's length when the run planned its steps; a set that shrank since (a
+    fork's filter applied during training) ended in a StopIteration traceback, one that grew was
+    read in part without a word."""
+    if length is not None and len(dataset) != length:  # type: ignore[arg-type]
+        raise DistqaError(
+            f"the training set's length changed during the run: {length} examples at start, "
+            f"{len(dataset)} at epoch {epoch}: a run reads one set from start to end (its steps, data "  # type: ignore[arg-type]
+            "order and checkpoints count on it); make the dataset's length fixed"
+        )
     sampler = GlobalBatchSampler(
         len(dataset),  # type: ignore[arg-type]
         batch_size=cfg.train.batch_size,

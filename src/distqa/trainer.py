@@ -170,6 +170,7 @@ class Trainer:
         require_evaluation(self.task, cfg.train)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
         train = cfg.train
+        self.n_train = len(dataset)  # type: ignore[arg-type]  # each epoch's must be the same (training_batches)
         self.epoch_steps = steps_per_epoch(len(dataset), train.batch_size, train.grad_accum, info.world_size)  # type: ignore[arg-type]
         self.total_steps = train.max_steps if train.max_steps > 0 else train.epochs * self.epoch_steps
         self.dataset_size = dataset_size(dataset)
@@ -239,7 +240,7 @@ class Trainer:
         try:
             while state.step < self.total_steps:
                 epoch, in_epoch = divmod(state.step, self.epoch_steps)
-                batches = training_batches(dataset, self.task.collate_fn(), cfg, info, epoch, in_epoch)
+                batches = training_batches(dataset, self.task.collate_fn(), cfg, info, epoch, in_epoch, self.n_train)
                 for _ in range(in_epoch, min(self.epoch_steps, in_epoch + self.total_steps - state.step)):
                     lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                     self.train_step(batches, self.meter)

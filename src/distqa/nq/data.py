@@ -63,7 +63,7 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
     # Imported here, not at the top: `prepare` pulls in `datasets` (pandas, pyarrow: about 0.5 s
     # per process), which runs on the DummyDataset never use.
     from distqa.nq.feature_stamp import made_otherwise
-    from distqa.nq.prepare import FINGERPRINT_FILE, prepare_features, recorded_result
+    from distqa.nq.prepare import FINGERPRINT_FILE, load_features, local_main, prepare_features, recorded_result
 
     source = Path(path)
     if source.is_dir():
@@ -78,6 +78,7 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
                 f"give the settings they were prepared with, or prepare them again (distqa prepare --mode {mode} "
                 f"--output {source} ...)"
             )
+        load_features(source, verify=local_main())  # damaged since `prepare` wrote it: one line
         if note := recorded_result(source).skipped_note():
             print0(f"the features at {source} lack the lines their input's preparation skipped: {note}")
         return source

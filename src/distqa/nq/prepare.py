@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from distqa.errors import DistqaError
 from distqa.models import load_error
 from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer, open_staging, read_stamp
-from distqa.nq.feature_stamp import fingerprint, load_features
+from distqa.nq.feature_stamp import CONTENT_KEY, content_digest, fingerprint, load_features
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, refuse_unreadable_start, shown_lines
 from distqa.parent_watch import children_die_with_me
@@ -243,12 +243,20 @@ def prepare_features(
 
 
 def _whole(target: Path) -> bool:
-    """Whether the features of a stamped folder load, all of them: a damaged one is made again."""
+    """Whether the features of a stamped folder load, all of them, with the content they were
+    written with: a damaged one is made again. Under torchrun the node's local rank 0 reads the
+    content (it resolves the cache first, `local_main_first`); the node's other ranks then find the
+    same files and check their count only."""
     try:
-        load_features(target)
+        load_features(target, verify=local_main())
     except DistqaError:
         return False
     return True
+
+
+def local_main() -> bool:
+    """Whether this process is its node's first (LOCAL_RANK 0, or not under torchrun)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def _refuse_unusable_input(source: Path) -> None:
@@ -301,6 +309,8 @@ def _prepare_into(
         }
         try:
             dataset.save_to_disk(str(staging / "dataset"))
+            # What was written, read back from the files themselves: what a reuse compares.
+            record[CONTENT_KEY] = content_digest(datasets.load_from_disk(str(staging / "dataset")))
             committing = True
             commit(target, staging / "dataset", json.dumps(record, indent=2))
         except OSError as err:  # a full disk, a folder made read-only meanwhile
