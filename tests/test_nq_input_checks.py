@@ -225,6 +225,25 @@ def test_a_run_reusing_features_says_which_lines_were_skipped(tmp_path, minilm_d
     assert "skipped 2 bad line(s)" in resolve_and_capture(folder, cfg, tokenizer, capsys)
 
 
+def test_features_made_skipping_bad_lines_are_not_used_by_a_strict_run(tmp_path, minilm_dir, capsys):
+    """task.skip_bad_lines is not in the cache key: a strict run (the default) reused an entry a
+    skipping run had made and trained on without the lines, where its own build stops at the first."""
+    path = write(tmp_path / "in.jsonl", [SHORT[0], "{broken", SHORT[1]])
+    settings = [f"model.tokenizer={minilm_dir}", "task.max_seq_len=64", f"task.cache_dir={tmp_path}/c"]
+    skipping = load_config(None, [*settings, "task.skip_bad_lines=true"])
+    tokenizer = load_tokenizer(skipping.model)
+    folder = resolve_features(skipping, str(path), tokenizer, training=False)
+    made = (folder / "distqa_fingerprint.json").read_bytes()
+    strict = load_config(None, settings)
+    with pytest.raises(DistqaError, match=r"in.jsonl, line 2: not valid JSON"):
+        resolve_features(strict, str(path), tokenizer, training=False)
+    assert (folder / "distqa_fingerprint.json").read_bytes() == made  # the entry is left as it was
+    assert resolve_features(skipping, str(path), tokenizer, training=False) == folder  # and reused
+    with pytest.raises(DistqaError, match=r"lack the lines their input's preparation skipped \(skipped 1 bad"):
+        resolve_features(strict, str(folder), tokenizer, training=False)  # the folder named as data
+    capsys.readouterr()
+
+
 def resolve_and_capture(folder, cfg, tokenizer, capsys) -> str:
     capsys.readouterr()
     resolve_features(cfg, str(folder), tokenizer, training=False)  # a prepared folder named directly

@@ -80,6 +80,12 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
             )
         load_features(source, verify=local_main())  # damaged since `prepare` wrote it: one line
         if note := recorded_result(source).skipped_note():
+            if not cfg.task.skip_bad_lines:  # as the run's own preparation would: it stops at the first
+                raise DistqaError(
+                    f"the features at {source} lack the lines their input's preparation skipped ({note}): "
+                    "set task.skip_bad_lines=true to use them without those lines, or mend the lines and "
+                    "prepare them again"
+                )
             print0(f"the features at {source} lack the lines their input's preparation skipped: {note}")
         return source
     name = tokenizer_name(cfg)  # first: no tokenizer is one line, before the fingerprint needs one

@@ -127,7 +127,7 @@ def load_features(path: str | os.PathLike, *, verify: bool = False) -> datasets.
     """Memory-map a prepared folder (nothing is read into RAM until used), whole: a file cut short
     (an interrupted copy) is one line, not a traceback, nor fewer features without a word.
 
-    `verify`: also read every value and compare it with the digest the stamp recorded (about 0.4 s
+    `verify`: also read every value and compare it with the digest the stamp recorded (0.4 to 0.7 s
     for the full training set's 3.7 GB, docs/benchmarks.md). Arrow keeps no checksum of its
     data: a file zeroed in part (a copy into preallocated space that stopped) loaded with its row
     count intact, and a run trained on empty attention masks. Done once per node per start."""

@@ -229,17 +229,29 @@ def prepare_features(
     fp = fingerprint(source, _fast_tokenizer(tokenizer_name), settings)
     stamp = target / FINGERPRINT_FILE
     recorded = read_stamp(stamp)
-    if recorded is not None and recorded.get("fingerprint") == fp and _whole(target):
-        return recorded_result(target, recorded)
+    if _reusable(recorded, fp, target, skip_bad_lines):
+        return recorded_result(target, recorded)  # type: ignore[arg-type]
     # One writer at a time (two runs sharing a cache, nodes on shared storage, `prepare` beside a
     # training run): each would otherwise delete the other's staging folder mid-write. A waiter
     # then finds the folder the other one wrote, and reuses it if it is what it needs.
     claim(target)
     with one_writer(target):
         recorded = read_stamp(stamp)
-        if recorded is not None and recorded.get("fingerprint") == fp and _whole(target):
-            return recorded_result(target, recorded)
+        if _reusable(recorded, fp, target, skip_bad_lines):
+            return recorded_result(target, recorded)  # type: ignore[arg-type]
         return _prepare_into(source, target, fp, settings, tokenizer_name, num_proc, skip_bad_lines)
+
+
+def _reusable(recorded: dict[str, Any] | None, fp: dict[str, Any], target: Path, skip_bad_lines: bool) -> bool:
+    """Whether a stamped folder holds what this call would make: the same fingerprint, whole, and
+    no skipped line unless this call skips them too (task.skip_bad_lines is not in the key: a
+    strict run reusing an entry made by a skipping one trained on without the lines, where its
+    own build stops at the first; it builds, and stops there, leaving the entry as it was)."""
+    if recorded is None or recorded.get("fingerprint") != fp:
+        return False
+    if recorded.get("bad_lines") and not skip_bad_lines:
+        return False
+    return _whole(target)
 
 
 def _whole(target: Path) -> bool:
