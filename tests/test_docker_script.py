@@ -286,6 +286,17 @@ def test_dockerignore_keeps_data_results_venv_git_and_secrets_out():
     assert not copied & patterns  # nothing the image needs is excluded
 
 
+def test_neuroignore_lists_what_dockerignore_lists():
+    """`neuro-flow build` uploads by .neuroignore, `docker build` by .dockerignore: a local cache/
+    left out of one only went up as build context (found by a review)."""
+
+    def patterns(name: str) -> set[str]:
+        lines = (ROOT / name).read_text().splitlines()
+        return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+    assert patterns(".neuroignore") == patterns(".dockerignore")
+
+
 def test_scripts_pass_shellcheck():
     shellcheck = Path(sys.executable).parent / "shellcheck"
     scripts = sorted(str(p) for p in (ROOT / "scripts").glob("*.sh")) + [str(ROOT / "deploy" / "slurm.sbatch")]

@@ -317,3 +317,49 @@ def test_download_help_names_every_credential_source_the_error_and_readme_name()
     sources += ["KAGGLE_CONFIG_DIR", "~/.config/kaggle"]
     assert [s for s in sources if s not in text] == [], text
     assert [s for s in sources if s not in readme] == []
+
+
+def test_a_copy_a_killed_download_left_is_removed_and_a_live_ones_kept(tmp_path, capsys):
+    """Each interrupted unpacking (SIGKILL, a preemption) left a hidden copy of up to 17 GB in the
+    data folder that no later download removed; and the files came out 0600 (mkstemp's)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = tmp_path / "data"
+    data.mkdir()
+    target = data / "simplified-nq-train.jsonl"
+    # A real download process killed mid-copy: its source never ends, so it is writing when killed.
+    writer = (
+        "import sys; from pathlib import Path; from distqa.nq.download import _move_into_place\n"
+        "_move_into_place(sys.stdin.buffer, Path(sys.argv[1]))\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", writer, str(target)], stdin=subprocess.PIPE) for _ in range(2)]
+    chunk = 1 << 24  # what the copy reads at a time: one chunk written, the next read waits
+    for proc in procs:
+        proc.stdin.write(b"x" * chunk)
+        proc.stdin.flush()
+    deadline = time.monotonic() + 60
+    while len(list(data.glob(".*.partial"))) < 2 or any(p.stat().st_size < chunk for p in data.glob(".*.partial")):
+        assert time.monotonic() < deadline, list(data.iterdir())
+        time.sleep(0.1)
+    os.kill(procs[0].pid, signal.SIGKILL)
+    procs[0].wait()
+    old = time.time() - 3600
+    for path in data.glob(".*.partial"):
+        os.utime(path, (old, old))  # both older than the moment a writer takes its lock
+    try:
+        assert download(data, api=StubApi(plain=["sample_submission.csv"])) == 0
+        left = list(data.glob(".*.partial"))
+        assert len(left) == 1 and left[0].stat().st_size == chunk  # the live writer's, kept
+        assert "removed 1 partial copy(ies) of simplified-nq-train.jsonl left by an interrupted download" in (
+            capsys.readouterr().out
+        )
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask for p in data.iterdir() if not p.name.startswith("."))

@@ -305,3 +305,41 @@ def test_example_id_of_agrees_with_json_loads(line):
     else:
         with pytest.raises(BadLine):
             split.example_id_of(line.encode())
+
+
+def test_a_staging_folder_a_killed_split_left_is_removed_and_a_live_ones_kept(tmp_path, capsys):
+    """A split killed while writing left `.split-staging-*` (up to a copy of the 17 GB input) that
+    no later split removed. What a SIGKILL leaves: the folder, its writer's lock gone with it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    killed, live = out / ".split-staging-killed", out / ".split-staging-live"
+    for folder in (killed, live):
+        folder.mkdir(parents=True)
+        (folder / "train.jsonl").write_bytes(b"x" * 1000)
+    holder = subprocess.Popen(  # a split still writing: it holds its staging folder's lock
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", str(live)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        old = time.time() - 3600
+        for folder in (killed, live):
+            os.utime(folder, (old, old))
+        status, _ = run(tmp_path, LINES, "--valid", "5")
+        assert status == 0
+        assert not killed.exists() and (live / "train.jsonl").is_file()
+        assert f"removed {killed}, left by an interrupted split" in capsys.readouterr().out
+        assert sorted(p.name for p in out.iterdir()) == [
+            ".split-staging-live",
+            "split.json",
+            "train.jsonl",
+            "valid.jsonl",
+        ]
+    finally:
+        holder.kill()
+        holder.wait()

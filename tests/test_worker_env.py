@@ -373,17 +373,24 @@ def test_slurm_sbatch_example(tmp_path):
         CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7",
     )
     env["PATH"] = f"{srun.parent}{os.pathsep}{env['PATH']}"
-    proc = subprocess.run(
-        ["bash", str(ROOT / "deploy" / "slurm.sbatch")], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert proc.returncode == 0, proc.stderr
-    nodes = [shlex.split(line) for line in proc.stdout.splitlines()]
-    assert len(nodes) == 2
-    for rank, words in enumerate(nodes):
-        flags = dict(zip(words[1:17:2], words[2:17:2], strict=True))
-        assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank)
-        assert flags["--master-addr"] == "gpu07" and flags["--nproc-per-node"] == "8"
-        assert words[-2:] == ["configs/bert-base.yaml", f"output_dir={ROOT}/results/bert-base-77"]
+    # A second submission (another job id) names the same folder, so that it resumes the first's run:
+    # one per job id trained afresh each time, exit 0.
+    for job in ("77", "78"):
+        proc = subprocess.run(
+            ["bash", str(ROOT / "deploy" / "slurm.sbatch")],
+            env={**env, "SLURM_JOB_ID": job},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 0, proc.stderr
+        nodes = [shlex.split(line) for line in proc.stdout.splitlines()]
+        assert len(nodes) == 2
+        for rank, words in enumerate(nodes):
+            flags = dict(zip(words[1:17:2], words[2:17:2], strict=True))
+            assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank)
+            assert flags["--master-addr"] == "gpu07" and flags["--nproc-per-node"] == "8"
+            assert words[-2:] == ["configs/bert-base.yaml", f"output_dir={ROOT}/results/bert-base"]
 
 
 def test_skypilot_example(tmp_path):
@@ -445,6 +452,8 @@ def test_pytorchjob_example(tmp_path):
         assert r["--rdzv-id"] == "distqa-bert-base" and r["--local-addr"] == f"10.8.0.{index + 1}"
         assert r["--rdzv-conf"] == f"join_timeout=1800,last_call_timeout=30,is_host={int(index == 0)}"
         assert r["train_args"] == container["args"]
+    # Training downloads nothing: the Kaggle secret is not the training pods' to see.
+    assert not [item for item in container["env"] if "KAGGLE" in item["name"]], container["env"]
 
 
 # ---- checks before torchrun starts (all with a stand-in torchrun that records its start) --------

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -105,3 +106,28 @@ def held_exclusively(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[N
         if os.getpid() == owner:  # (a forked child closed its copy at the fork)
             _HELD.discard(fd)
             os.close(fd)  # releases the lock
+
+
+def lock_while_writing(fd: int) -> None:
+    """Hold an flock on scratch a process is writing (a file or folder, by its open `fd`) until the
+    descriptor is closed: `abandoned` then tells a killed writer's leftover from a live one's."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def abandoned(path: Path, min_age_s: float = 60.0) -> bool:
+    """Whether scratch `path` has no writer left: none holds its lock (`lock_while_writing`; a
+    SIGKILLed writer's lock went with it) and it is older than `min_age_s` (the moment between its
+    creation and its writer's lock). A link is never scratch of ours."""
+    try:
+        if path.is_symlink() or time.time() - path.stat().st_mtime < min_age_s:
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True

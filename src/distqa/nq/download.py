@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import io
 import os
 import shutil
@@ -31,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from distqa.durable import abandoned, lock_while_writing
 from distqa.errors import DistqaError
 
 COMPETITION = "tensorflow2-question-answering"
@@ -216,10 +218,14 @@ def _move_into_place(source: io.BufferedIOBase | Path, target: Path) -> bool:
         os.rename(source, target)  # same folder tree, so a rename, not a copy
         return True
     # A name of its own: two downloads into one folder each write their own copy, then the first
-    # renamed in is kept.
+    # renamed in is kept. Locked while written, so that a later download removes the copy a
+    # killed one left (up to 17 GB each time) and never one being written.
+    _remove_abandoned_copies(target)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
     partial = Path(name)
     try:
+        lock_while_writing(fd)
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 kept other users (the image's uid) out
         with os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(source, out, length=1 << 24)
     except BaseException:  # a full disk, an interrupt: no copy of its own left behind
@@ -231,6 +237,25 @@ def _move_into_place(source: io.BufferedIOBase | Path, target: Path) -> bool:
         return False
     os.rename(partial, target)
     return True
+
+
+def _remove_abandoned_copies(target: Path) -> None:
+    """The partial copies of `target` that killed downloads left (SIGKILL, a preemption)."""
+    left = [p for p in target.parent.glob(f".{glob.escape(target.name)}.*.partial") if abandoned(p)]
+    size = 0
+    for path in left:
+        with contextlib.suppress(OSError):
+            size += path.stat().st_size
+            path.unlink()
+    if left:
+        gone = f"{size / 1e9:.1f} GB"
+        print(f"removed {len(left)} partial copy(ies) of {target.name} left by an interrupted download ({gone})")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _install(staging: Path, output_dir: Path) -> tuple[list[str], list[str]]:

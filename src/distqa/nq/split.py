@@ -27,6 +27,7 @@ import gzip
 import hashlib
 import heapq
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from distqa.durable import fsync_path, held_exclusively
+from distqa.durable import abandoned, fsync_path, held_exclusively, lock_while_writing
 from distqa.errors import DistqaError
 from distqa.nq.reader import BadLine, checked_example_id, load_object
 
@@ -192,6 +193,14 @@ def _move_into_place(staging: Path, output: Path) -> None:
     fsync_path(output)
 
 
+def _remove_abandoned_staging(output: Path) -> None:
+    """The staging folders of splits into `output` that were killed (up to a copy of the input each)."""
+    for path in output.glob(".split-staging-*"):
+        if path.is_dir() and abandoned(path):
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"removed {path}, left by an interrupted split", flush=True)
+
+
 def split_file(
     source: str | Path, output: str | Path, valid: int, *, seed: int = 0, overwrite: bool = False
 ) -> SplitResult:
@@ -206,9 +215,14 @@ def split_file(
 
     created = not output.exists()
     staging: Path | None = None
+    held: int | None = None
     try:
         output.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned_staging(output)
         staging = Path(tempfile.mkdtemp(prefix=".split-staging-", dir=output))
+        # Locked while written (closed with the process): a later split removes what a killed one left.
+        held = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        lock_while_writing(held)
         train, held_out = _write(source, staging, chosen, seed)
         if (train + held_out, held_out) != (examples, valid):
             raise DistqaError(f"{source} changed while it was being split: run the split again")
@@ -235,6 +249,8 @@ def split_file(
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+        if held is not None:
+            os.close(held)
         if created and output.is_dir() and not any(output.iterdir()):
             output.rmdir()
     return SplitResult(output, train, held_out, size, time.perf_counter() - started)
