@@ -124,8 +124,11 @@ def test_the_best_checkpoint_is_kept_named_resumed_and_exported(tmp_path, capsys
     final = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
     assert any(not torch.equal(final[k], saved[k]) for k in saved)
     assert (target / "toy.json").is_file() and (target / "distqa_task.json").is_file()
-    # The same through the command line, elsewhere.
+    # The same through the command line, elsewhere; "the best" as its own record knew it (a later
+    # step may beat it: the line once called an older checkpoint "the best" after that).
+    capsys.readouterr()
     assert main(["export", "--checkpoint", str(root / "best"), "--output", str(tmp_path / "cli")]) == 0
+    assert "(eval_score=0.9, the best up to step 4) to" in capsys.readouterr().out
     assert load_file(str(tmp_path / "cli" / "model.safetensors")).keys() == saved.keys()
 
     run(tmp_path / "run", "train.max_steps=12")  # 0.95: the new best; the old one goes at once

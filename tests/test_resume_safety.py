@@ -362,3 +362,23 @@ def test_a_task_setting_renamed_added_or_dropped_since_the_checkpoint_is_a_chang
     listed = copy.deepcopy(state)
     listed["config"]["task"] = {"name": "nq", "stop_words": ["the", "a"]}
     assert resume.changed_settings(listed, dataclasses.replace(cfg, task=Words())) == ({}, {})
+
+
+def test_a_grad_accum_derived_from_the_global_batch_is_no_change_on_resume(four_steps):
+    """1 process then 2 at train.global_batch=8: the warning said train.grad_accum (2 -> 1) changed,
+    and config-history/ kept a copy, though the command line never set it."""
+    import copy
+    import dataclasses
+
+    from distqa import resume
+    from distqa.checkpoint_verify import read_trainer_state
+
+    state = copy.deepcopy(read_trainer_state(four_steps / "checkpoints" / "step-4"))
+    state["config"]["train"].update(global_batch=8, grad_accum=2)
+    cfg = load_config(None, [*BASE, f"output_dir={four_steps}", "train.max_steps=4", "train.global_batch=8"])
+    cfg.train.resolve_global_batch(4)  # 4 processes of train.batch_size=2: no accumulation
+    assert cfg.train.grad_accum == 1 and resume.changed_settings(state, cfg) == ({}, {})
+    # Without a global batch it is the user's own setting: a change.
+    state["config"]["train"]["global_batch"] = 0
+    plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=0))
+    assert resume.changed_settings(state, plain) == ({"train.grad_accum": 2}, {"train.grad_accum": 1})

@@ -131,3 +131,16 @@ class ShrinkingTask(ToyClassificationTask):
 
     def data_fingerprint(self, dataset: Dataset) -> str:
         return "fixed"  # reads no item: the first epoch is the first to read them all
+
+
+class MaskedEvalTask(MaskedCollateTask):
+    """Masking in the collate in evaluation too, scored by the loss of each validation example."""
+
+    def build_eval_dataset(self) -> Dataset:
+        return BlobsDataset(30, seed=11)  # 8 batches of 4, the last of 2
+
+    def eval_step(self, model: nn.Module, batch) -> list:
+        return nn.functional.cross_entropy(model(batch["features"]), batch["label"], reduction="none").tolist()
+
+    def compute_metrics(self, outputs: list, step: int) -> dict[str, float]:
+        return {"eval_loss": sum(outputs) / len(outputs)}

@@ -176,8 +176,10 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
 
     export_atomically(save, target, info, note=note, source=source, still_valid=still_there)
     best = state.get("best")
+    # The best of the run up to this checkpoint, as its own record says: a later step may have
+    # beaten it since (an export of step-3 once said "the best" while checkpoints/best was step-6).
     what = (
-        f" ({best['metric']}={best['value']:.4g}, the best)"
+        f" ({best['metric']}={best['value']:.4g}, the best up to step {state['step']})"
         if isinstance(best, dict) and best.get("step") == state["step"]
         else ""
     )

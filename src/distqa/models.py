@@ -152,7 +152,11 @@ def build_hf_model(
     RANDOM_MODELS name, else its pretrained weights (a new head where the checkpoint has none; the
     names of such new weights are added to `missing` when given, for a caller that needs them all)."""
     config = config or hf_config(cfg, **overrides)
-    kwargs: dict[str, Any] = {}
+    # fp32 weights whatever the checkpoint stores: transformers loads a model saved in bf16 (as many
+    # on the hub are) as bf16 by default, and train.precision=fp32 then trained in pure bf16 (6 % of
+    # the weights moved in 6 steps, the rest lost to rounding), recorded as fp32. The compute dtype
+    # is train.precision's (autocast, or FSDP's policy), over fp32 weights.
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
     if cfg.attn_implementation is not None:
         kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.name in RANDOM_MODELS:

@@ -195,6 +195,10 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> tuple[dict[str, Any]
     # dict setting given or left out, changed what the run computes without a word.
     keys = [k for k in now if k in saved or k.startswith("task.")]
     keys += [k for k in saved if k not in now and k.startswith("task.")]
+    if now.get("train.global_batch") and saved.get("train.global_batch") == now["train.global_batch"]:
+        # Derived from it for this run's process count (`resolve_global_batch`), not set: an
+        # elastic resume on other nodes was warned of a grad_accum change nobody made.
+        keys = [k for k in keys if k != "train.grad_accum"]
     changed = sorted(k for k in keys if saved.get(k, ABSENT) != now.get(k, ABSENT))
     return {k: saved.get(k, ABSENT) for k in changed}, {k: now.get(k, ABSENT) for k in changed}
 

@@ -110,6 +110,7 @@ def seed_everything(seed: int) -> None:
 
 ITEM_STREAM = 0x6974656D  # "item"
 COLLATE_STREAM = 0x636F6C6C  # "coll"
+EVAL_STREAM = 0x6576616C  # "eval": evaluation's items and batches (`evaluation.evaluate_dataset`)
 _MASK64 = (1 << 64) - 1
 
 
