@@ -59,6 +59,8 @@ def test_ranks_that_see_different_data_stop_at_start_instead_of_hanging(tmp_path
     assert proc.returncode != 0 and time.monotonic() - start < 90
     assert "the ranks do not see the same training data (rank 0: 4096 examples" in proc.stderr
     assert "rank 1: 4088 examples" in proc.stderr and "data.train='dummy' must be the same data" in proc.stderr
+    # One node: rank 1 took local rank 0's fingerprint, which the line says rather than show it as rank 1's own.
+    assert "(its node's, hashed by local rank 0)" in proc.stderr.split("rank 1: 4088 examples")[1].split(";")[0]
     assert not (tmp_path / "checkpoints").exists()
 
 
