@@ -725,6 +725,16 @@ def test_a_number_yaml_reads_otherwise_than_it_looks_is_refused(given, said):
         load_config(None, [given])
 
 
+def test_a_hash_inside_quotes_of_a_list_value_is_no_comment():
+    """['a #b'] is the text a #b to YAML: it was refused as a comment (found by a review)."""
+    from distqa.config_checks import check_no_comment
+
+    check_no_comment("task.tags", "['a #b']")
+    check_no_comment("task.tags", "{k: 'x #1'}")
+    with pytest.raises(ConfigError, match=r"it would be task.tags=\[a\]"):
+        check_no_comment("task.tags", "[a] #b")
+
+
 def test_numbers_as_they_look_and_texts_with_a_hash_are_kept():
     cfg = load_config(None, ["train.lr=1e-3", "train.max_steps=100", "seed=7", "output_dir=runs/x #2"])
     assert (cfg.train.lr, cfg.train.max_steps, cfg.seed, cfg.output_dir) == (1e-3, 100, 7, "runs/x #2")

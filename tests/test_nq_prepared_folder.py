@@ -165,8 +165,8 @@ def test_features_zeroed_in_part_are_refused_or_made_again_never_trained_on(
 
 
 def test_an_input_edited_in_place_with_its_size_and_mtime_kept_is_prepared_again(tmp_path, minilm_dir):
-    """The cache was keyed on path, size and mtime: a short answer corrected in place (213 -> 214,
-    the same bytes) with `touch -r` afterwards reused the old features, old labels and all, exit 0."""
+    """The cache was keyed on path, size and mtime alone: a short answer corrected in place (213 ->
+    214, the same bytes) with `touch -r` afterwards reused the old features, old labels and all, exit 0."""
     import os
 
     from distqa.data_identity import arrow_fingerprint
@@ -174,12 +174,12 @@ def test_an_input_edited_in_place_with_its_size_and_mtime_kept_is_prepared_again
     cfg = config(minilm_dir, f"task.cache_dir={tmp_path / 'cache'}", "task.keep_unknown=0")
     tokenizer = load_tokenizer(cfg.model, required=True)
     lines = SAMPLE.read_text().splitlines()
-    obj = json.loads(lines[0])
-    short = obj["annotations"][0]["short_answers"][0]
+    short = json.loads(lines[0])["annotations"][0]["short_answers"][0]
     assert short["end_token"] - short["start_token"] >= 2
     source = tmp_path / "train.jsonl"
     source.write_text("\n".join(lines) + "\n")
-    before = resolve_features(cfg, str(source), tokenizer, training=True)
+    entry = resolve_features(cfg, str(source), tokenizer, training=True)
+    before = arrow_fingerprint(load_features(entry))
     stat = source.stat()
     old = f'"start_token": {short["start_token"]}, "end_token": {short["end_token"]}'
     new = f'"start_token": {short["start_token"] + 1}, "end_token": {short["end_token"]}'
@@ -187,14 +187,39 @@ def test_an_input_edited_in_place_with_its_size_and_mtime_kept_is_prepared_again
     source.write_text(source.read_text().replace(old, new, 1))
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert (source.stat().st_size, source.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
-    after = resolve_features(cfg, str(source), tokenizer, training=True)
-    assert after != before
-    fresh = tmp_path / "fresh"
+    assert resolve_features(cfg, str(source), tokenizer, training=True) == entry  # the same key, made again
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(source.read_bytes())
+    fresh = tmp_path / "fresh"
     prepare_features(copy, fresh, tokenizer_name=str(minilm_dir), settings=feature_settings(cfg, training=True))
-    assert arrow_fingerprint(load_features(after)) == arrow_fingerprint(load_features(fresh))
-    assert arrow_fingerprint(load_features(after)) != arrow_fingerprint(load_features(before))
+    after = arrow_fingerprint(load_features(entry))
+    assert after == arrow_fingerprint(load_features(fresh)) and after != before
+
+
+def test_an_input_whose_metadata_alone_changed_is_hashed_once_and_reused(tmp_path, minilm_dir, monkeypatch, capsys):
+    """A chmod, a chown, a hard link or a Kubernetes fsGroup re-chown moves the change time without
+    touching a byte: the features are reused after one hash of the input, not prepared again."""
+    import os
+
+    from distqa.nq import feature_stamp
+
+    cfg = config(minilm_dir, f"task.cache_dir={tmp_path / 'cache'}")
+    tokenizer = load_tokenizer(cfg.model, required=True)
+    source = tmp_path / "train.jsonl"
+    source.write_bytes(SAMPLE.read_bytes())
+    entry = resolve_features(cfg, str(source), tokenizer, training=True)
+    made = (entry / "data-00000-of-00001.arrow").stat().st_mtime_ns
+    hashed: list[Path] = []
+    digest = feature_stamp.input_digest
+    monkeypatch.setattr(feature_stamp, "input_digest", lambda path: hashed.append(path) or digest(path))
+    capsys.readouterr()
+    assert resolve_features(cfg, str(source), tokenizer, training=True) == entry and hashed == []  # as it was
+    os.link(source, tmp_path / "backup.jsonl")  # a hard link: the change time moves
+    source.chmod(0o600)
+    assert resolve_features(cfg, str(source), tokenizer, training=True) == entry
+    assert hashed == [source] and "prepared" not in capsys.readouterr().out
+    assert (entry / "data-00000-of-00001.arrow").stat().st_mtime_ns == made  # reused, not made again
+    assert resolve_features(cfg, str(source), tokenizer, training=True) == entry and hashed == [source]  # quick again
 
 
 def test_features_prepared_again_during_a_run_stop_it_in_its_dataloader_workers(tmp_path, prepared, minilm_dir):

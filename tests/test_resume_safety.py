@@ -382,3 +382,40 @@ def test_a_grad_accum_derived_from_the_global_batch_is_no_change_on_resume(four_
     state["config"]["train"]["global_batch"] = 0
     plain = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=0))
     assert resume.changed_settings(state, plain) == ({"train.grad_accum": 2}, {"train.grad_accum": 1})
+
+
+def test_an_entry_of_a_dict_setting_is_judged_by_its_settings_resume_kind(four_steps):
+    """A dict setting declared resume="applied" (or "silent") had each entry refused: its
+    entries' keys (task.weights.pos) named no field, and a key without one is refused."""
+    import dataclasses
+
+    from distqa.config import setting
+    from distqa.resume import resume_kind
+
+    @dataclasses.dataclass
+    class Weighted:
+        name: str = "nq"
+        weights: dict[str, float] = setting({"pos": 1.0}, "class weights", resume="applied")
+        names: dict[str, str] = setting({}, "display names", resume="silent")
+        frozen: dict[str, float] = setting({"a": 1.0}, "changes the model")
+
+    cfg = dataclasses.replace(load_config(None, BASE), task=Weighted())
+    assert resume_kind(cfg, "task.weights.pos") == resume_kind(cfg, "task.weights.neg") == "applied"
+    assert resume_kind(cfg, "task.names.a") == "silent"
+    assert resume_kind(cfg, "task.frozen.a") == "refused"
+    assert resume_kind(cfg, "task.missing.a") == resume_kind(cfg, "train.lr.x") == "refused"
+    assert resume_kind(cfg, "train.lr") == "applied"
+
+
+def test_a_momentum_an_adamw_checkpoint_recorded_is_no_change(four_steps):
+    """Recorded before train.momentum was refused without sgd (it did nothing): a resume without it
+    was warned of a change, and a finished run's rerun refused."""
+    import copy
+
+    from distqa import resume
+    from distqa.checkpoint_verify import read_trainer_state
+
+    state = copy.deepcopy(read_trainer_state(four_steps / "checkpoints" / "step-4"))
+    state["config"]["train"]["momentum"] = 0.9
+    cfg = load_config(None, [*BASE, f"output_dir={four_steps}", "train.max_steps=4"])
+    assert cfg.train.optimizer == "adamw" and resume.changed_settings(state, cfg) == ({}, {})

@@ -346,14 +346,18 @@ def default_config(settings: type | None = None) -> Config:
 
 def setting_field(cfg: Config, key: str) -> dataclasses.Field | None:
     """The dataclass field behind a dotted key of `cfg` (its metadata holds the help and the rules
-    of `setting`); None for a key `cfg` does not have."""
+    of `setting`); an entry of a dict setting (task.weights.pos) is its setting's field; None for a
+    key `cfg` does not have."""
     node: Any = cfg
-    *sections, name = key.split(".")
-    for section in sections:
-        node = getattr(node, section, None)
+    found: dataclasses.Field | None = None
+    for part in key.split("."):
         if not dataclasses.is_dataclass(node):
+            return found if isinstance(node, dict) else None
+        found = next((f for f in dataclasses.fields(node) if f.name == part), None)
+        if found is None:
             return None
-    return next((f for f in dataclasses.fields(node) if f.name == name), None)
+        node = getattr(node, part, None)
+    return found
 
 
 def to_yaml(cfg: Config) -> str:

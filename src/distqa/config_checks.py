@@ -148,6 +148,17 @@ def check_yaml_number(key: str, raw: str, source: str) -> None:
     raise ConfigError(f"{key}={raw} in {source}: YAML reads it as {read}: {fix}")
 
 
+_UNREADABLE = object()
+
+
+def _yaml_value(raw: str) -> Any:
+    """What YAML makes of `raw`, or _UNREADABLE."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return _UNREADABLE
+
+
 def _yaml_number(raw: str) -> int | float | None:
     """What YAML makes of `raw` when that is a number (bools aside), else None."""
     try:
@@ -170,11 +181,14 @@ def check_no_comment(key: str, value: str) -> None:
     """A command-line number or switch holding ` #`: YAML reads the rest as a comment, so
     train.max_steps=100 #1000 trained 100 steps (a text key keeps the text whole)."""
     typed = value.strip()
-    if typed[:1] not in ("'", '"') and (found := re.search(r"\s#", typed)):
-        raise ConfigError(
-            f"{key}={value} on the command line holds ' #', where YAML's comments start: it would be "
-            f"{key}={typed[: found.start()].strip()}: remove the comment"
-        )
+    for found in re.finditer(r"\s#", typed):
+        # A comment only where YAML drops the rest: not inside quotes (['a #b'] is the text a #b).
+        kept, whole = typed[: found.start()].strip(), _yaml_value(typed)
+        if kept and whole is not _UNREADABLE and _yaml_value(kept) == whole:
+            raise ConfigError(
+                f"{key}={value} on the command line holds ' #', where YAML's comments start: it would be "
+                f"{key}={kept}: remove the comment"
+            )
 
 
 def plain_scalars(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:

@@ -127,11 +127,11 @@ def agreed_identity(
         groups: dict[tuple[int, str | None], list[int]] = {}
         for rank, identity in enumerate(seen):
             groups.setdefault(identity, []).append(rank)
-        # A rank that took its node's fingerprint shows its own length beside another's hash: said so.
+        # Ranks that all took their node's fingerprint show their own length beside another's hash: said so.
         taken = " (its node's, hashed by local rank 0)"
         described = "; ".join(
             f"{_ranks(ranks)}: {examples} examples, fingerprint {digest}"
-            + (taken if any(views[rank]["fingerprint"] is None for rank in ranks) else "")
+            + (taken if all(views[rank]["fingerprint"] is None for rank in ranks) else "")
             for (examples, digest), ranks in groups.items()
         )
         raise DistqaError(

@@ -121,7 +121,9 @@ def abandoned(path: Path, min_age_s: float = 60.0) -> bool:
     try:
         if path.is_symlink() or time.time() - path.stat().st_mtime < min_age_s:
             return False
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Written for a file: an exclusive flock on NFS (byte-range locks underneath) needs it.
+        mode = os.O_RDONLY | os.O_DIRECTORY if path.is_dir() else os.O_RDWR
+        fd = os.open(path, mode | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:

@@ -190,6 +190,8 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> tuple[dict[str, Any]
     # Through JSON, as trainer_state.json holds them: a tuple default is the list it was saved as,
     # not a change (every resume of a fork with one was refused).
     saved, now = flatten(state["config"]), flatten(json.loads(json.dumps(dataclasses.asdict(cfg))))
+    if saved.get("train.optimizer") != "sgd" and saved.get("train.momentum"):
+        saved["train.momentum"] = 0.0  # recorded before it was refused without sgd: it did nothing
     # A core key the checkpoint's distqa did not have yet (or that was removed since) is not
     # compared. A task's key is: a setting of a fork renamed, added or dropped, or an entry of a
     # dict setting given or left out, changed what the run computes without a word.

@@ -113,10 +113,11 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
 def check_feature_ids(folder: Path, example_ids: Collection[str], source: str | Path) -> None:
     """Refuse features whose example ids are not those of the examples read from `source`.
 
-    The cache entry is keyed on the file's path, size and modification time: a file edited in
-    place that kept both would get the old features, and a renamed example no window at all (an
-    empty answer, silently). Evaluation features hold a window of every example, so the two sets
-    of ids must be equal."""
+    The cache entry is keyed on the file's path, size and modification time, and its stamp checks
+    the change time (then the bytes, `feature_stamp.same_input`); a file system that keeps no
+    change time leaves an edit in place that kept the others unseen, and a renamed example would
+    get no window at all (an empty answer, silently). Evaluation features hold a window of every
+    example, so the two sets of ids must be equal."""
     from distqa.nq.prepare import load_features  # see resolve_features
 
     cached, wanted = set(load_features(folder).unique("example_id")), set(example_ids)
@@ -127,7 +128,8 @@ def check_feature_ids(folder: Path, example_ids: Collection[str], source: str | 
     differ += [f"{len(extra)} cached id(s) are not in the input (first: {extra[0]})"] if extra else []
     raise DistqaError(
         f"the features cached at {folder} do not match {source} ({', '.join(differ)}): the cache is stale (the "
-        f"input changed but kept its size and modification time): delete {folder} and run again to rebuild it"
+        f"input changed but kept its size and modification time, on a file system that keeps no change time): "
+        f"delete {folder} and run again to rebuild it"
     )
 
 

@@ -46,9 +46,6 @@ def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> 
         "input": str(input_path.resolve()),
         "input_size": stat.st_size,
         "input_mtime_ns": stat.st_mtime_ns,
-        # Any write sets the change time, and `touch -r` cannot set it back: a file edited in place
-        # that kept its size and had its mtime restored reused the old features, labels and all.
-        "input_ctime_ns": change_time_ns(stat),
         "tokenizer": made["tokenizer"],
         "settings": made["settings"],
     }
@@ -57,6 +54,46 @@ def fingerprint(input_path: Path, tokenizer: Any, settings: FeatureSettings) -> 
 def change_time_ns(stat: os.stat_result) -> int:
     """The input's change time (a function: a test stands in a file system that keeps none)."""
     return stat.st_ctime_ns
+
+
+# The key above holds the input's path, size and modification time, which an edit in place can
+# keep (`touch -r` restores the mtime): a corrected label then reused the old features, exit 0. So
+# the stamp also records the input's change time, which any write sets and nothing can set back,
+# and a digest of its bytes. The same change time: the same file, at no cost. Another (an edit,
+# or only a chmod, a chown, a hard link, a Kubernetes fsGroup re-chown at each pod start): the
+# file is hashed (a read of it: 5.7 GB/s from the page cache here, docs/benchmarks.md, else the
+# disk's read rate) and reused only if its
+# bytes are the ones prepared; the stamp then takes the new change time.
+INPUT_FILE = "input_file"
+
+
+def input_record(path: Path) -> dict[str, Any]:
+    """What the stamp keeps of the input: its change time, then a digest of its bytes (in that
+    order: a write during the hash leaves another change time, and the next use hashes again)."""
+    changed = change_time_ns(path.stat())
+    return {"ctime_ns": changed, "digest": input_digest(path)}
+
+
+def input_digest(path: Path) -> str:
+    import xxhash  # a dependency of `datasets`
+
+    h = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def same_input(stamp: dict[str, Any], path: Path, *, may_hash: bool) -> bool | None:
+    """Whether `path` holds the bytes the stamp's features were prepared from: True, False, or None
+    when its change time moved and `may_hash` is false (the caller hashes it under the writer's lock,
+    where it may also write the stamp's new change time)."""
+    kept = stamp.get(INPUT_FILE)
+    if not isinstance(kept, dict):  # stamped by an older distqa: prepared again
+        return False
+    if kept.get("ctime_ns") == change_time_ns(path.stat()):
+        return True
+    return kept.get("digest") == input_digest(path) if may_hash else None
 
 
 def made_with(tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:

@@ -20,10 +20,20 @@ from typing import Any
 import datasets
 from transformers import AutoTokenizer
 
+from distqa.durable import write_atomically
 from distqa.errors import DistqaError
 from distqa.models import load_error
 from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer, open_staging, read_stamp
-from distqa.nq.feature_stamp import CONTENT_KEY, content_digest, fingerprint, load_features
+from distqa.nq.feature_stamp import (
+    CONTENT_KEY,
+    INPUT_FILE,
+    change_time_ns,
+    content_digest,
+    fingerprint,
+    input_record,
+    load_features,
+    same_input,
+)
 from distqa.nq.features import FeatureBuilder, FeatureSettings
 from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, refuse_unreadable_start, shown_lines
 from distqa.parent_watch import children_die_with_me
@@ -229,7 +239,7 @@ def prepare_features(
     fp = fingerprint(source, _fast_tokenizer(tokenizer_name), settings)
     stamp = target / FINGERPRINT_FILE
     recorded = read_stamp(stamp)
-    if _reusable(recorded, fp, target, skip_bad_lines):
+    if _reusable(recorded, fp, target, skip_bad_lines, source, may_hash=False):
         return recorded_result(target, recorded)  # type: ignore[arg-type]
     # One writer at a time (two runs sharing a cache, nodes on shared storage, `prepare` beside a
     # training run): each would otherwise delete the other's staging folder mid-write. A waiter
@@ -237,13 +247,27 @@ def prepare_features(
     claim(target)
     with one_writer(target):
         recorded = read_stamp(stamp)
-        if _reusable(recorded, fp, target, skip_bad_lines):
+        if _reusable(recorded, fp, target, skip_bad_lines, source, may_hash=True):
+            kept = recorded[INPUT_FILE]  # type: ignore[index]
+            now = change_time_ns(source.stat())
+            if kept["ctime_ns"] != now:  # the same bytes under a new change time: the next use is quick
+                recorded[INPUT_FILE] = {**kept, "ctime_ns": now}  # type: ignore[index]
+                write_atomically(stamp, json.dumps(recorded, indent=2).encode())
             return recorded_result(target, recorded)  # type: ignore[arg-type]
         return _prepare_into(source, target, fp, settings, tokenizer_name, num_proc, skip_bad_lines)
 
 
-def _reusable(recorded: dict[str, Any] | None, fp: dict[str, Any], target: Path, skip_bad_lines: bool) -> bool:
-    """Whether a stamped folder holds what this call would make: the same fingerprint, whole, and
+def _reusable(
+    recorded: dict[str, Any] | None,
+    fp: dict[str, Any],
+    target: Path,
+    skip_bad_lines: bool,
+    source: Path,
+    *,
+    may_hash: bool,
+) -> bool:
+    """Whether a stamped folder holds what this call would make: the same fingerprint and input
+    bytes (`same_input`; False where they would need hashing and `may_hash` is false), whole, and
     no skipped line unless this call skips them too (task.skip_bad_lines is not in the key: a
     strict run reusing an entry made by a skipping one trained on without the lines, where its
     own build stops at the first; it builds, and stops there, leaving the entry as it was)."""
@@ -251,7 +275,7 @@ def _reusable(recorded: dict[str, Any] | None, fp: dict[str, Any], target: Path,
         return False
     if recorded.get("bad_lines") and not skip_bad_lines:
         return False
-    return _whole(target)
+    return bool(same_input(recorded, source, may_hash=may_hash)) and _whole(target)
 
 
 def _whole(target: Path) -> bool:
@@ -296,6 +320,9 @@ def _prepare_into(
 ) -> PrepareResult:
     """Build the features of `source` in a staging folder and commit them to `target` (held locked)."""
     stamp = target / FINGERPRINT_FILE
+    # Before the input is read: a write while it is prepared leaves another change time, so the
+    # next use hashes it again and finds other bytes than these features were made from.
+    read_before = input_record(source)
     staging = open_staging(target)
     committing = False
     try:
@@ -314,6 +341,7 @@ def _prepare_into(
         result = _summary(target, _shard_stats(shards))
         record = {
             "fingerprint": fp,
+            INPUT_FILE: read_before,
             "docs": result.docs,
             "features": result.features,
             "bad_lines": result.skipped,
