@@ -256,3 +256,73 @@ def test_features_prepared_again_during_a_run_stop_it_in_its_dataloader_workers(
     renamed = pickle.loads(pickle.dumps(dataset))
     with pytest.raises(DistqaError, match=rf"the features at {folder} changed during the run"):
         renamed[0]
+
+
+def edit_label_in_place(source: Path) -> None:
+    """A short answer moved by one token, the same bytes long, the mtime set back (`touch -r`)."""
+    import os
+
+    stat = source.stat()
+    text = source.read_text()
+    short = json.loads(text.splitlines()[0])["annotations"][0]["short_answers"][0]
+    old = f'"start_token": {short["start_token"]}, "end_token": {short["end_token"]}'
+    new = f'"start_token": {short["start_token"] + 1}, "end_token": {short["end_token"]}'
+    source.write_text(text.replace(old, new, 1))
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_an_edit_while_the_input_is_hashed_or_prepared_is_never_blessed(tmp_path, minilm_dir, monkeypatch):
+    """The stamp once took the change time read after the hash (an edit during it was reused for
+    good), and the digest read before a preparation beside features of an edit made during it (a
+    later restore of the old bytes reused them)."""
+    import os
+
+    from distqa.data_identity import arrow_fingerprint
+    from distqa.nq import feature_stamp, prepare
+
+    cfg = config(minilm_dir, f"task.cache_dir={tmp_path / 'cache'}", "task.keep_unknown=0")
+    tokenizer = load_tokenizer(cfg.model, required=True)
+    source = tmp_path / "train.jsonl"
+    source.write_bytes(SAMPLE.read_bytes())
+    entry = resolve_features(cfg, str(source), tokenizer, training=True)
+    original = arrow_fingerprint(load_features(entry))
+    os.chmod(source, 0o600)  # the change time moves: the next use hashes
+    digest = feature_stamp.input_digest
+
+    def edited_while_hashed(path: Path) -> str:
+        found = digest(path)
+        edit_label_in_place(path)
+        return found
+
+    monkeypatch.setattr(feature_stamp, "input_digest", edited_while_hashed)
+    assert resolve_features(cfg, str(source), tokenizer, training=True) == entry  # the bytes it hashed: reused
+    monkeypatch.setattr(feature_stamp, "input_digest", digest)
+    resolve_features(cfg, str(source), tokenizer, training=True)  # hashed again: the edit is seen
+    assert arrow_fingerprint(load_features(entry)) != original
+    stamp = (entry / FINGERPRINT_FILE).read_bytes()
+
+    generate = prepare._generate_all
+
+    def edited_while_prepared(*args):
+        made = generate(*args)
+        edit_label_in_place(source)
+        return made
+
+    edit_label_in_place(source)  # another edit: prepared again, and edited once more meanwhile
+    monkeypatch.setattr(prepare, "_generate_all", edited_while_prepared)
+    with pytest.raises(DistqaError, match=r"train.jsonl changed while its features were being prepared: nothing"):
+        resolve_features(cfg, str(source), tokenizer, training=True)
+    assert (entry / FINGERPRINT_FILE).read_bytes() == stamp  # the entry as it was
+
+
+def test_a_stamp_whose_input_record_lacks_its_change_time_is_hashed_not_a_traceback(tmp_path, minilm_dir):
+    cfg = config(minilm_dir, f"task.cache_dir={tmp_path / 'cache'}")
+    tokenizer = load_tokenizer(cfg.model, required=True)
+    source = tmp_path / "train.jsonl"
+    source.write_bytes(SAMPLE.read_bytes())
+    entry = resolve_features(cfg, str(source), tokenizer, training=True)
+    stamp = json.loads((entry / FINGERPRINT_FILE).read_text())
+    del stamp["input_file"]["ctime_ns"]
+    (entry / FINGERPRINT_FILE).write_text(json.dumps(stamp))
+    assert resolve_features(cfg, str(source), tokenizer, training=True) == entry
+    assert json.loads((entry / FINGERPRINT_FILE).read_text())["input_file"]["ctime_ns"] == source.stat().st_ctime_ns

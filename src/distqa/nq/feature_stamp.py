@@ -84,16 +84,19 @@ def input_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def same_input(stamp: dict[str, Any], path: Path, *, may_hash: bool) -> bool | None:
+def same_input(stamp: dict[str, Any], path: Path, *, may_hash: bool) -> tuple[bool | None, int]:
     """Whether `path` holds the bytes the stamp's features were prepared from: True, False, or None
     when its change time moved and `may_hash` is false (the caller hashes it under the writer's lock,
-    where it may also write the stamp's new change time)."""
+    where it may also write the stamp's new change time); and the change time read before any
+    hashing, the one a refreshed stamp may keep: an edit during the hash leaves another, so the next
+    use hashes again (the time read after it once blessed such an edit for good)."""
+    changed = change_time_ns(path.stat())
     kept = stamp.get(INPUT_FILE)
     if not isinstance(kept, dict):  # stamped by an older distqa: prepared again
-        return False
-    if kept.get("ctime_ns") == change_time_ns(path.stat()):
-        return True
-    return kept.get("digest") == input_digest(path) if may_hash else None
+        return False, changed
+    if kept.get("ctime_ns") == changed:
+        return True, changed
+    return (kept.get("digest") == input_digest(path) if may_hash else None), changed
 
 
 def made_with(tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:

@@ -23,11 +23,11 @@ from transformers import AutoTokenizer
 from distqa.durable import write_atomically
 from distqa.errors import DistqaError
 from distqa.models import load_error
+from distqa.nq import feature_stamp
 from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer, open_staging, read_stamp
 from distqa.nq.feature_stamp import (
     CONTENT_KEY,
     INPUT_FILE,
-    change_time_ns,
     content_digest,
     fingerprint,
     input_record,
@@ -239,7 +239,7 @@ def prepare_features(
     fp = fingerprint(source, _fast_tokenizer(tokenizer_name), settings)
     stamp = target / FINGERPRINT_FILE
     recorded = read_stamp(stamp)
-    if _reusable(recorded, fp, target, skip_bad_lines, source, may_hash=False):
+    if _reusable(recorded, fp, target, skip_bad_lines, source, may_hash=False) is not None:
         return recorded_result(target, recorded)  # type: ignore[arg-type]
     # One writer at a time (two runs sharing a cache, nodes on shared storage, `prepare` beside a
     # training run): each would otherwise delete the other's staging folder mid-write. A waiter
@@ -247,11 +247,11 @@ def prepare_features(
     claim(target)
     with one_writer(target):
         recorded = read_stamp(stamp)
-        if _reusable(recorded, fp, target, skip_bad_lines, source, may_hash=True):
+        judged = _reusable(recorded, fp, target, skip_bad_lines, source, may_hash=True)
+        if judged is not None:
             kept = recorded[INPUT_FILE]  # type: ignore[index]
-            now = change_time_ns(source.stat())
-            if kept["ctime_ns"] != now:  # the same bytes under a new change time: the next use is quick
-                recorded[INPUT_FILE] = {**kept, "ctime_ns": now}  # type: ignore[index]
+            if kept.get("ctime_ns") != judged:  # the same bytes under a new change time: the next use is quick
+                recorded[INPUT_FILE] = {**kept, "ctime_ns": judged}  # type: ignore[index]
                 write_atomically(stamp, json.dumps(recorded, indent=2).encode())
             return recorded_result(target, recorded)  # type: ignore[arg-type]
         return _prepare_into(source, target, fp, settings, tokenizer_name, num_proc, skip_bad_lines)
@@ -265,17 +265,19 @@ def _reusable(
     source: Path,
     *,
     may_hash: bool,
-) -> bool:
-    """Whether a stamped folder holds what this call would make: the same fingerprint and input
-    bytes (`same_input`; False where they would need hashing and `may_hash` is false), whole, and
-    no skipped line unless this call skips them too (task.skip_bad_lines is not in the key: a
-    strict run reusing an entry made by a skipping one trained on without the lines, where its
-    own build stops at the first; it builds, and stops there, leaving the entry as it was)."""
+) -> int | None:
+    """The input's change time the reuse was judged at when a stamped folder holds what this call
+    would make, else None: the same fingerprint and input bytes (`same_input`; not reusable where
+    they would need hashing and `may_hash` is false), whole, and no skipped line unless this call
+    skips them too (task.skip_bad_lines is not in the key: a strict run reusing an entry made by a
+    skipping one trained on without the lines, where its own build stops at the first; it builds,
+    and stops there, leaving the entry as it was)."""
     if recorded is None or recorded.get("fingerprint") != fp:
-        return False
+        return None
     if recorded.get("bad_lines") and not skip_bad_lines:
-        return False
-    return bool(same_input(recorded, source, may_hash=may_hash)) and _whole(target)
+        return None
+    same, judged = same_input(recorded, source, may_hash=may_hash)
+    return judged if same and _whole(target) else None
 
 
 def _whole(target: Path) -> bool:
@@ -338,6 +340,9 @@ def _prepare_into(
             for i, r in enumerate(byte_ranges(source, max(1, num_proc)))
         ]
         dataset = _generate_all(source, shards, num_proc, staging)
+        if feature_stamp.change_time_ns(source.stat()) != read_before["ctime_ns"]:
+            # Written to while read: the features hold a mix, and the digest is of the bytes before.
+            raise DistqaError(f"{source} changed while its features were being prepared: nothing was kept: run again")
         result = _summary(target, _shard_stats(shards))
         record = {
             "fingerprint": fp,
