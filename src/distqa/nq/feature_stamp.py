@@ -62,8 +62,8 @@ def change_time_ns(stat: os.stat_result) -> int:
 # and a digest of its bytes. The same change time: the same file, at no cost. Another (an edit,
 # or only a chmod, a chown, a hard link, a Kubernetes fsGroup re-chown at each pod start): the
 # file is hashed (a read of it: 5.7 GB/s from the page cache here, docs/benchmarks.md, else the
-# disk's read rate) and reused only if its
-# bytes are the ones prepared; the stamp then takes the new change time.
+# disk's read rate) and reused only if its bytes are the ones prepared; the stamp then takes the
+# change time read before that hash.
 INPUT_FILE = "input_file"
 
 

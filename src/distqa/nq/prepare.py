@@ -9,6 +9,7 @@ How the folder is staged, committed and written by one process at a time: `distq
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -252,7 +253,8 @@ def prepare_features(
             kept = recorded[INPUT_FILE]  # type: ignore[index]
             if kept.get("ctime_ns") != judged:  # the same bytes under a new change time: the next use is quick
                 recorded[INPUT_FILE] = {**kept, "ctime_ns": judged}  # type: ignore[index]
-                write_atomically(stamp, json.dumps(recorded, indent=2).encode())
+                with contextlib.suppress(OSError):  # a cache this process may not write: hashed each time
+                    write_atomically(stamp, json.dumps(recorded, indent=2).encode())
             return recorded_result(target, recorded)  # type: ignore[arg-type]
         return _prepare_into(source, target, fp, settings, tokenizer_name, num_proc, skip_bad_lines)
 
