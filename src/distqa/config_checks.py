@@ -161,10 +161,7 @@ def _yaml_value(raw: str) -> Any:
 
 def _yaml_number(raw: str) -> int | float | None:
     """What YAML makes of `raw` when that is a number (bools aside), else None."""
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return None
+    value = _yaml_value(raw)
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
