@@ -253,6 +253,12 @@ def _remove_abandoned_copies(target: Path) -> None:
 
 
 def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread) where
+    Linux says it (/proc/self/status, since 4.7)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0)
     os.umask(mask)
     return mask
