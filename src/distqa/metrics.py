@@ -159,6 +159,22 @@ def read_metrics(path: Path) -> tuple[list[tuple[bytes, dict[str, Any]]], list[i
     return good, damaged
 
 
+def _after_newest_event_file(tb_dir: Path) -> None:
+    """Wait, at most a second, until this second is later than the newest event file's. TensorBoard
+    reads a folder's files in name order, `events.out.tfevents.<second>.<host>.<pid>.<count>`, and a
+    file's purge step drops what the files before it hold from that step on: within one second the
+    order came from the pid and a counter compared as text (99 after 100), so a resume's files were
+    read before the first run's, whose purge at step 1 dropped them (one evaluation point of four)."""
+    newest = 0
+    with contextlib.suppress(OSError):
+        for path in tb_dir.glob("events.out.tfevents.*"):
+            stamp = path.name.split(".")[3]
+            newest = max(newest, int(stamp)) if stamp.isdigit() else newest
+    now = time.time()
+    if int(now) == newest:  # (a file from a later second, another machine's clock: no wait helps)
+        time.sleep(newest + 1 - now)
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard on rank 0; a silent stand-in elsewhere."""
 
@@ -184,6 +200,7 @@ class MetricsWriter:
             # purge_step drops TensorBoard events past the resume point, as _truncate_after does
             # for the JSON lines: a resumed run's curves continue instead of doubling back.
             # Step 0 too: evaluate_again replaces step 1's line so (its events doubled step 1's points).
+            _after_newest_event_file(self.tb_dir)
             self._tb = SummaryWriter(str(self.tb_dir), purge_step=resume_step + 1)
         except OSError as err:
             return _cannot_write(f"write {self.tb_dir}", err)
