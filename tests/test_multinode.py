@@ -392,7 +392,9 @@ def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts,
     assert sizes == ["distqa: 2", "distqa: 1", "distqa: 2"], logs[0][-4000:]
     resumed = [int(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("resumed from")]
     assert len(resumed) == 2 and resumed[0] <= 8 < 24 <= resumed[1], resumed
-    assert "train.grad_accum (1 -> 2)" in logs[0] and "train.grad_accum (2 -> 1)" in logs[0]
+    # grad_accum follows the node count from train.global_batch (the weights below show it): derived,
+    # not set, so no resume warns of it as a changed setting.
+    assert "train.grad_accum" not in logs[0] and "changed settings" not in logs[0], logs[0][-4000:]
 
     # Each part against one process from the same checkpoint (global batch 8 as 2 micro-batches of 4).
     # Node 0 alone is one process too: 1e-5. The last part, 2 nodes for 50-odd steps at SGD's rate
