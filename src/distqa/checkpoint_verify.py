@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from distqa import sharded as sharded_ckpt
 from distqa.dist import DistInfo, all_gather_objects
+from distqa.durable import file_digest
 from distqa.errors import ConfigError
 from distqa.parallel import all_finite
 
@@ -30,11 +31,7 @@ MANIFEST_FILE = "manifest.json"
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_digest(path, hashlib.sha256())
 
 
 def manifest_entry(path: Path) -> dict[str, Any]:

@@ -344,6 +344,16 @@ def default_config(settings: type | None = None) -> Config:
     return cfg
 
 
+def read_recorded(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's recorded settings as this version reads them: a `train.momentum` recorded
+    with another optimizer than sgd (allowed before it was refused) did nothing, and reads as unset,
+    so that such a checkpoint still exports and resumes without a change."""
+    train = saved.get("train")
+    if isinstance(train, dict) and train.get("optimizer") != "sgd" and train.get("momentum"):
+        return {**saved, "train": {**train, "momentum": 0.0}}
+    return saved
+
+
 def setting_field(cfg: Config, key: str) -> dataclasses.Field | None:
     """The dataclass field behind a dotted key of `cfg` (its metadata holds the help and the rules
     of `setting`); an entry of a dict setting (task.weights.pos) is its setting's field; None for a

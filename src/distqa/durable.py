@@ -16,6 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 def fsync_path(path: Path) -> None:
@@ -106,6 +107,14 @@ def held_exclusively(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[N
         if os.getpid() == owner:  # (a forked child closed its copy at the fork)
             _HELD.discard(fd)
             os.close(fd)  # releases the lock
+
+
+def file_digest(path: Path, hasher: Any) -> str:
+    """The hex digest of a file's bytes by `hasher` (hashlib's or xxhash's), read in 4 MB pieces."""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            hasher.update(chunk)
+    return hasher.hexdigest()
 
 
 def lock_while_writing(fd: int) -> None:

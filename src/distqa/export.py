@@ -24,7 +24,7 @@ from distqa import sharded
 from distqa.best import BEST_NAME, resolve_checkpoint
 from distqa.build_identity import full_identity, model_settings
 from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
-from distqa.config import Config
+from distqa.config import Config, read_recorded
 from distqa.config_checks import escaped
 from distqa.console import no_load_report, quiet_libraries
 from distqa.dist import DistInfo
@@ -42,11 +42,7 @@ _NOT_NEEDED = ("data.train=dummy", "data.valid=null", "train.resume=auto")
 
 def checkpoint_config(saved: dict[str, Any], directory: Path) -> Config:
     """The run's settings as the checkpoint recorded them, checked as `distqa train` checks them."""
-    train = saved.get("train")
-    # Recorded before train.momentum without sgd was refused: it did nothing then, so an export of
-    # such a checkpoint reads it as unset rather than refusing the checkpoint.
-    if isinstance(train, dict) and train.get("optimizer") != "sgd" and train.get("momentum"):
-        saved = {**saved, "train": {**train, "momentum": 0.0}}
+    saved = read_recorded(saved)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.yaml"
         OmegaConf.save(OmegaConf.create(escaped(saved)), path)

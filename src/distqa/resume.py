@@ -23,7 +23,7 @@ from typing import Any
 from distqa.agreement import flatten
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
 from distqa.checkpoint_verify import same_on_every_rank
-from distqa.config import Config, setting_field
+from distqa.config import Config, read_recorded, setting_field
 from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
@@ -189,9 +189,7 @@ def changed_settings(state: dict[str, Any], cfg: Config) -> tuple[dict[str, Any]
     lacks it)."""
     # Through JSON, as trainer_state.json holds them: a tuple default is the list it was saved as,
     # not a change (every resume of a fork with one was refused).
-    saved, now = flatten(state["config"]), flatten(json.loads(json.dumps(dataclasses.asdict(cfg))))
-    if saved.get("train.optimizer") != "sgd" and saved.get("train.momentum"):
-        saved["train.momentum"] = 0.0  # recorded before it was refused without sgd: it did nothing
+    saved, now = flatten(read_recorded(state["config"])), flatten(json.loads(json.dumps(dataclasses.asdict(cfg))))
     # A core key the checkpoint's distqa did not have yet (or that was removed since) is not
     # compared. A task's key is: a setting of a fork renamed, added or dropped, or an entry of a
     # dict setting given or left out, changed what the run computes without a word.

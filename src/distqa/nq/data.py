@@ -78,14 +78,16 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
                 f"give the settings they were prepared with, or prepare them again (distqa prepare --mode {mode} "
                 f"--output {source} ...)"
             )
+        note = recorded_result(source).skipped_note()
+        if note and not cfg.task.skip_bad_lines:  # as the run's own preparation would: it stops at the first
+            raise DistqaError(
+                f"the features at {source} lack the lines their input's preparation skipped ({note}): "
+                "set task.skip_bad_lines=true to use them without those lines, or mend the lines and "
+                "prepare them again"
+            )
+        # After the refusals the stamp alone decides: reading every value costs a second at full size.
         load_features(source, verify=local_main())  # damaged since `prepare` wrote it: one line
-        if note := recorded_result(source).skipped_note():
-            if not cfg.task.skip_bad_lines:  # as the run's own preparation would: it stops at the first
-                raise DistqaError(
-                    f"the features at {source} lack the lines their input's preparation skipped ({note}): "
-                    "set task.skip_bad_lines=true to use them without those lines, or mend the lines and "
-                    "prepare them again"
-                )
+        if note:
             print0(f"the features at {source} lack the lines their input's preparation skipped: {note}")
         return source
     name = tokenizer_name(cfg)  # first: no tokenizer is one line, before the fingerprint needs one

@@ -18,6 +18,7 @@ import datasets
 import pyarrow as pa
 
 from distqa.data_identity import arrow_fingerprint
+from distqa.durable import file_digest
 from distqa.errors import DistqaError
 from distqa.nq.feature_folder import FINGERPRINT_FILE, read_stamp
 from distqa.nq.features import FeatureSettings
@@ -75,13 +76,9 @@ def input_record(path: Path) -> dict[str, Any]:
 
 
 def input_digest(path: Path) -> str:
-    import xxhash  # a dependency of `datasets`
+    import xxhash  # a dependency of `datasets`: it hashes faster than a disk reads
 
-    h = xxhash.xxh3_128()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_digest(path, xxhash.xxh3_128())
 
 
 def same_input(stamp: dict[str, Any], path: Path, *, may_hash: bool) -> tuple[bool | None, int]:
