@@ -38,15 +38,22 @@
 #                     each step's box in seconds (default: 480, 510, 360, 180, 840; step 4's is shared
 #                     among its set-ups, what one leaves going to the next); none over
 #                     GPU_DAY_MAX_BOX_S (default: 510)
+#   GPU_DAY_REPEATS   timed repeats of steps 2 and 3's rows (default: 2; 1 where a call is short)
 #   GPU_DAY_GRACE_S   after a box, seconds between SIGINT (distqa bench then stops its launch's
-#                     processes) and SIGKILL (default: 30)
+#                     processes, waiting 30 s for them) and SIGKILL (default: 45)
+#   GPU_DAY_GATHER    a folder (a lent machine's $OUT: scripts/gpu_day_call.sh) that gets, after
+#                     every step, gpu_day.json, gpu_day.md, the suite's gpu_figures.json and
+#                     gpu_tests.log, and day.tar.gz (the rest; traces left out): a call cut off at
+#                     its limit still returns the steps that ended
 set -euo pipefail
 
 if [[ $# -ne 1 || $1 == -* ]]; then
   echo "usage: scripts/gpu_day.sh OUTPUT_DIR" >&2
   exit 2
 fi
+began=$SECONDS # the budget counts the GPU count's probe and the wheels' install too
 out=$(realpath -m -- "$1") # before the cd below: a relative OUTPUT_DIR is the caller's
+gather=${GPU_DAY_GATHER:+$(realpath -m -- "$GPU_DAY_GATHER")}
 cd "$(dirname "$0")/.."
 steps=" ${GPU_DAY_STEPS:-tests bench compile profile batches} "
 for step in $steps; do
@@ -78,6 +85,11 @@ for i in "${!setups[@]}"; do
     exit 2
   }
 done
+repeats=${GPU_DAY_REPEATS:-2}
+[[ $repeats =~ ^[1-9][0-9]*$ ]] || {
+  echo "gpu_day.sh: GPU_DAY_REPEATS='$repeats' is not a number of repeats of at least 1" >&2
+  exit 2
+}
 PYTHON=${PYTHON:-python3}
 # The GPUs torch sees (CUDA_VISIBLE_DEVICES applied), not those nvidia-smi lists: `distqa bench
 # --nproc 1,2` refuses a count it cannot see. (GPU_DAY_GPUS: the tests' stand-in for a GPU count.)
@@ -90,17 +102,35 @@ fi
 budget=${GPU_DAY_BUDGET_S:-2400}
 min_box=${GPU_DAY_MIN_BOX_S:-60}
 max_box=${GPU_DAY_MAX_BOX_S:-510}
-grace=${GPU_DAY_GRACE_S:-30}
-deadline=$((SECONDS + budget))
+grace=${GPU_DAY_GRACE_S:-45}
+deadline=$((began + budget))
 failed=0
 mkdir -p "$out/logs"
 [[ -n ${GPU_DAY_STEPS:-} ]] || : > "$out/steps.jsonl" # a whole day starts a fresh report
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpus.csv" 2> /dev/null || true
+df -h /dev/shm > "$out/logs/shm.txt" 2>&1 || true # the DataLoader workers' batches pass through it
 
 report() { # ACTION ARGS...: one step's outcome into OUTPUT_DIR/steps.jsonl, and the report rebuilt
   # A report that cannot be written must not cost the GPU time still left: said, and the day goes on.
   "$PYTHON" scripts/gpu_day_report.py "$1" "$out" "${@:2}" --gpus "$gpus" --budget "$budget" ||
     echo "gpu_day: warning: scripts/gpu_day_report.py $1 failed (status $?)" >&2
+  [[ -z $gather ]] || gather_into "$gather"
+}
+
+gather_into() { # FOLDER: what the day has written so far, flat (a folder deeper than 2 would not come back)
+  local into=$1 file size
+  mkdir -p "$into" || return 0
+  # Each file written beside its name, then renamed: a call killed meanwhile keeps the earlier one.
+  for file in "$out/gpu_day.json" "$out/gpu_day.md" "$out/tests/gpu_figures.json" "$out/tests/gpu_tests.log"; do
+    [[ ! -f $file ]] || { cp "$file" "$into/.partial" && mv "$into/.partial" "$into/${file##*/}"; } || true
+  done
+  tar -czf "$into/.partial" --exclude='*trace*' -C "$(dirname "$out")" "$(basename "$out")" 2> /dev/null || true
+  size=$(stat -c %s "$into/.partial" 2> /dev/null || echo 0)
+  if ((size > 16 * 1024 * 1024)); then # over what comes back: the logs alone
+    tar -czf "$into/.partial" -C "$(dirname "$out")" "$(basename "$out")/logs" || true
+    echo "gpu_day: day.tar.gz holds the logs alone (the whole day was $size bytes)" >&2
+  fi
+  [[ ! -f $into/.partial ]] || mv "$into/.partial" "$into/day.tar.gz"
 }
 
 run_step() { # NAME BOX_S COMMAND...: COMMAND in its box, its output in logs/NAME.log, its outcome recorded
@@ -209,11 +239,11 @@ else
   report note "distqa bench has no --dp option here: DP rows skipped, DDP rows only"
 fi
 [[ $steps != *" bench "* ]] || run_step bench "${GPU_DAY_BOX_BENCH:-510}" \
-  distqa bench --nproc "$nproc" --output "$out/bench" --repeats 2 --timeout 300 "${common[@]}" "${dp[@]}"
+  distqa bench --nproc "$nproc" --output "$out/bench" --repeats "$repeats" --timeout 300 "${common[@]}" "${dp[@]}"
 
 # 3. Compiled against step 2's eager 1-process row; 10 warm-up steps leave the compilation out.
 [[ $steps != *" compile "* ]] || run_step compile "${GPU_DAY_BOX_COMPILE:-360}" \
-  distqa bench --nproc 1 --output "$out/compile" --warmup 10 --repeats 2 --timeout 300 "${common[@]}" train.compile=true
+  distqa bench --nproc 1 --output "$out/compile" --warmup 10 --repeats "$repeats" --timeout 300 "${common[@]}" train.compile=true
 
 # 3b. Where an eager step's time goes (the H100 of 2026-11-27 spent ~27 ms per step that no batch size changed).
 [[ $steps != *" profile "* ]] || run_step profile "${GPU_DAY_BOX_PROFILE:-180}" \

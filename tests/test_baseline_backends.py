@@ -33,3 +33,15 @@ def test_baseline_configures_backends_as_the_trainer_before_the_model(monkeypatc
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     baseline._build(cfg, _Task(calls), info, StepTimer(info.device, warmup=0))
     assert calls == [(cfg.train, info.device), "build_model"]
+
+
+def test_the_baseline_counts_and_moves_a_fork_s_nested_batch_with_strings():
+    """The baseline took a batch's first value as its rows (a mapping's key count here) and called
+    .to() on every value (a list of ids has none): a fork's bench crashed or counted wrong."""
+    from distqa.registry import load_config, load_task
+
+    cfg = load_config(None, ["task.name=toy_seam_tasks:NestedBatchTask", "task.size=64", "data.num_workers=0",
+                             "train.batch_size=4", "train.grad_accum=2", "train.max_steps=3"])  # fmt: skip
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    summary, _ = baseline.run_baseline(cfg, load_task(cfg), info, warmup=0)
+    assert summary["samples"] == 3 * 2 * 4, summary

@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from conftest import ROOT, help_texts
 from distqa import config_layers
 from distqa.cli import main
-from distqa.config import Config, describe_keys, setting, to_yaml
+from distqa.config import Config, setting, to_yaml
+from distqa.config_layers import describe_keys
 from distqa.errors import ConfigError
 from distqa.registry import load_config
 

@@ -46,6 +46,30 @@ def test_a_stale_model_folder_is_written_again_not_taken_for_the_finished_run(tm
     assert "already finished at step 6: nothing to train, nothing written" in capsys.readouterr().out
 
 
+def test_a_rerun_that_only_exports_draws_a_plot_missing_or_older_than_the_metrics(tmp_path, capsys):
+    """A kill between the final checkpoint and the plot left metrics.png missing (or an earlier,
+    shorter run's) and the rerun, which only exports, left it so with exit 0."""
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=4"]))
+    png, metrics = out / "metrics.png", out / "metrics.jsonl"
+    shutil.rmtree(out / "model")
+    png.unlink()
+    capsys.readouterr()
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=4"]))
+    assert png.is_file() and "plotted in" in capsys.readouterr().out
+
+    earlier = metrics.stat().st_mtime_ns - 10**9  # the plot of an earlier, shorter line of the run
+    os.utime(png, ns=(earlier, earlier))
+    shutil.rmtree(out / "model")
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=4"]))
+    assert png.stat().st_mtime_ns >= metrics.stat().st_mtime_ns
+
+    drawn = png.stat().st_mtime_ns  # up to date: an export-only rerun leaves it alone
+    shutil.rmtree(out / "model")
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=4"]))
+    assert png.stat().st_mtime_ns == drawn
+
+
 def test_an_export_without_a_source_or_with_a_damaged_one_is_not_the_final_one(tmp_path):
     from distqa.checkpoint_verify import exported_from
 

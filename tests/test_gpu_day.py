@@ -332,10 +332,11 @@ def test_some_steps_at_a_time_gather_into_one_report(tmp_path):
     """GPU_DAY_STEPS: a day in several commands (each under a 10-minute limit) into one OUTPUT_DIR."""
     env, out = {**_fakes(tmp_path), "FAKE_GPUS": "1"}, tmp_path / "day"
     assert _run(env, out, GPU_DAY_STEPS="tests", FAKE_CHECK_STATUS="1").returncode == 1
-    proc = _run(env, out, GPU_DAY_STEPS="bench compile")
+    proc = _run(env, out, GPU_DAY_STEPS="bench compile", GPU_DAY_REPEATS="1")  # a short call: one repeat each
     assert proc.returncode == 0, proc.stderr  # this call's steps passed
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert [c.split(" --output ")[1].split()[0] for c in calls[1:]] == [f"{out}/bench", f"{out}/compile"]
+    assert all(" --repeats 1 " in c for c in calls[1:]), calls
     report = json.loads((out / "gpu_day.json").read_text())
     assert [(s["name"], s["status"]) for s in report["steps"]] == [
         ("gpu-tests", "failed"), ("bench", "ok"), ("compile", "ok")]  # fmt: skip
@@ -356,6 +357,9 @@ def test_some_steps_at_a_time_gather_into_one_report(tmp_path):
     ):
         bad = _run(env, out, GPU_DAY_SETUPS=setups)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, bad.stderr
+    for repeats in ("0", "two", "-1"):
+        bad = _run(env, out, GPU_DAY_REPEATS=repeats)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and f"GPU_DAY_REPEATS='{repeats}'" in bad.stderr
 
 
 def test_without_the_suite_s_record_the_report_names_torch_s_build_and_cuda(tmp_path, monkeypatch):
@@ -456,6 +460,29 @@ def test_one_call_gathers_its_files_flat_into_out(tmp_path):
     without = {k: v for k, v in env.items() if k != "OUT"}
     proc = subprocess.run(call, env=without, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "$OUT is the folder whose files come back" in proc.stderr
+
+
+def test_a_call_cut_off_at_its_limit_still_returns_the_steps_that_ended(tmp_path):
+    """The machine's limit kills the whole call: gathered only at its end, $OUT came back empty,
+    the finished steps' figures with it (found by a review)."""
+    out = tmp_path / "out"
+    env = {**_fakes(tmp_path), "GPU_DAY_GPUS": "1", "GPU_DAY_DIR": str(tmp_path / "day"), "OUT": str(out)}
+    env["FAKE_COMPILE_SLEEP"] = "120"
+    call = ["bash", str(ROOT / "scripts" / "gpu_day_call.sh"), "bench compile", "300"]
+    proc = subprocess.Popen(call, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        log, deadline = tmp_path / "calls.log", time.monotonic() + 60
+        while "train.compile=true" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, "the compile step never started"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert sorted(p.name for p in out.iterdir()) == ["day.tar.gz", "gpu_day.json", "gpu_day.md"]
+    report = json.loads((out / "gpu_day.json").read_text())
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [("bench", "ok")]
+    listed = subprocess.run(["tar", "-tzf", str(out / "day.tar.gz")], capture_output=True, text=True).stdout.split()
+    assert "day/bench/bench.json" in listed and "day/logs/bench.log" in listed
 
 
 def test_a_suite_that_could_not_collect_is_not_reported_cut_short(tmp_path):

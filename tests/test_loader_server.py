@@ -93,12 +93,11 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_killed_training_process_leaves_no_worker_or_server_behind(tmp_path):
-    """The workers' parent is the fork server, which lives as long as any worker: without
-    `end_with_training_process` both outlived a SIGKILLed training process for good, holding its
-    output pipe open (a launcher reading it waited forever)."""
+def _nothing_left_once_killed(script: str, *args: str, processes: int) -> None:
+    """Run `script` (it prints the pids of its loader's processes, then SIGKILLs itself): each of
+    them must be gone within 20 s, and the output pipe closed."""
     proc = subprocess.run(
-        [sys.executable, "-c", _KILLED, *TOY[:1], "data.num_workers=2", "train.batch_size=2"],
+        [sys.executable, "-c", script, *TOY[:1], "data.num_workers=2", *args],
         env=subprocess_env(),
         capture_output=True,
         text=True,
@@ -106,11 +105,53 @@ def test_a_killed_training_process_leaves_no_worker_or_server_behind(tmp_path):
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     pids = [int(pid) for pid in proc.stdout.split()]
-    assert len(pids) == 3, proc.stdout
+    assert len(pids) == processes, proc.stdout
     deadline = time.monotonic() + 20
     while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive, f"still running after the training process was killed: {alive}"
+
+
+def test_a_killed_training_process_leaves_no_worker_or_server_behind(tmp_path):
+    """The workers' parent is the fork server, which lives as long as any worker: without
+    `end_with_training_process` both outlived a SIGKILLed training process for good, holding its
+    output pipe open (a launcher reading it waited forever)."""
+    _nothing_left_once_killed(_KILLED, "train.batch_size=2", processes=3)
+
+
+# One process (workers forked by it): each worker reads its first item, then hangs in the next (a
+# stale network mount); the training process prints its workers' pids and is SIGKILLed.
+_HUNG = """
+import os, signal, sys, time
+import torch
+from distqa import sampler
+from distqa.registry import load_config
+from distqa.dist import DistInfo
+
+class Hangs(torch.utils.data.Dataset):
+    served = 0
+    def __len__(self):
+        return 64
+    def __getitem__(self, index):
+        Hangs.served += 1
+        if Hangs.served > 1:
+            time.sleep(300)  # (long past the test: a leftover of a failing run goes by itself)
+        return index
+
+cfg = load_config(None, sys.argv[1:])
+info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+batches = sampler.training_batches(Hangs(), list, cfg, info, 0, 0)
+next(batches)
+print(*(w.pid for w in batches._workers), flush=True)
+time.sleep(0.5)  # the workers are in their second item
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_worker_stuck_in_an_item_ends_with_its_killed_training_process(tmp_path):
+    """PyTorch's watchdog looks for the parent only between two items: a worker stuck in one
+    outlived the SIGKILLed training process, holding its output pipe open (found by a review)."""
+    _nothing_left_once_killed(_HUNG, "train.batch_size=1", processes=2)
 
 
 def test_one_process_forks_its_workers_itself():
@@ -192,3 +233,60 @@ def _descends_from(pid: int, ancestor: int) -> bool:
         except (OSError, ValueError, IndexError):
             return False
     return False
+
+
+def test_workers_that_read_other_items_than_their_process_stop_the_run_in_one_line(monkeypatch):
+    """A module-level value the task set at run time never reached the fork server's workers: they
+    trained on scale-1 features while the run recorded scale 10 (config, fingerprint), exit 0."""
+    import toy_data_tasks
+    from distqa.data_agreement import workers_differ
+
+    cfg = load_config(None, TOY)
+    monkeypatch.setattr(toy_data_tasks, "SCALE", 10.0)  # as ScaledTask.build_train_dataset sets it
+    dataset = toy_data_tasks.ScaledBlobs(64, seed=1)
+    said = workers_differ(dataset, (list, cfg), RANK0_OF_2)
+    assert said is not None and "\n" not in said
+    assert said.startswith("rank 0: its DataLoader workers read other training items than the process itself")
+    assert "module-level value set at run time" in said and "data.num_workers=0" in said
+    # The same items there: nothing to say; plain fork (one process) or no workers: never checked.
+    monkeypatch.setattr(toy_data_tasks, "SCALE", 1.0)
+    assert workers_differ(dataset, (list, cfg), RANK0_OF_2) is None
+    monkeypatch.setattr(toy_data_tasks, "SCALE", 10.0)
+    one = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert workers_differ(dataset, (list, cfg), one) is None
+    off = load_config(None, [*TOY, "data.num_workers=0"])
+    assert workers_differ(dataset, (list, off), RANK0_OF_2) is None
+    # A dataset drawing from a generator of its own: both read the same copy, so the same draws.
+    monkeypatch.setattr(toy_data_tasks, "SCALE", 1.0)
+    jittered = toy_data_tasks.JitteredBlobs(64, seed=1)
+    assert workers_differ(jittered, (list, cfg), RANK0_OF_2) is None
+
+
+@pytest.mark.safety
+def test_a_task_whose_workers_read_other_data_is_refused_before_any_step(tmp_path):
+    """The same at two processes under torchrun, with the workers a user runs with."""
+    from conftest import run_train
+
+    args = ["task.name=toy_data_tasks:ScaledTask", "task.size=64", "data.num_workers=1", "train.batch_size=4"]
+    proc = run_train([*args, "train.max_steps=2", f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=120, check=False)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert "its DataLoader workers read other training items than the process itself" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_worker_stalled_in_an_item_stops_the_rank_in_one_line_after_data_timeout_s(tmp_path):
+    """No timeout: the rank waited for the stuck worker for good (SIGTERM unanswered), its peers
+    until the process group's timeout, then a gloo traceback (found by a review)."""
+    from distqa.errors import DistqaError
+    from distqa.trainer import train
+
+    args = ["task.name=toy_data_tasks:StallingTask", "task.size=64", "data.num_workers=1", "train.batch_size=2"]
+    cfg = load_config(None, [*args, "data.timeout_s=2", "train.max_steps=20", f"output_dir={tmp_path / 'run'}"])
+    began = time.monotonic()
+    with pytest.raises(DistqaError) as caught:
+        train(cfg)
+    said = str(caught.value)
+    assert said.startswith("waited 2 s for a batch from the DataLoader workers (data.timeout_s): a worker is stuck")
+    assert "\n" not in said and time.monotonic() - began < 60
+    with pytest.raises(ConfigError, match=r"data\.timeout_s"):
+        load_config(None, [*args, "data.timeout_s=-1"])

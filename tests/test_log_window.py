@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distqa.metrics import ThroughputMeter
+from distqa.meter import ThroughputMeter
 from distqa.registry import load_config
 from distqa.trainer import train
 

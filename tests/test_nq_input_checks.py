@@ -17,9 +17,10 @@ from distqa.cli import main
 from distqa.errors import DistqaError
 from distqa.models import load_tokenizer
 from distqa.nq.data import resolve_features
+from distqa.nq.feature_folder import PrepareResult
 from distqa.nq.features import FeatureSettings
 from distqa.nq.metric import read_gold, read_submission, score
-from distqa.nq.prepare import PrepareResult, prepare_features
+from distqa.nq.prepare import prepare_features
 from distqa.nq.reader import BadLine, NQReader, parse_example
 from distqa.registry import load_config
 

@@ -174,6 +174,33 @@ def test_a_trainer_state_with_a_bad_log_window_is_damaged_not_a_traceback(tmp_pa
     assert f"skipping checkpoint {second}: trainer_state.json has no valid {key!r}" in capsys.readouterr().out
 
 
+GOOD_BEST = {"metric": "eval_f1", "mode": "max", "value": 0.5, "step": 2}
+
+
+@pytest.mark.parametrize(
+    "best",
+    [{**GOOD_BEST, "value": float("nan")}, {**GOOD_BEST, "value": "abc"}, {**GOOD_BEST, "value": True},
+     {**GOOD_BEST, "step": 3}, {**GOOD_BEST, "step": "2"}, {**GOOD_BEST, "mode": "auto"}, [1, 2], "best"],
+)  # fmt: skip
+def test_a_trainer_state_with_a_bad_best_record_is_damaged_not_a_frozen_best(tmp_path, capsys, best):
+    """A NaN value was beaten by no evaluation (checkpoints/best stuck on an earlier step, exit 0);
+    a text one stopped every evaluation with a traceback (found by a review)."""
+    root = tmp_path / "checkpoints"
+    first, second = save(root, 1), save(root, 2)
+    state = json.loads((second / "trainer_state.json").read_text())
+    (second / "trainer_state.json").write_text(json.dumps({**state, "best": GOOD_BEST}))
+    rehash(second, "trainer_state.json")
+    assert verify_checkpoint(second) is None
+    (second / "trainer_state.json").write_text(json.dumps({**state, "best": best}))
+    rehash(second, "trainer_state.json")
+    assert (
+        verify_checkpoint(second)
+        == "trainer_state.json has no valid 'best' (metric, mode, a finite value, a step up to its own)"
+    )
+    assert choose_checkpoint(tmp_path, "auto", MAIN) == first
+    assert f"skipping checkpoint {second}: trainer_state.json has no valid 'best'" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
 def test_a_checkpoint_is_not_renamed_into_a_folder_another_run_took_over(tmp_path, sharded, monkeypatch):
     out = tmp_path / "run"

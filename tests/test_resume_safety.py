@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import SMALL, load_weights, max_abs_diff
 from distqa.checkpoint import REQUIRED_FILES, list_checkpoints, verify_checkpoint
-from distqa.config import describe_keys
+from distqa.config_layers import describe_keys
 from distqa.errors import ConfigError, DistqaError
 from distqa.registry import load_config
 from distqa.resume import resume_kind
@@ -164,6 +164,7 @@ ALTERNATIVES = {
     "task.cache_dir": "CACHE",
     "task.dummy_size": "200",
     "data.num_workers": "1",
+    "data.timeout_s": "30",
     "train.max_steps": "5",
     "train.epochs": "2",
     "train.batch_size": "1",

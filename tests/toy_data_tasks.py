@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -144,3 +145,42 @@ class MaskedEvalTask(MaskedCollateTask):
 
     def compute_metrics(self, outputs: list, step: int) -> dict[str, float]:
         return {"eval_loss": sum(outputs) / len(outputs)}
+
+
+# Set by ScaledTask.build_train_dataset in the training process: a worker started from the fork
+# server imports this module afresh and reads 1.0 (the pattern a review found training other data).
+SCALE = 1.0
+
+
+class ScaledBlobs(BlobsDataset):
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(index)
+        return {**item, "features": item["features"] * SCALE}
+
+
+class ScaledTask(ToyClassificationTask):
+    """Its data scaled by a module-level value it sets at run time, not on the dataset."""
+
+    def build_train_dataset(self) -> Dataset:
+        global SCALE
+        SCALE = 10.0
+        return ScaledBlobs(self.cfg.task.size, self.cfg.seed)
+
+
+class StallingBlobs(BlobsDataset):
+    """Its items stall in a loader worker from the 5th on (a stale network mount); read in the
+    training process they do not (the data agreement's samples)."""
+
+    served = 0
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if torch.utils.data.get_worker_info() is not None:
+            StallingBlobs.served += 1
+            if StallingBlobs.served > 4:
+                time.sleep(120)  # (past the test's timeout: the loader ends it at shutdown)
+        return super().__getitem__(index)
+
+
+class StallingTask(ToyClassificationTask):
+    def build_train_dataset(self) -> Dataset:
+        return StallingBlobs(self.cfg.task.size, self.cfg.seed)

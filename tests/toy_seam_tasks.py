@@ -209,3 +209,23 @@ class StaticCollateTask(NQTask):
 
     def collate_fn(self):
         return self.collate
+
+
+def nested_with_ids(items: list[dict]) -> dict:
+    """A batch as some forks shape it: the model's inputs in a mapping of their own, ids as strings."""
+    return {
+        "inputs": {"features": torch.stack([item["features"] for item in items])},
+        "label": torch.stack([item["label"] for item in items]),
+        "ids": [f"example-{i}" for i in range(len(items))],
+    }
+
+
+class NestedBatchTask(ToyClassificationTask):
+    """Its batches nest and hold strings: every loop (the trainer's, the bench's baseline) counts
+    and moves them as such."""
+
+    def collate_fn(self):
+        return nested_with_ids
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(model(batch["inputs"]["features"]), batch["label"])

@@ -24,7 +24,7 @@ from distqa.comm_hooks import CommHook
 from distqa.config import Config
 from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
-from distqa.metrics import ThroughputMeter
+from distqa.meter import ThroughputMeter
 from distqa.optim import apply_settings
 from distqa.rank0 import fix_for, on_rank0, reason
 from distqa.runlock import RunLock

@@ -135,10 +135,25 @@ def _check_trainer_state(directory: Path) -> str | None:
     for key in ("log_window", "grad_norm_window"):  # (absent in checkpoints of before they were kept)
         if state.get(key) is not None and not _two_finite_numbers(state[key]):
             return f"{STATE_FILE} has no valid {key!r} (two finite numbers)"
+    if state.get("best") is not None and not _valid_best(state["best"], state["step"]):
+        # A NaN value was beaten by nothing (best frozen for good), a text one stopped every evaluation.
+        return f"{STATE_FILE} has no valid 'best' (metric, mode, a finite value, a step up to its own)"
     named = folder_step(directory)
     if named is not None and named != state["step"]:
         return f"{STATE_FILE} is for step {state['step']}, not {named}"
     return None
+
+
+def _valid_best(best: Any, step: int) -> bool:
+    """The best record as `distqa.best.new_best` writes it."""
+    return (
+        isinstance(best, dict)
+        and isinstance(best.get("metric"), str)
+        and best.get("mode") in ("max", "min")
+        and _two_finite_numbers([best.get("value"), 0])
+        and type(best.get("step")) is int
+        and 0 <= best["step"] <= step
+    )
 
 
 def _two_finite_numbers(value: Any) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 from distqa import outcome
 from distqa.argparsing import Parser, selected_task
-from distqa.config import describe_keys
+from distqa.config_layers import describe_keys
 from distqa.errors import DistqaError, PeerLost, Preempted
 
 

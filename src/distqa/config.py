@@ -11,15 +11,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from distqa.config_checks import check_choice as _check_choice
-from distqa.config_checks import check_fraction, check_min, check_parallel, escaped
+from distqa.config_checks import check_choice, check_fraction, check_min, check_parallel, escaped
 from distqa.errors import ConfigError
 
 RESUME_RULES = ("silent", "applied")
@@ -89,11 +87,18 @@ class DataConfig:
         "default: this rank's share of the node's CPUs, less one, at most 8)",
         resume="silent",
     )
+    timeout_s: float = setting(
+        600.0,
+        "seconds a rank waits for a batch from its DataLoader workers before it stops, naming the stall (a "
+        "worker stuck reading an item: a stale network mount); 0 = wait for ever",
+        resume="silent",
+    )
 
     def __post_init__(self) -> None:
         # Whether the paths exist is checked where the task is known (`config_layers.check_data_paths`).
         if self.num_workers is not None:
             check_min("data.num_workers", self.num_workers, 0)
+        check_min("data.timeout_s", self.timeout_s, 0)
 
 
 @dataclass
@@ -215,11 +220,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "grad_accum", "checkpoint_every", "log_every"):
             check_min(f"train.{key}", getattr(self, key), 1)
-        _check_choice("train.parallel", self.parallel, ("ddp", "fsdp", "dp"))
-        _check_choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
+        check_choice("train.parallel", self.parallel, ("ddp", "fsdp", "dp"))
+        check_choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
         check_parallel(self)
-        _check_choice("train.lr_schedule", self.lr_schedule, ("linear", "constant", "cosine"))
-        _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
+        check_choice("train.lr_schedule", self.lr_schedule, ("linear", "constant", "cosine"))
+        check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_min("train.lr", self.lr, 0.0, strict=True)
         check_fraction("train.momentum", self.momentum)
         if self.momentum and self.optimizer != "sgd":
@@ -239,7 +244,7 @@ class TrainConfig:
             )
         check_min("train.keep_checkpoints", self.keep_checkpoints, 0)
         check_min("train.term_grace_s", self.term_grace_s, 0.0, strict=True)
-        _check_choice("train.best_mode", self.best_mode, ("auto", "max", "min"))
+        check_choice("train.best_mode", self.best_mode, ("auto", "max", "min"))
         if self.best_metric is not None and not self.best_metric.startswith("eval_"):
             raise ConfigError(
                 f"train.best_metric={self.best_metric!r} must name an evaluation metric, eval_KEY (e.g. eval_micro_f1)"
@@ -302,18 +307,6 @@ class Config:
             raise ConfigError("output_dir is empty: name the folder for the run (e.g. output_dir=results/run)")
 
 
-def describe_keys(schema: Any = Config, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
-    """Yield (dotted key, default, help) for every leaf of a schema (a dataclass or an instance:
-    pass `default_config(task)` to include a task's own keys), in declaration order."""
-    defaults = schema() if isinstance(schema, type) else schema
-    for f in dataclasses.fields(defaults):
-        value = getattr(defaults, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from describe_keys(value, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", value, f.metadata.get("help", "")
-
-
 @functools.cache
 def task_settings_class(settings: type) -> type:
     """The dataclass of `task.*` for a task whose own settings are `settings` (its `Config`):
@@ -342,32 +335,6 @@ def default_config(settings: type | None = None) -> Config:
     if settings is not None:
         cfg.task = task_settings_class(settings)()
     return cfg
-
-
-def read_recorded(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's recorded settings as this version reads them: a `train.momentum` recorded
-    with another optimizer than sgd (allowed before it was refused) did nothing, and reads as unset,
-    so that such a checkpoint still exports and resumes without a change."""
-    train = saved.get("train")
-    if isinstance(train, dict) and train.get("optimizer") != "sgd" and train.get("momentum"):
-        return {**saved, "train": {**train, "momentum": 0.0}}
-    return saved
-
-
-def setting_field(cfg: Config, key: str) -> dataclasses.Field | None:
-    """The dataclass field behind a dotted key of `cfg` (its metadata holds the help and the rules
-    of `setting`); an entry of a dict setting (task.weights.pos) is its setting's field; None for a
-    key `cfg` does not have."""
-    node: Any = cfg
-    found: dataclasses.Field | None = None
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(node):
-            return found if isinstance(node, dict) else None
-        found = next((f for f in dataclasses.fields(node) if f.name == part), None)
-        if found is None:
-            return None
-        node = getattr(node, part, None)
-    return found
 
 
 def to_yaml(cfg: Config) -> str:

@@ -9,8 +9,9 @@ lookup of a task's settings class (`distqa.registry.load_config` does).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from distqa.config import Config, TaskSettings, default_config, describe_keys
+from distqa.config import Config, TaskSettings, default_config
 from distqa.config_checks import (
     bool_keys,
     check_bool,
@@ -302,3 +303,31 @@ def renamed_keys(cfg: Config) -> dict[str, str]:
     `renamed_keys: ClassVar[dict[str, str]] = {"data.max_seq_len": "task.max_seq_len"}`. An old
     name is refused like any unknown key, with the new name in the error."""
     return dict(getattr(type(cfg.task), "renamed_keys", {}))
+
+
+def describe_keys(schema: Any = Config, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
+    """Yield (dotted key, default, help) for every leaf of a schema (a dataclass or an instance:
+    pass `default_config(task)` to include a task's own keys), in declaration order."""
+    defaults = schema() if isinstance(schema, type) else schema
+    for f in dataclasses.fields(defaults):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from describe_keys(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value, f.metadata.get("help", "")
+
+
+def setting_field(cfg: Config, key: str) -> dataclasses.Field | None:
+    """The dataclass field behind a dotted key of `cfg` (its metadata holds the help and the rules
+    of `setting`); an entry of a dict setting (task.weights.pos) is its setting's field; None for a
+    key `cfg` does not have."""
+    node: Any = cfg
+    found: dataclasses.Field | None = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return found if isinstance(node, dict) else None
+        found = next((f for f in dataclasses.fields(node) if f.name == part), None)
+        if found is None:
+            return None
+        node = getattr(node, part, None)
+    return found

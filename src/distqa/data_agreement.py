@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from distqa.data_identity import FINGERPRINT_FORMAT, feed
 from distqa.dist import DistInfo, all_gather_objects
 from distqa.errors import DistqaError
 from distqa.rank0 import reason
-from distqa.sampler import item_seed, seeded_streams
+from distqa.sampler import item_seed, loader_workers, seeded_streams, training_loader_context
+from distqa.worker_signals import loader_worker_init, sigterm_held
 
 SAMPLED_ITEMS = 16
 SAMPLE_STREAM = 0x73616D70  # "samp"
@@ -39,10 +41,65 @@ def sample_digest(dataset: Dataset) -> str:
     return h.hexdigest()[:16]
 
 
-def agreed_samples(info: DistInfo, named: list[tuple[str, Dataset | None, str | None]]) -> None:
+class _ReadInWorker(Dataset):
+    """One item: `sample_digest` of the pickled dataset, read where this is unpickled (a worker)."""
+
+    def __init__(self, pickled: bytes) -> None:
+        self.pickled = pickled
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> str:
+        return sample_digest(pickle.loads(self.pickled))
+
+
+def workers_differ(dataset: Dataset, loader: tuple[Any, Any], info: DistInfo) -> str | None:
+    """Why the training loader's workers would read other items than this process, or None. Only
+    workers started from the fork server can: it imports the task's module afresh, so a
+    module-level value the task sets at run time (in build_train_dataset, say) is not theirs; they
+    trained on other data than the run recorded, exit 0. Both read the same pickled copy (a
+    dataset's own generator is then in the same state). `loader`: (the task's collate_fn, the Config)."""
+    collate, cfg = loader
+    if not loader_workers(cfg):
+        return None
+    try:
+        pickled = pickle.dumps(dataset)
+    except Exception:  # noqa: BLE001  # the training loader names what does not pickle
+        return None
+    mine = sample_digest(pickle.loads(pickled))
+    with sigterm_held():
+        context = training_loader_context(dataset, collate, cfg, info)
+        if context is None or context.get_start_method() != "forkserver":
+            return None  # forked from this process: its own copies
+        probe = DataLoader(_ReadInWorker(pickled), batch_size=None, num_workers=1, multiprocessing_context=context,
+                           worker_init_fn=loader_worker_init)  # fmt: skip
+        batches = iter(probe)
+    why = (
+        "they start from a fork server that imports the task's module afresh, so a module-level value set at run "
+        "time (in build_train_dataset, say) is not theirs: keep such state on the dataset object (it reaches the "
+        "workers pickled), or set data.num_workers=0"
+    )
+    try:
+        theirs = next(batches)
+    except Exception as err:  # read here, not there
+        read = f"a DataLoader worker cannot read the training items its process reads ({reason(err)})"
+        return f"rank {info.rank}: {read}: {why}"
+    if theirs == mine:
+        return None
+    return (
+        f"rank {info.rank}: its DataLoader workers read other training items than the process itself (sample "
+        f"{theirs}, not {mine}): {why}"
+    )
+
+
+def agreed_samples(
+    info: DistInfo, named: list[tuple[str, Dataset | None, str | None]], loader: tuple[Any, Any] | None = None
+) -> None:
     """Every process's `sample_digest` of each (key, dataset, path) it built, compared across all
     ranks before any process reads a set whole (a dataset drawing from a generator of its own has
-    then drawn alike everywhere), and that every rank has each set or none has: data.valid may
+    then drawn alike everywhere); given `loader`, that the training loader's workers read the first
+    set's items as the process does (`workers_differ`); and that every rank has each set or none has: data.valid may
     differ per node (PER_NODE), and one node's set beside another's none left the first node's
     all-gather paired with the other's next collective ('DDP expects same model'), or waiting for
     ever. Samples are compared at one length: other lengths are `agreed_identity`'s to name."""
@@ -58,6 +115,8 @@ def agreed_samples(info: DistInfo, named: list[tuple[str, Dataset | None, str | 
         except Exception as err:  # an item that cannot be read: said on every rank, none waits
             problem = f"rank {info.rank} cannot read an item of {key}: {reason(err)}"
             break
+        if loader is not None and key == named[0][0] and mine[-1]:
+            problem = workers_differ(dataset, loader, info)  # type: ignore[arg-type]
     views: list[Any] = all_gather_objects((mine, problem), info)  # type: ignore[assignment]
     if failed := next((p for _, p in views if p), None):
         raise DistqaError(failed)

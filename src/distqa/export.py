@@ -24,7 +24,7 @@ from distqa import sharded
 from distqa.best import BEST_NAME, resolve_checkpoint
 from distqa.build_identity import full_identity, model_settings
 from distqa.checkpoint_verify import SOURCE_FILE, read_trainer_state, source_of, step_folders
-from distqa.config import Config, read_recorded
+from distqa.config import Config
 from distqa.config_checks import escaped
 from distqa.console import no_load_report, quiet_libraries
 from distqa.dist import DistInfo
@@ -33,7 +33,7 @@ from distqa.finish import save_task_model
 from distqa.outdir import export_atomically
 from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
-from distqa.resume import check_model_settings, check_task_identity
+from distqa.resume import check_model_settings, check_task_identity, read_recorded
 from distqa.task_settings import SETTINGS_FILE
 
 # What the checkpoint's settings name that an export does not need, and may no longer exist.

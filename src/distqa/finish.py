@@ -9,6 +9,7 @@ export) would otherwise be reported as this run's model, with exit 0; it is writ
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,13 +84,19 @@ def export_final(
     )
 
 
-def plot_run(out: Path, cfg: Config, task: Task, global_batch: int) -> bool:
-    """Rank 0: metrics.png, titled with the task and the settings it uses; False without metrics."""
-    metrics_path = out / "metrics.jsonl"
+def plot_run(out: Path, cfg: Config, task: Task, global_batch: int, *, again: bool = True) -> bool:
+    """Rank 0: metrics.png, titled with the task and the settings it uses; False without metrics.
+    `again=False` (a finished run that only exports): only when metrics.png is missing or older
+    than metrics.jsonl, as a run killed between its last checkpoint and its plot leaves it."""
+    metrics_path, png = out / "metrics.jsonl", out / "metrics.png"
     if not metrics_path.is_file():
         return False
+    if not again:
+        with contextlib.suppress(OSError):
+            if png.stat().st_mtime_ns >= metrics_path.stat().st_mtime_ns:
+                return False
     uses: Any = getattr(task, "core_settings", None)
-    return plot_metrics(metrics_path, out / "metrics.png", title=run_title(cfg, global_batch, uses=uses))
+    return plot_metrics(metrics_path, png, title=run_title(cfg, global_batch, uses=uses))
 
 
 def summary(out: Path, plotted: bool) -> None:

@@ -128,14 +128,15 @@ def _module_of(thing: object) -> str | None:
 
 
 def end_with_training_process() -> None:
-    """In a loader worker started from the server: exit as soon as the training process is gone
-    (SIGKILL, the OOM killer). Each worker keeps the server alive, which multiprocessing ends only
-    once all its workers have, and the workers wait for batch indices that will never come: both
-    would outlive the run, holding its output pipes open (a launcher waiting for them would hang)."""
+    """In a loader worker: exit as soon as the training process is gone (SIGKILL, the OOM killer).
+    A worker started from the server is the server's child: PyTorch's watchdog watches the server,
+    which multiprocessing ends only once all its workers have, and the workers wait for batch
+    indices that will never come. A worker forked by the training process itself is watched by
+    PyTorch only between two items: one stuck in reading an item (a stale network mount) outlived
+    it. Either would hold the run's output pipes open (a launcher waiting for them would hang)."""
     pid = os.environ.get(PARENT_ENV, "")
-    if not pid.isdigit() or int(pid) == os.getppid():
-        return  # forked by the training process itself: PyTorch's watchdog sees it go
-    threading.Thread(target=_exit_when_gone, args=(int(pid),), name="distqa-loader-watch", daemon=True).start()
+    parent = int(pid) if pid.isdigit() else os.getppid()
+    threading.Thread(target=_exit_when_gone, args=(parent,), name="distqa-loader-watch", daemon=True).start()
 
 
 def _exit_when_gone(pid: int) -> None:
@@ -161,8 +162,20 @@ _WORKER_GONE = re.compile(
 )
 
 
+_WORKER_STALLED = re.compile(r"DataLoader timed out after (\d+(?:\.\d+)?) seconds")
+
+
 def as_worker_loss(err: BaseException) -> DistqaError | None:
-    """`err` said as one line when a DataLoader worker of this process died; None for anything else."""
+    """`err` said as one line when a DataLoader worker of this process died or stalled past
+    data.timeout_s; None for anything else."""
+    stalled = _WORKER_STALLED.search(str(err))
+    if stalled is not None:
+        return DistqaError(
+            f"waited {float(stalled.group(1)):g} s for a batch from the DataLoader workers (data.timeout_s): a worker "
+            "is stuck reading an item (a stale network mount, a lock held elsewhere); fix the data's storage and run "
+            "the same command again to resume from the newest checkpoint, or raise data.timeout_s if a batch may take "
+            "longer"
+        )
     found = _WORKER_GONE.search(str(err))
     if found is None:
         return None

@@ -23,7 +23,8 @@ from typing import Any
 from distqa.agreement import flatten
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
 from distqa.checkpoint_verify import same_on_every_rank
-from distqa.config import Config, read_recorded, setting_field
+from distqa.config import Config
+from distqa.config_layers import setting_field
 from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
@@ -330,3 +331,13 @@ def _check_data(directory: Path, saved: Any, now: dict[str, Any], cfg: Config) -
         print0(f"warning: {what}; {going_on} (train.allow_data_change=true)")
         return
     raise ConfigError(f"{what}: {fix}")
+
+
+def read_recorded(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's recorded settings as this version reads them: a `train.momentum` recorded
+    with another optimizer than sgd (allowed before it was refused) did nothing, and reads as unset,
+    so that such a checkpoint still exports and resumes without a change."""
+    train = saved.get("train")
+    if isinstance(train, dict) and train.get("optimizer") != "sgd" and train.get("momentum"):
+        return {**saved, "train": {**train, "momentum": 0.0}}
+    return saved

@@ -239,8 +239,7 @@ def training_batches(
     # The loader draws its workers' base seed from this generator, not from the global RNG:
     # otherwise creating a loader after a resume would shift the dropout stream.
     generator = torch.Generator().manual_seed(derive_seed(cfg.seed, epoch, LOADER_STREAM))
-    workers = default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
-    distributed = info.world_size > 1 or dist.is_initialized()  # a process group's threads: `loader_server`
+    workers = loader_workers(cfg)
     # SIGTERM is held while the workers start (`worker_signals`); a SIGTERM for this process
     # meanwhile is delivered when the block ends. (The caller's previous epoch's workers end after
     # this returns, outside the hold.)
@@ -248,7 +247,7 @@ def training_batches(
     items = wrapper(dataset, derive_seed(cfg.seed, epoch, ITEM_STREAM), in_process=workers == 0)
     seeded_collate = SeededCollate(collate, derive_seed(cfg.seed, epoch, COLLATE_STREAM), in_process=workers == 0)
     with sigterm_held():
-        context = loader_context(workers, uses=(dataset, collate), distributed=distributed)
+        context = training_loader_context(dataset, collate, cfg, info)
         loader = DataLoader(
             items,
             batch_sampler=sampler,
@@ -259,6 +258,9 @@ def training_batches(
             worker_init_fn=loader_worker_init,
             # Across processes, workers start from a fork server out of this process's group (`loader_server`).
             multiprocessing_context=context,
+            # A worker stuck in an item (a stale mount) otherwise held the rank for good, and its peers
+            # until the process group's timeout, with a gloo traceback: `as_worker_loss` says it.
+            timeout=cfg.data.timeout_s if workers else 0,
         )
         try:
             return iter(loader)
@@ -267,6 +269,17 @@ def training_batches(
             if named is None:
                 raise
             raise named from err
+
+
+def loader_workers(cfg: Config) -> int:
+    return default_num_workers() if cfg.data.num_workers is None else cfg.data.num_workers
+
+
+def training_loader_context(dataset: Dataset, collate: Callable[[list[Any]], Any], cfg: Config, info: DistInfo) -> Any:
+    """The training loader's multiprocessing context (`loader_server.loader_context`); call with
+    SIGTERM held. Across processes (a process group's threads) its workers start from a fork server."""
+    distributed = info.world_size > 1 or dist.is_initialized()
+    return loader_context(loader_workers(cfg), uses=(dataset, collate), distributed=distributed)
 
 
 def unpicklable(dataset: Dataset, collate: Callable[[list[Any]], Any]) -> ConfigError | None:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from distqa.config import Config
     from distqa.console import TrainProgress
     from distqa.dist import DistInfo
-    from distqa.metrics import ThroughputMeter
+    from distqa.meter import ThroughputMeter
 
 BIG_MODEL = 100_000_000  # parameters: beyond this a CPU step of a few hundred tokens takes minutes
 SHORT_SEQ = 128  # the sequence length suggested instead (the attention's cost grows with its square)

@@ -23,7 +23,7 @@ from distqa.task import batch_rows
 if TYPE_CHECKING:
     from distqa.config import TrainConfig
     from distqa.dist import DistInfo
-    from distqa.metrics import ThroughputMeter
+    from distqa.meter import ThroughputMeter
     from distqa.steptimer import StepTimer
     from distqa.task import Batch, Task
 

@@ -31,7 +31,8 @@ from distqa.evaluate_again import evaluate_again
 from distqa.evaluation import run_evaluation
 from distqa.finish import export_final, is_exported, plot_run, summary
 from distqa.loader_server import as_worker_loss
-from distqa.metrics import MetricsWriter, ThroughputMeter
+from distqa.meter import ThroughputMeter
+from distqa.metrics import MetricsWriter
 from distqa.optim import build_optimizer, build_scheduler
 from distqa.outdir import archive_config, claim, write_text
 from distqa.parent_watch import watch_parent
@@ -66,8 +67,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.task, self.info, self.save_outputs = cfg, task, info, save_outputs
         self.timer = timer or StepTimer.off(info.device)
-        # The CLI's process keeps the SIGTERM handler (record only) once the run is done: a SIGTERM
-        # after the last step is no failure. In-process callers (tests, bench) get theirs back.
+        # The CLI keeps the SIGTERM handler (record only) after the last step (no failure); tests get theirs back.
         self.keep_sigterm_handler = keep_sigterm_handler
         self.stop: StopSignal | None = None
         self.state: TrainerState | None = None
@@ -151,8 +151,7 @@ class Trainer:
         if self.sharded:
             require_shared(self.out, info)  # every rank writes its shards there
         parallel.configure_backends(cfg.train, info.device)
-        # Same seed on every rank, so every rank builds identical weights (DDP would broadcast
-        # rank 0's anyway, but identical construction keeps RNG streams aligned too).
+        # Same seed on every rank: identical weights (DDP broadcasts rank 0's anyway) and RNG streams.
         seed_everything(cfg.seed)
         with local_main_first(info):
             self.raw_model = self.task.build_model()
@@ -163,9 +162,10 @@ class Trainer:
         with local_main_first(info):  # one process per node builds a data cache, the others then read it
             dataset = self.task.build_train_dataset()
             valid = self.task.eval_dataset()  # built here, where a task may prepare a cache once per node
-        # Every rank has each set or none has, and items sampled by every process agree: before any
-        # process reads a set whole, and before a rank may refuse alone (require_evaluation).
-        agreed_samples(info, [("data.train", dataset, cfg.data.train), ("data.valid", valid, cfg.data.valid)])
+        # Every rank has each set or none has, and items sampled by every process (and its loader's
+        # workers) agree: before any process reads a set whole, and before a rank may refuse alone.
+        named = [("data.train", dataset, cfg.data.train), ("data.valid", valid, cfg.data.valid)]
+        agreed_samples(info, named, loader=(self.task.collate_fn(), cfg))
         self.valid_identity = agreed_valid_identity(self.task, info, cfg.data.valid)
         require_evaluation(self.task, cfg.train)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)
@@ -312,13 +312,13 @@ class Trainer:
     # ----------------------------------------------------------------------------- finish
     def _finish(self, final: Path, plot: bool) -> None:
         """model/ from the final weights (checkpoint `final`), and the run's plot (`plot`: not when
-        it only exports, unless an owed evaluation added its record)."""
+        it only exports, unless an owed evaluation added its record or the plot is missing or old)."""
         # Rank 0 holds the lock; every rank must learn if it was lost (they all stop, none waits).
         lost = self.lock.verify() if self.lock is not None else None
         raise_on_every_rank(f"{lost}: the model is not exported" if lost else None)
         if not self.save_outputs:
             return
-        plotted = self.info.is_main and plot and plot_run(self.out, self.cfg, self.task, self.global_batch)
+        plotted = self.info.is_main and plot_run(self.out, self.cfg, self.task, self.global_batch, again=plot)
         export_final(self.task, self.raw_model, self.out, self.info, final=final, step=self.step, sharded=self.sharded)
         summary(self.out, plotted)
 

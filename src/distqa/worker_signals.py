@@ -36,7 +36,7 @@ def loader_worker_init(worker_id: int) -> None:
     signals again.
     """
     os.setpgid(0, 0)
-    end_with_training_process()  # a worker of the fork server: PyTorch watches the server, not the trainer
+    end_with_training_process()  # PyTorch's watchdog misses a worker stuck in an item, or the server's
     if signal.SIGTERM in signal.sigpending():
         signal.sigwait({signal.SIGTERM})  # sent to the training process's group: not ours
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

@@ -22,10 +22,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distqa import comm_hooks
 from distqa.config import Config
 from distqa.dist import DistInfo, autocast_dtype, data_parallel, local_main_first
+from distqa.evaluation import to_device
 from distqa.parallel import configure_backends
 from distqa.sampler import training_batches
 from distqa.steptimer import StepTimer
-from distqa.task import Task
+from distqa.task import Task, batch_rows
 
 
 def _batches(cfg: Config, task: Task, info: DistInfo, dataset: Any) -> Iterator[dict[str, torch.Tensor]]:
@@ -73,8 +74,9 @@ def run_baseline(cfg: Config, task: Task, info: DistInfo, *, warmup: int) -> tup
             if micro:
                 timer.mark("data")
             batch = next(stream)
-            timer.count(len(next(iter(batch.values()))), task.count_tokens(batch))
-            batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+            # As the trainer counts and moves a batch: a fork's may nest, or hold strings (ids).
+            timer.count(batch_rows(batch), task.count_tokens(batch))
+            batch = to_device(batch, info.device)
             timer.mark("forward_backward")
             sync = ddp.no_sync() if micro < accum - 1 and ddp is not None else contextlib.nullcontext()
             with sync:

@@ -62,8 +62,9 @@ def resolve_features(cfg: Config, path: str, tokenizer: Any, *, training: bool) 
     prepared now if missing. Call on one process per node first (see `dist.local_main_first`)."""
     # Imported here, not at the top: `prepare` pulls in `datasets` (pandas, pyarrow: about 0.5 s
     # per process), which runs on the DummyDataset never use.
+    from distqa.nq.feature_folder import recorded_result
     from distqa.nq.feature_stamp import made_otherwise
-    from distqa.nq.prepare import FINGERPRINT_FILE, load_features, local_main, prepare_features, recorded_result
+    from distqa.nq.prepare import FINGERPRINT_FILE, load_features, local_main, prepare_features
 
     source = Path(path)
     if source.is_dir():

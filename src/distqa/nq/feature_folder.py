@@ -6,11 +6,13 @@ enough even where its parent is not writable. The fingerprint file is removed be
 are replaced and written last, so a folder is complete exactly when it holds that file; a folder
 left without it by a crash still holds `.distqa-partial/`, which marks it as ours to rebuild. The
 writer holds an flock on `.distqa-prepare.lock` in the folder; a second writer waits for it.
+`PrepareResult` says what a prepare did: counted by its workers, or read from a reused folder's stamp.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -20,10 +22,14 @@ from typing import Any
 
 from distqa.durable import file_in_the_way, fsync_path, held_exclusively
 from distqa.errors import DistqaError
+from distqa.nq.reader import LINES_SHOWN, shown_lines
 
 FINGERPRINT_FILE = "distqa_fingerprint.json"
 STAGING_DIR = ".distqa-partial"
 LOCK_FILE = ".distqa-prepare.lock"  # held by the one process writing the folder; never removed
+# Skipped lines whose numbers and reasons the fingerprint file keeps, so that a run reusing the
+# features says which lines its data lacks, as the run that prepared them did.
+BAD_LINES_KEPT = LINES_SHOWN
 
 
 def read_stamp(stamp: Path) -> dict[str, Any] | None:
@@ -33,6 +39,61 @@ def read_stamp(stamp: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, RecursionError):  # absent, unreadable, not UTF-8, not JSON, too deep
         return None
     return record if isinstance(record, dict) else None
+
+
+@dataclasses.dataclass
+class PrepareResult:
+    path: Path
+    reused: bool
+    docs: int = 0
+    features: int = 0
+    # (line number, reason) of the skipped lines: all of them when prepared now, the first
+    # BAD_LINES_KEPT when reused (as the fingerprint file recorded them); `skipped` counts them all.
+    bad_lines: list = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    skipped: int = 0
+
+    @property
+    def docs_per_s(self) -> float:
+        return self.docs / self.seconds if self.seconds else 0.0
+
+    def skipped_note(self, source: str | os.PathLike | None = None) -> str:
+        """'skipped N bad line(s) [of FILE]: line 3, 7 (first: reason)', or '' when none was skipped."""
+        if not self.skipped:
+            return ""
+        of = f" of {source}" if source is not None else ""
+        shown = [line for line, _ in self.bad_lines[:BAD_LINES_KEPT]]
+        if not shown:  # a folder stamped before the lines were recorded
+            return (
+                f"skipped {self.skipped} bad line(s){of} (which ones was not recorded: "
+                f"delete {self.path} to prepare it again and see them)"
+            )
+        lines = shown_lines(shown, self.skipped)
+        return f"skipped {self.skipped} bad line(s){of}: line {lines} (first: {self.bad_lines[0][1]})"
+
+
+def recorded_result(folder: str | os.PathLike, record: dict[str, Any] | None = None) -> PrepareResult:
+    """A reuse of a prepared folder, with the counts its fingerprint record (read if not given) holds."""
+    record = (read_stamp(Path(folder) / FINGERPRINT_FILE) or {}) if record is None else record
+    count = {k: v for k, v in record.items() if type(v) is int}  # docs, features, bad_lines
+    kept = record.get("bad_line_samples")
+    samples = [tuple(b) for b in kept if isinstance(b, list) and len(b) == 2] if isinstance(kept, list) else []
+    return PrepareResult(
+        Path(folder), True, count.get("docs", 0), count.get("features", 0), samples, skipped=count.get("bad_lines", 0)
+    )
+
+
+def summary(target: Path, stats: list[dict[str, Any]]) -> PrepareResult:
+    """What a prepare that built the folder now did, from its worker processes' counts."""
+    return PrepareResult(
+        target,
+        reused=False,
+        docs=sum(s["docs"] for s in stats),
+        features=sum(s["features"] for s in stats),
+        bad_lines=sorted(tuple(b) for s in stats for b in s["bad_lines"]),
+        seconds=max(s["finished"] for s in stats) - min(s["started"] for s in stats),
+        skipped=sum(len(s["bad_lines"]) for s in stats),
+    )
 
 
 def _reason(err: OSError) -> str:

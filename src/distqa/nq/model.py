@@ -129,9 +129,20 @@ def bert_joint_loss(outputs: dict[str, torch.Tensor], batch: dict[str, torch.Ten
     """Mean of the start, end and answer-type cross-entropies (the BERT-joint baseline's loss).
 
     Computed in fp32 whatever the autocast dtype: the log-softmax over 512 positions is where
-    half precision loses most.
+    half precision loses most. The span softmax covers the window's own tokens only: a window is
+    padded to the longest in its micro-batch, so with the padding in the softmax its loss depended
+    on its neighbours, and 1 process at batch 2, 2 at batch 1 and train.grad_accum=2 trained other
+    weights (2e-3 apart on the NQ fixture). A label on padding is then an infinite loss: the run stops.
     """
-    start = F.cross_entropy(outputs["start_logits"].float(), batch["start_positions"])
-    end = F.cross_entropy(outputs["end_logits"].float(), batch["end_positions"])
+    start = F.cross_entropy(_window_only(outputs["start_logits"], batch), batch["start_positions"])
+    end = F.cross_entropy(_window_only(outputs["end_logits"], batch), batch["end_positions"])
     kind = F.cross_entropy(outputs["answer_type_logits"].float(), batch["answer_type"])
     return (start + end + kind) / 3.0
+
+
+def _window_only(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Span logits in fp32 with the padding's set to -inf (exp(-inf) is 0: nothing in the softmax,
+    and no gradient)."""
+    mask = batch.get("attention_mask")
+    logits = logits.float()
+    return logits if mask is None else logits.masked_fill(mask == 0, float("-inf"))

@@ -25,7 +25,18 @@ from distqa.durable import write_atomically
 from distqa.errors import DistqaError
 from distqa.models import load_error
 from distqa.nq import feature_stamp
-from distqa.nq.feature_folder import FINGERPRINT_FILE, claim, commit, one_writer, open_staging, read_stamp
+from distqa.nq.feature_folder import (
+    BAD_LINES_KEPT,
+    FINGERPRINT_FILE,
+    PrepareResult,
+    claim,
+    commit,
+    one_writer,
+    open_staging,
+    read_stamp,
+    recorded_result,
+    summary,
+)
 from distqa.nq.feature_stamp import (
     CONTENT_KEY,
     INPUT_FILE,
@@ -36,13 +47,9 @@ from distqa.nq.feature_stamp import (
     same_input,
 )
 from distqa.nq.features import FeatureBuilder, FeatureSettings
-from distqa.nq.reader import LINES_SHOWN, NQReader, byte_ranges, refuse_unreadable_start, shown_lines
+from distqa.nq.reader import NQReader, byte_ranges, refuse_unreadable_start
 from distqa.parent_watch import children_die_with_me
 from distqa.rank0 import reason
-
-# Skipped lines whose numbers and reasons the fingerprint file keeps, so that a run reusing the
-# features says which lines its data lacks, as the run that prepared them did.
-BAD_LINES_KEPT = LINES_SHOWN
 
 FEATURES = datasets.Features(
     {
@@ -90,48 +97,6 @@ def _generate(shards: list[dict[str, Any]]) -> Any:
         Path(shard["stats"]).write_text(json.dumps(stats))
         if "error" in stats:
             return
-
-
-@dataclasses.dataclass
-class PrepareResult:
-    path: Path
-    reused: bool
-    docs: int = 0
-    features: int = 0
-    # (line number, reason) of the skipped lines: all of them when prepared now, the first
-    # BAD_LINES_KEPT when reused (as the fingerprint file recorded them); `skipped` counts them all.
-    bad_lines: list = dataclasses.field(default_factory=list)
-    seconds: float = 0.0
-    skipped: int = 0
-
-    @property
-    def docs_per_s(self) -> float:
-        return self.docs / self.seconds if self.seconds else 0.0
-
-    def skipped_note(self, source: str | os.PathLike | None = None) -> str:
-        """'skipped N bad line(s) [of FILE]: line 3, 7 (first: reason)', or '' when none was skipped."""
-        if not self.skipped:
-            return ""
-        of = f" of {source}" if source is not None else ""
-        shown = [line for line, _ in self.bad_lines[:BAD_LINES_KEPT]]
-        if not shown:  # a folder stamped before the lines were recorded
-            return (
-                f"skipped {self.skipped} bad line(s){of} (which ones was not recorded: "
-                f"delete {self.path} to prepare it again and see them)"
-            )
-        lines = shown_lines(shown, self.skipped)
-        return f"skipped {self.skipped} bad line(s){of}: line {lines} (first: {self.bad_lines[0][1]})"
-
-
-def recorded_result(folder: str | os.PathLike, record: dict[str, Any] | None = None) -> PrepareResult:
-    """A reuse of a prepared folder, with the counts its fingerprint record (read if not given) holds."""
-    record = (read_stamp(Path(folder) / FINGERPRINT_FILE) or {}) if record is None else record
-    count = {k: v for k, v in record.items() if type(v) is int}  # docs, features, bad_lines
-    kept = record.get("bad_line_samples")
-    samples = [tuple(b) for b in kept if isinstance(b, list) and len(b) == 2] if isinstance(kept, list) else []
-    return PrepareResult(
-        Path(folder), True, count.get("docs", 0), count.get("features", 0), samples, skipped=count.get("bad_lines", 0)
-    )
 
 
 def _fast_tokenizer(name: str) -> Any:
@@ -210,18 +175,6 @@ def _refuse_repeated_ids(source: Path, distinct: int, docs: int) -> None:
     for _ in NQReader(source, skip_bad_lines=True, keyed_by_id=True):
         pass  # raises at the second line of the first repeated id
     raise DistqaError(f"{source}: an example_id appears on more than one line: each example must appear once")
-
-
-def _summary(target: Path, stats: list[dict[str, Any]]) -> PrepareResult:
-    return PrepareResult(
-        target,
-        reused=False,
-        docs=sum(s["docs"] for s in stats),
-        features=sum(s["features"] for s in stats),
-        bad_lines=sorted(tuple(b) for s in stats for b in s["bad_lines"]),
-        seconds=max(s["finished"] for s in stats) - min(s["started"] for s in stats),
-        skipped=sum(len(s["bad_lines"]) for s in stats),
-    )
 
 
 def prepare_features(
@@ -345,7 +298,7 @@ def _prepare_into(
         if feature_stamp.change_time_ns(source.stat()) != read_before["ctime_ns"]:
             # Written to while read: the features hold a mix, and the digest is of the bytes before.
             raise DistqaError(f"{source} changed while its features were being prepared: nothing was kept: run again")
-        result = _summary(target, _shard_stats(shards))
+        result = summary(target, _shard_stats(shards))
         record = {
             "fingerprint": fp,
             INPUT_FILE: read_before,
