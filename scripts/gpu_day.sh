@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A lent GPU's day in one command: what a GPU should run, in order of value, each step in a time
-# box (timeout(1)) so that the whole fits GPU_DAY_BUDGET_S (40 minutes) and no command passes 9
-# minutes (its box, at most 510 s, and 30 s to stop):
+# box (timeout(1)) so that the whole fits GPU_DAY_BUDGET_S (40 minutes) and no command passes 9.5
+# minutes (its box, at most 510 s, and GPU_DAY_GRACE_S, 45 s, to stop):
 #   1. the GPU acceptance suite (scripts/gpu_check.sh: no .venv or package index needed);
 #   2. `distqa bench` rows for BERT-base, seq 512, bf16: 1 process per GPU count (DDP), and
 #      DataParallel beside it (--dp) with 2 GPUs or more; samples/s, scaling, MFU;

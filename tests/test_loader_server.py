@@ -246,7 +246,7 @@ def test_workers_that_read_other_items_than_their_process_stop_the_run_in_one_li
     dataset = toy_data_tasks.ScaledBlobs(64, seed=1)
     said = workers_differ(dataset, (list, cfg), RANK0_OF_2)
     assert said is not None and "\n" not in said
-    assert said.startswith("rank 0: its DataLoader workers read other training items than the process itself")
+    assert said.startswith("rank 0: its DataLoader workers make other batches than the process itself")
     assert "module-level value set at run time" in said and "data.num_workers=0" in said
     # The same items there: nothing to say; plain fork (one process) or no workers: never checked.
     monkeypatch.setattr(toy_data_tasks, "SCALE", 1.0)
@@ -256,10 +256,43 @@ def test_workers_that_read_other_items_than_their_process_stop_the_run_in_one_li
     assert workers_differ(dataset, (list, cfg), one) is None
     off = load_config(None, [*TOY, "data.num_workers=0"])
     assert workers_differ(dataset, (list, off), RANK0_OF_2) is None
+    # The collate reads it: the same.
+    monkeypatch.setattr(toy_data_tasks, "SCALE", 10.0)
+    plain = toy_data_tasks.BlobsDataset(64, seed=1)
+    said = workers_differ(plain, (toy_data_tasks.scaled_collate, cfg), RANK0_OF_2)
+    assert said is not None and "make other batches than the process itself" in said
     # A dataset drawing from a generator of its own: both read the same copy, so the same draws.
     monkeypatch.setattr(toy_data_tasks, "SCALE", 1.0)
     jittered = toy_data_tasks.JitteredBlobs(64, seed=1)
     assert workers_differ(jittered, (list, cfg), RANK0_OF_2) is None
+
+
+def test_the_workers_check_reads_on_one_thread_as_a_worker_does():
+    """Items whose last bits depend on the thread count (a sum over 1M floats) were refused on a
+    process with 2 threads, though every training item is made on a worker's one (found by a review)."""
+    import toy_data_tasks
+    from distqa.data_agreement import workers_differ
+
+    cfg = load_config(None, TOY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert workers_differ(toy_data_tasks.SummingBlobs(64, seed=1), (list, cfg), RANK0_OF_2) is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.safety
+def test_a_worker_stuck_in_the_workers_check_stops_at_data_timeout_s():
+    """Without the timeout the check held its rank for good, the peers until the process group's
+    timeout, then a gloo traceback (found by a review). (Marked: PyTorch gives the stuck worker 5 s
+    to end before it is killed.)"""
+    import toy_data_tasks
+    from distqa.data_agreement import workers_differ
+
+    stalls = load_config(None, [*TOY, "data.timeout_s=2"])
+    said = workers_differ(toy_data_tasks.StallingBlobs(64, seed=1), (list, stalls), RANK0_OF_2)
+    assert said is not None and said.startswith("rank 0: waited 2 s for a batch from the DataLoader workers")
 
 
 @pytest.mark.safety
@@ -270,7 +303,7 @@ def test_a_task_whose_workers_read_other_data_is_refused_before_any_step(tmp_pat
     args = ["task.name=toy_data_tasks:ScaledTask", "task.size=64", "data.num_workers=1", "train.batch_size=4"]
     proc = run_train([*args, "train.max_steps=2", f"output_dir={tmp_path / 'run'}"], nproc=2, timeout=120, check=False)
     assert proc.returncode != 0, proc.stderr[-2000:]
-    assert "its DataLoader workers read other training items than the process itself" in proc.stderr
+    assert "its DataLoader workers make other batches than the process itself" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

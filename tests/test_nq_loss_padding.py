@@ -80,3 +80,35 @@ def test_batch_2_and_batch_1_with_grad_accum_2_train_equal_weights_on_real_windo
     train(load_config(None, [*common, "train.batch_size=2", f"output_dir={whole}"]))
     train(load_config(None, [*common, "train.batch_size=1", "train.grad_accum=2", f"output_dir={accumulated}"]))
     assert max_abs_diff(load_weights(whole), load_weights(accumulated)) < 1e-5
+
+
+def test_a_label_on_padding_stops_the_run_and_the_checkpoint_it_names_is_usable(tmp_path, monkeypatch):
+    """A fork's data with a label on padding: the loss is inf, the weights stay finite (the masked
+    logit has no gradient). The run stopped naming step-4 as the last finite weights, yet step-4
+    held the inf loss sum of its log window and was refused as damaged (found by a review)."""
+    import pytest
+
+    from conftest import SMALL
+    from distqa.checkpoint import verify_checkpoint
+    from distqa.errors import DistqaError
+    from distqa.nq.dummy import DummyDataset
+    from distqa.registry import load_config
+    from distqa.trainer import train
+
+    read = DummyDataset.__getitem__
+
+    def on_padding(self, index):
+        item = read(self, index)
+        padding = (item["attention_mask"] == 0).nonzero()
+        if index % 3 == 0 and len(padding):
+            item["start_positions"] = padding[-1, 0].clone()
+        return item
+
+    monkeypatch.setattr(DummyDataset, "__getitem__", on_padding)
+    out = tmp_path / "run"
+    args = [*SMALL, "train.batch_size=4", "train.max_steps=8", "train.checkpoint_every=2", "train.log_every=5"]
+    with pytest.raises(DistqaError) as caught:
+        train(load_config(None, [*args, "train.check_replicas=false", f"output_dir={out}"]))
+    said = str(caught.value)
+    assert said.startswith("loss is inf at step 5") and f"{out / 'checkpoints' / 'step-4'}" in said, said
+    assert verify_checkpoint(out / "checkpoints" / "step-4") is None

@@ -184,3 +184,19 @@ class StallingBlobs(BlobsDataset):
 class StallingTask(ToyClassificationTask):
     def build_train_dataset(self) -> Dataset:
         return StallingBlobs(self.cfg.task.size, self.cfg.seed)
+
+
+def scaled_collate(items: list[dict]) -> dict:
+    """A collate that reads the module-level SCALE: a worker of the fork server reads 1.0."""
+    batch = default_collate(items)
+    return {**batch, "features": batch["features"] * SCALE}
+
+
+class SummingBlobs(BlobsDataset):
+    """Each item carries a sum over 1M floats: its last bits depend on the thread count (a worker
+    reads on one thread), as a per-image standardisation's mean does."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(index)
+        big = torch.from_numpy(np.random.default_rng(index).standard_normal(1 << 20, dtype=np.float32))
+        return {**item, "features": item["features"] + big.sum() * 1e-3}

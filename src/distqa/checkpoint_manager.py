@@ -11,6 +11,7 @@ and what a resume restores, RNG streams included.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,6 +66,7 @@ class TrainerState:
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank calls it: the log window is summed over the ranks."""
+        window = self.meter.window()
         return {
             "step": self.step,
             "epoch": self.step // self.epoch_steps,
@@ -78,7 +80,9 @@ class TrainerState:
             "valid_data": self.valid_identity,
             "task_identity": self.task_identity,
             "model_settings": self.model_settings,
-            "log_window": self.meter.window(),
+            # A loss sum that is not finite stops the run at its log, and its message names this
+            # checkpoint's weights (checked finite) as the last finite ones: kept usable, without it.
+            "log_window": window if all(math.isfinite(v) for v in window) else None,
             "grad_norm_window": self.meter.norm_window(),
             "best": self.best,
             "evaluation_pending": self.evaluation_pending,

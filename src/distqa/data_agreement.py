@@ -13,11 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from distqa.data_identity import FINGERPRINT_FORMAT, feed
 from distqa.dist import DistInfo, all_gather_objects
 from distqa.errors import DistqaError
+from distqa.loader_server import as_worker_loss
 from distqa.rank0 import reason
 from distqa.sampler import item_seed, loader_workers, seeded_streams, training_loader_context
 from distqa.worker_signals import loader_worker_init, sigterm_held
@@ -41,55 +43,93 @@ def sample_digest(dataset: Dataset) -> str:
     return h.hexdigest()[:16]
 
 
-class _ReadInWorker(Dataset):
-    """One item: `sample_digest` of the pickled dataset, read where this is unpickled (a worker)."""
+def loader_digest(dataset: Dataset, collate: Any) -> str:
+    """`sample_digest`'s items, then the task's collate over them as one batch: what a loader
+    worker makes of them. Read on one thread, as a worker reads (PyTorch sets one there): a
+    reduction over many elements sums in another order on more threads, and the bytes differ."""
+    length = len(dataset)  # type: ignore[arg-type]
+    indices = sorted({int(i) for i in np.linspace(0, length - 1, num=min(length, SAMPLED_ITEMS))}) if length else []
+    h, items, threads = hashlib.sha256(b"loader"), [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for index in indices:
+            with seeded_streams(item_seed(SAMPLE_STREAM, index), keep=True):
+                items.append(dataset[index])
+            feed(h, items[-1], exact=False)
+        try:  # (a collate that cannot batch these items fails the same way on both sides)
+            with seeded_streams(item_seed(SAMPLE_STREAM, length), keep=True):
+                feed(h, collate(items), exact=False)
+        except Exception as err:  # noqa: BLE001
+            feed(h, type(err).__name__)
+    finally:
+        torch.set_num_threads(threads)
+    return h.hexdigest()[:16]
 
-    def __init__(self, pickled: bytes) -> None:
-        self.pickled = pickled
+
+class _ReadInWorker(Dataset):
+    """One item: `loader_digest` of the dataset and collate, read where this is unpickled (a worker)."""
+
+    def __init__(self, dataset: Dataset, collate: Any) -> None:
+        self.dataset, self.collate = dataset, collate
 
     def __len__(self) -> int:
         return 1
 
     def __getitem__(self, index: int) -> str:
-        return sample_digest(pickle.loads(self.pickled))
+        return loader_digest(self.dataset, self.collate)
+
+
+_WHY = (
+    "they start from a fork server that imports the task's module afresh, so a module-level value set at run time "
+    "(in build_train_dataset, say) and read by the dataset or collate_fn is not theirs: keep such state on the "
+    "dataset object or in the collate_fn (both reach the workers pickled), or set data.num_workers=0"
+)
 
 
 def workers_differ(dataset: Dataset, loader: tuple[Any, Any], info: DistInfo) -> str | None:
-    """Why the training loader's workers would read other items than this process, or None. Only
-    workers started from the fork server can: it imports the task's module afresh, so a
-    module-level value the task sets at run time (in build_train_dataset, say) is not theirs; they
-    trained on other data than the run recorded, exit 0. Both read the same pickled copy (a
-    dataset's own generator is then in the same state). `loader`: (the task's collate_fn, the Config)."""
+    """Why the training loader's workers would make other batches than this process, or None. Only
+    workers started from the fork server can: a module-level value the task sets at run time is
+    not theirs, and they trained on other data than the run recorded, exit 0. The worker receives
+    the dataset pickled before this process reads its own sample (a dataset's own generator is in
+    the same state on both sides). `loader`: (the task's collate_fn, the Config). Never raises: a
+    rank that stopped alone here would leave its peers waiting in the all-gather."""
     collate, cfg = loader
     if not loader_workers(cfg):
         return None
     try:
-        pickled = pickle.dumps(dataset)
-    except Exception:  # noqa: BLE001  # the training loader names what does not pickle
-        return None
-    mine = sample_digest(pickle.loads(pickled))
-    with sigterm_held():
-        context = training_loader_context(dataset, collate, cfg, info)
-        if context is None or context.get_start_method() != "forkserver":
-            return None  # forked from this process: its own copies
-        probe = DataLoader(_ReadInWorker(pickled), batch_size=None, num_workers=1, multiprocessing_context=context,
-                           worker_init_fn=loader_worker_init)  # fmt: skip
-        batches = iter(probe)
-    why = (
-        "they start from a fork server that imports the task's module afresh, so a module-level value set at run "
-        "time (in build_train_dataset, say) is not theirs: keep such state on the dataset object (it reaches the "
-        "workers pickled), or set data.num_workers=0"
-    )
+        with sigterm_held():
+            context = training_loader_context(dataset, collate, cfg, info)
+            if context is None or context.get_start_method() != "forkserver":
+                return None  # forked from this process: its own copies
+            probe = DataLoader(
+                _ReadInWorker(dataset, collate),
+                batch_size=None,
+                num_workers=1,
+                timeout=cfg.data.timeout_s,  # a worker stuck in an item: one line, not a hang
+                multiprocessing_context=context,
+                worker_init_fn=loader_worker_init,
+            )
+            batches = iter(probe)  # the worker's copy pickled now, before this process reads
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return None  # what does not pickle: the training loader names it
+    except Exception as err:
+        return f"rank {info.rank}: cannot start a DataLoader worker ({reason(err)})"
+    try:
+        mine = loader_digest(dataset, collate)
+    except Exception as err:
+        return f"rank {info.rank} cannot read an item of data.train: {reason(err)}"
     try:
         theirs = next(batches)
     except Exception as err:  # read here, not there
+        if (lost := as_worker_loss(err)) is not None:  # stalled past data.timeout_s, or killed
+            return f"rank {info.rank}: {lost}"
         read = f"a DataLoader worker cannot read the training items its process reads ({reason(err)})"
-        return f"rank {info.rank}: {read}: {why}"
+        return f"rank {info.rank}: {read}: {_WHY}"
     if theirs == mine:
         return None
     return (
-        f"rank {info.rank}: its DataLoader workers read other training items than the process itself (sample "
-        f"{theirs}, not {mine}): {why}"
+        f"rank {info.rank}: its DataLoader workers make other batches than the process itself (sample "
+        f"{theirs}, not {mine}): {_WHY}"
     )
 
 
