@@ -130,7 +130,7 @@ gather_into() { # FOLDER: what the day has written so far, flat (a folder deeper
     tar -czf "$into/.partial" -C "$(dirname "$out")" "$(basename "$out")/logs" || true
     echo "gpu_day: day.tar.gz holds the logs alone (the whole day was $size bytes)" >&2
   fi
-  [[ ! -f $into/.partial ]] || mv "$into/.partial" "$into/day.tar.gz"
+  [[ ! -f $into/.partial ]] || mv "$into/.partial" "$into/day.tar.gz" || true # (a gathering must not stop the day)
 }
 
 run_step() { # NAME BOX_S COMMAND...: COMMAND in its box, its output in logs/NAME.log, its outcome recorded
