@@ -271,13 +271,21 @@ def test_the_workers_check_reads_on_one_thread_as_a_worker_does():
     """Items whose last bits depend on the thread count (a sum over 1M floats) were refused on a
     process with 2 threads, though every training item is made on a worker's one (found by a review)."""
     import toy_data_tasks
-    from distqa.data_agreement import workers_differ
+    from distqa.data_agreement import sample_digest, workers_differ
 
     cfg = load_config(None, TOY)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    summing = toy_data_tasks.SummingBlobs(64, seed=1)
     try:
-        assert workers_differ(toy_data_tasks.SummingBlobs(64, seed=1), (list, cfg), RANK0_OF_2) is None
+        assert workers_differ(summing, (list, cfg), RANK0_OF_2) is None
+        # The ranks' own samples too: two nodes on other thread counts (OMP_NUM_THREADS) agree.
+        on_two = sample_digest(summing)
+    finally:
+        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    try:
+        assert sample_digest(summing) == on_two
     finally:
         torch.set_num_threads(threads)
 

@@ -6,10 +6,11 @@ of items every process reads itself (a task may build its data in another order 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,41 +29,53 @@ SAMPLED_ITEMS = 16
 SAMPLE_STREAM = 0x73616D70  # "samp"
 
 
-def sample_digest(dataset: Dataset) -> str:
-    """A hash of a few items at evenly spaced indices, every process's own: one process per node
-    hashes the whole set (`agreed_identity`), and its other processes build their own, which a
-    task may build in another order (`list(set(rows))` is ordered by each process's string hash
-    seed): each trained and scored other items, 4 of 15 twice and 4 never, exit 0. Each item is
-    read with seeded random streams, and the process's own streams are put back."""
+def _sampled_items(dataset: Dataset) -> list[Any]:
+    """A few items at evenly spaced indices, each read with seeded random streams (the process's
+    own are put back), on one thread, as a loader worker reads (PyTorch sets one there): a
+    reduction over many elements sums in another order on more threads, and the bytes differ, so
+    processes on other thread counts (another node's OMP_NUM_THREADS, a worker) would disagree."""
     length = len(dataset)  # type: ignore[arg-type]
     indices = sorted({int(i) for i in np.linspace(0, length - 1, num=min(length, SAMPLED_ITEMS))}) if length else []
+    items = []
+    with _one_thread():
+        for index in indices:
+            with seeded_streams(item_seed(SAMPLE_STREAM, index), keep=True):
+                items.append(dataset[index])
+    return items
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sample_digest(dataset: Dataset) -> str:
+    """A hash of `_sampled_items`, every process's own: one process per node hashes the whole set
+    (`agreed_identity`), and its other processes build their own, which a task may build in
+    another order (`list(set(rows))` is ordered by each process's string hash seed): each trained
+    and scored other items, 4 of 15 twice and 4 never, exit 0."""
     h = hashlib.sha256(b"sample")
-    for index in indices:
-        with seeded_streams(item_seed(SAMPLE_STREAM, index), keep=True):
-            feed(h, dataset[index], exact=False)
+    for item in _sampled_items(dataset):
+        feed(h, item, exact=False)
     return h.hexdigest()[:16]
 
 
 def loader_digest(dataset: Dataset, collate: Any) -> str:
-    """`sample_digest`'s items, then the task's collate over them as one batch: what a loader
-    worker makes of them. Read on one thread, as a worker reads (PyTorch sets one there): a
-    reduction over many elements sums in another order on more threads, and the bytes differ."""
-    length = len(dataset)  # type: ignore[arg-type]
-    indices = sorted({int(i) for i in np.linspace(0, length - 1, num=min(length, SAMPLED_ITEMS))}) if length else []
-    h, items, threads = hashlib.sha256(b"loader"), [], torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for index in indices:
-            with seeded_streams(item_seed(SAMPLE_STREAM, index), keep=True):
-                items.append(dataset[index])
-            feed(h, items[-1], exact=False)
-        try:  # (a collate that cannot batch these items fails the same way on both sides)
-            with seeded_streams(item_seed(SAMPLE_STREAM, length), keep=True):
-                feed(h, collate(items), exact=False)
-        except Exception as err:  # noqa: BLE001
-            feed(h, type(err).__name__)
-    finally:
-        torch.set_num_threads(threads)
+    """`_sampled_items`, then the task's collate over them as one batch: what a loader worker
+    makes of them (the collate on one thread too)."""
+    h, items = hashlib.sha256(b"loader"), _sampled_items(dataset)
+    for item in items:
+        feed(h, item, exact=False)
+    try:  # (a collate that cannot batch these items fails the same way on both sides)
+        with _one_thread(), seeded_streams(item_seed(SAMPLE_STREAM, len(dataset)), keep=True):  # type: ignore[arg-type]
+            feed(h, collate(items), exact=False)
+    except Exception as err:  # noqa: BLE001
+        feed(h, type(err).__name__)
     return h.hexdigest()[:16]
 
 
