@@ -23,6 +23,7 @@ from distqa.loader_server import _module_of
 from distqa.nq.data import pad_collate
 from distqa.nq.dummy import DummyDataset
 from distqa.registry import load_config
+from distqa.runlock import proc_stat
 
 TOY = ["task=toy_task:ToyClassificationTask", "data.num_workers=1", "train.batch_size=2"]
 # Rank 0 of 2: the loader of a distributed run, whose workers come from the fork server.
@@ -152,6 +153,73 @@ def test_a_worker_stuck_in_an_item_ends_with_its_killed_training_process(tmp_pat
     """PyTorch's watchdog looks for the parent only between two items: a worker stuck in one
     outlived the SIGKILLed training process, holding its output pipe open (found by a review)."""
     _nothing_left_once_killed(_HUNG, "train.batch_size=1", processes=2)
+
+
+# A worker serves a batch's tensors to its training process through a socket (multiprocessing's
+# resource_sharer, as torch's file-descriptor sharing does); the training process connects, takes
+# the challenge, and is SIGKILLed before it answers: the worker's serving thread fails. With
+# `alive`, the process lives instead, and the worker's own thread fails.
+_KILLED_IN_A_HANDSHAKE = """
+import multiprocessing, os, signal, socket, sys, threading, time
+from multiprocessing import resource_sharer
+from distqa.worker_signals import loader_worker_init
+
+def worker(queue):
+    loader_worker_init(0)
+    resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))
+    queue.put((os.getpid(), resource_sharer._resource_sharer._address))
+    queue.close()
+    queue.join_thread()  # (sent before anything here can end this process)
+    if sys.argv[1] == "alive":
+        failing = threading.Thread(target=lambda: 1 / 0)
+        failing.start()
+        failing.join()
+        return
+    time.sleep(30)
+
+if __name__ == "__main__":
+    queue = multiprocessing.get_context("fork").Queue()
+    process = multiprocessing.get_context("fork").Process(target=worker, args=(queue,))
+    process.start()
+    pid, address = queue.get()
+    print(pid, flush=True)
+    if sys.argv[1] == "alive":
+        process.join()
+        sys.exit(process.exitcode)
+    peer = socket.socket(socket.AF_UNIX)
+    peer.connect(address)
+    peer.recv(1)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _handshake(case: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, int]:
+    script = tmp_path / "killed.py"  # (a file: the fork context needs a main module to find worker in)
+    script.write_text(_KILLED_IN_A_HANDSHAKE)
+    proc = subprocess.run(
+        [sys.executable, str(script), case], env=subprocess_env(), capture_output=True, text=True, timeout=60
+    )
+    return proc, int(proc.stdout.split()[0])
+
+
+def test_a_training_process_killed_while_taking_a_batch_leaves_no_traceback_in_the_log(tmp_path):
+    """Seen in a two-node run whose training process was SIGKILLed: the worker's serving thread
+    printed "Traceback (most recent call last):" ... (cut off by the worker's exit) into the node's
+    log, which a platform's reader takes for the cause. 5 runs in 6 did before the fix."""
+    for _ in range(3):
+        proc, worker = _handshake("killed", tmp_path)
+        assert proc.returncode == -signal.SIGKILL
+        assert "Traceback" not in proc.stderr, proc.stderr
+        deadline = time.monotonic() + 20  # (its pipes close as it exits, a moment before it has ended)
+        while (proc_stat(worker) or ["X"])[0] not in ("Z", "X") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (proc_stat(worker) or ["X"])[0] in ("Z", "X"), f"worker {worker} still running"
+
+
+def test_a_worker_s_own_thread_failing_still_prints_its_traceback(tmp_path):
+    proc, _ = _handshake("alive", tmp_path)
+    assert proc.returncode == 0
+    assert "ZeroDivisionError" in proc.stderr and "Traceback" in proc.stderr, proc.stderr
 
 
 def test_one_process_forks_its_workers_itself():

@@ -24,6 +24,7 @@ would never fire when the training process is killed: `end_with_training_process
 
 from __future__ import annotations
 
+import functools
 import inspect
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ import select
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.context import BaseContext
 
 from distqa.errors import DistqaError
@@ -133,25 +135,58 @@ def end_with_training_process() -> None:
     which multiprocessing ends only once all its workers have, and the workers wait for batch
     indices that will never come. A worker forked by the training process itself is watched by
     PyTorch only between two items: one stuck in reading an item (a stale network mount) outlived
-    it. Either would hold the run's output pipes open (a launcher waiting for them would hang)."""
+    it. Either would hold the run's output pipes open (a launcher waiting for them would hang).
+
+    Nor does a worker print a traceback for its training process's death: a batch's tensors reach
+    that process through a socket the worker serves (multiprocessing's resource_sharer), and a
+    process killed while taking one left a traceback of that thread in the run's log, which the
+    platform's reader takes for the cause of the failure."""
     pid = os.environ.get(PARENT_ENV, "")
     parent = int(pid) if pid.isdigit() else os.getppid()
-    threading.Thread(target=_exit_when_gone, args=(parent,), name="distqa-loader-watch", daemon=True).start()
-
-
-def _exit_when_gone(pid: int) -> None:
     try:
-        handle = os.pidfd_open(pid)  # readable once the process has ended (Linux 5.3 and later)
+        handle = os.pidfd_open(parent)  # readable once the process has ended (Linux 5.3 and later)
     except ProcessLookupError:
         os._exit(0)
     except (AttributeError, OSError):
         handle = None
+    gone = functools.partial(_gone, parent, handle)
+    sys.excepthook = _quiet_once_gone(sys.excepthook, gone)
+    threading.excepthook = _quiet_once_gone(threading.excepthook, gone)
+    threading.Thread(target=_exit_when_gone, args=(gone,), name="distqa-loader-watch", daemon=True).start()
+
+
+def _gone(pid: int, handle: int | None, wait_s: float | None) -> bool:
+    """Whether process `pid` has ended, waiting up to `wait_s` seconds for it (None: for ever)."""
     if handle is not None:
-        select.select([handle], [], [])
-    else:
-        while not _ended(pid):
-            time.sleep(1.0)
+        return bool(select.select([handle], [], [], wait_s)[0])
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    while not _ended(pid):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05 if deadline is not None else 1.0)
+    return True
+
+
+def _exit_when_gone(gone: Callable[[float | None], bool]) -> None:
+    gone(None)
     os._exit(0)
+
+
+def _quiet_once_gone(hook: Callable[..., object], gone: Callable[[float | None], bool]) -> Callable[..., None]:
+    """`hook` (sys.excepthook, threading.excepthook), unless the training process is gone: then the
+    worker exits at once, printing nothing. The socket a killed process held is closed a moment
+    before the kernel reports its end, hence the wait (a worker's own errors reach the training
+    process as objects, not through these hooks: a traceback here comes late by that wait at most)."""
+
+    def quiet(*args: object) -> None:
+        if gone(_EXIT_SEEN_WITHIN_S):
+            os._exit(0)
+        hook(*args)
+
+    return quiet
+
+
+_EXIT_SEEN_WITHIN_S = 2.0
 
 
 # torch's words when a DataLoader worker process is gone ("DataLoader worker (pid 123) is killed by
