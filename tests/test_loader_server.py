@@ -19,7 +19,7 @@ from conftest import subprocess_env
 from distqa import sampler
 from distqa.dist import DistInfo
 from distqa.errors import ConfigError
-from distqa.loader_server import _module_of
+from distqa.loader_server import _module_of, as_worker_loss
 from distqa.nq.data import pad_collate
 from distqa.nq.dummy import DummyDataset
 from distqa.registry import load_config
@@ -89,7 +89,7 @@ cfg = load_config(None, sys.argv[1:])
 info = DistInfo(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))  # rank 0 of 2: the server
 batches = sampler.training_batches(list(range(64)), list, cfg, info, 0, 0)
 next(batches)
-print(forkserver._forkserver._forkserver_pid, *(w.pid for w in batches._workers), flush=True)
+print(forkserver._forkserver._forkserver_pid, *(w.pid for w in batches.iterator._workers), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -143,7 +143,7 @@ cfg = load_config(None, sys.argv[1:])
 info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 batches = sampler.training_batches(Hangs(), list, cfg, info, 0, 0)
 next(batches)
-print(*(w.pid for w in batches._workers), flush=True)
+print(*(w.pid for w in batches.iterator._workers), flush=True)
 time.sleep(0.5)  # the workers are in their second item
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -171,9 +171,11 @@ def worker(queue):
     queue.close()
     queue.join_thread()  # (sent before anything here can end this process)
     if sys.argv[1] == "alive":
+        start = time.monotonic()
         failing = threading.Thread(target=lambda: 1 / 0)
         failing.start()
         failing.join()
+        print(f"{time.monotonic() - start:.3f}", flush=True)
         return
     time.sleep(30)
 
@@ -216,10 +218,55 @@ def test_a_training_process_killed_while_taking_a_batch_leaves_no_traceback_in_t
         assert (proc_stat(worker) or ["X"])[0] in ("Z", "X"), f"worker {worker} still running"
 
 
-def test_a_worker_s_own_thread_failing_still_prints_its_traceback(tmp_path):
+# A new worker reads what the training process writes (the dataset, the collate); the process is
+# SIGKILLed while it writes: the worker, slow to read (`Slow`), finds the pickle truncated.
+_KILLED_WHILE_STARTING_A_WORKER = """
+import os, signal, threading
+from distqa.loader_server import loader_context
+import slow_to_unpickle
+
+if __name__ == "__main__":
+    context = loader_context(1, distributed=True)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    context.Process(target=print, args=(slow_to_unpickle.Slow(), b"x" * 20_000_000)).start()
+"""
+_SLOW = """
+import time
+
+class Slow:
+    def __getstate__(self):
+        return {"slow": True}
+
+    def __setstate__(self, state):
+        time.sleep(1.5)
+"""
+
+
+@pytest.mark.safety  # (about 3 s)
+def test_a_training_process_killed_while_it_starts_a_worker_leaves_no_traceback(tmp_path):
+    """The fork server's child printed `UnpicklingError: pickle data was truncated` with its stack
+    into the node's log (found by a review: a dataset held in memory, 20 MB, takes 2 s to start
+    2 workers, at every epoch)."""
+    (tmp_path / "slow_to_unpickle.py").write_text(_SLOW)
+    (tmp_path / "starts.py").write_text(_KILLED_WHILE_STARTING_A_WORKER)
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "starts.py")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_worker_s_own_thread_failing_still_prints_its_traceback_at_once(tmp_path):
+    """A dataset's own thread failing in a worker is the cause a user needs. A first version of the
+    fix waited 2 s for the training process to end before printing any traceback, and a training
+    process that ended meanwhile (on the worker's next, secondary error) silenced it (found by a
+    review)."""
     proc, _ = _handshake("alive", tmp_path)
     assert proc.returncode == 0
     assert "ZeroDivisionError" in proc.stderr and "Traceback" in proc.stderr, proc.stderr
+    assert float(proc.stdout.split()[1]) < 1.0  # printed at once, not after a wait
 
 
 def test_one_process_forks_its_workers_itself():
@@ -229,7 +276,7 @@ def test_one_process_forks_its_workers_itself():
     one = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     for info, method in ((one, "fork"), (RANK0_OF_2, "forkserver")):
         batches = sampler.training_batches(list(range(8)), list, cfg, info, 0, 0)
-        assert batches._workers[0]._popen.method == method
+        assert batches.iterator._workers[0]._popen.method == method
 
 
 @pytest.mark.parametrize(
@@ -247,8 +294,6 @@ def test_one_process_forks_its_workers_itself():
 )
 def test_torch_s_words_for_a_dead_worker_become_one_line(text, said):
     """torch's own messages (torch/utils/data/dataloader.py, libtorch_python's signal handling)."""
-    from distqa.loader_server import as_worker_loss
-
     line = str(as_worker_loss(RuntimeError(text)))
     assert said in line and line.endswith("then run the same command again to resume from the newest checkpoint")
     assert as_worker_loss(RuntimeError("CUDA out of memory")) is None
@@ -356,6 +401,57 @@ def test_the_workers_check_reads_on_one_thread_as_a_worker_does():
         assert sample_digest(summing) == on_two
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.safety  # (about 5 s: the server's start, a worker's stall)
+def test_a_fork_server_s_worker_killed_is_seen_at_once_not_after_data_timeout_s():
+    """A worker from the fork server is not the training process's child (no SIGCHLD), and torch
+    looks at its workers only when the DataLoader's timeout ends: with that timeout at
+    data.timeout_s, a worker the OOM killer took held the rank 600 s (found by a review)."""
+    import toy_data_tasks
+
+    cfg = load_config(None, [*TOY, "data.timeout_s=600"])
+    batches = sampler.training_batches(toy_data_tasks.StallingBlobs(64, seed=1), list, cfg, RANK0_OF_2, 0, 0)
+    next(batches), next(batches)
+    (worker,) = batches.iterator._workers
+    time.sleep(0.5)  # in its 5th item: stalled
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) \d+\) exited unexpectedly"):
+        for _ in batches:
+            pass
+    assert time.monotonic() - start < 10
+
+
+class _Worker:
+    def __init__(self, pid: int, alive: bool) -> None:
+        self.pid, self.alive = pid, alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+class _Handover:
+    """A DataLoader iterator whose batch's tensors could not be fetched: its worker's socket reset."""
+
+    def __init__(self, *workers: _Worker) -> None:
+        self._workers = list(workers)
+
+    def __next__(self):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_worker_killed_while_it_hands_over_a_batch_is_named_in_one_line(monkeypatch):
+    """torch names a dead worker only once it sees it dead; killed mid-handover, the rank ended in a
+    ConnectionResetError traceback (seen in a test that killed a worker)."""
+    from distqa import loader_server
+
+    monkeypatch.setattr(loader_server, "LIVENESS_S", 0.05)
+    with pytest.raises(RuntimeError) as killed:
+        next(loader_server.Patient(_Handover(_Worker(7, True), _Worker(8, False)), 600))
+    assert "(pid 8) exited unexpectedly: most often the out-of-memory killer" in str(as_worker_loss(killed.value))
+    with pytest.raises(ConnectionResetError):  # every worker alive: the error itself
+        next(loader_server.Patient(_Handover(_Worker(7, True)), 600))
 
 
 @pytest.mark.safety

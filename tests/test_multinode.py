@@ -420,6 +420,7 @@ def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts,
     assert max_abs_diff(checkpoint_weights(out, 96), checkpoint_weights(out, 88)) > 1e-3
 
 
+@pytest.mark.safety  # (about 6 s: make test keeps its 5 minutes)
 def test_worker_without_a_master_fails_in_time_naming_the_address(two_hosts, tmp_path):
     hosts, nobody = two_hosts
     start = time.monotonic()

@@ -343,6 +343,7 @@ def test_the_launch_scripts_end_with_distqa_s_one_line_and_no_torchrun_report(tm
     assert not list(tmp_path.glob("distqa-*")), list(tmp_path.iterdir())  # the node's file is removed
 
 
+@pytest.mark.safety  # (about 5 s: make test keeps its 5 minutes)
 def test_a_node_that_never_joins_the_rendezvous_is_one_line(tmp_path):
     """Node 0 of 2 alone: torchrun's static rendezvous gave up with a 45-line traceback of its
     store's internals (DistStoreError: ... 1/2 clients joined)."""

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from distqa.data_identity import FINGERPRINT_FORMAT, feed
 from distqa.dist import DistInfo, all_gather_objects
 from distqa.errors import DistqaError
-from distqa.loader_server import as_worker_loss
+from distqa.loader_server import Patient, as_worker_loss, loader_timeout
 from distqa.rank0 import reason
 from distqa.sampler import item_seed, loader_workers, seeded_streams, training_loader_context
 from distqa.worker_signals import loader_worker_init, sigterm_held
@@ -118,11 +118,11 @@ def workers_differ(dataset: Dataset, loader: tuple[Any, Any], info: DistInfo) ->
                 _ReadInWorker(dataset, collate),
                 batch_size=None,
                 num_workers=1,
-                timeout=cfg.data.timeout_s,  # a worker stuck in an item: one line, not a hang
+                timeout=loader_timeout(1),  # a worker stuck in an item: one line, not a hang
                 multiprocessing_context=context,
                 worker_init_fn=loader_worker_init,
             )
-            batches = iter(probe)  # the worker's copy pickled now, before this process reads
+            batches = Patient(iter(probe), cfg.data.timeout_s)  # its copy pickled now, before this process reads
     except (pickle.PicklingError, AttributeError, TypeError):
         return None  # what does not pickle: the training loader names it
     except Exception as err:

@@ -19,28 +19,24 @@ with SIGTERM to the group, which is meant for the training process alone (see `w
 
 What a worker needs (the dataset, the task's `collate_fn`, `worker_init_fn`) reaches it pickled.
 A worker's parent is the server, so PyTorch's own check (the worker exits once its parent is gone)
-would never fire when the training process is killed: `end_with_training_process` watches it.
+would never fire when the training process is killed: `worker_exit` watches it.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import multiprocessing
 import os
 import re
-import select
 import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from multiprocessing.context import BaseContext
+from typing import Any
 
 from distqa.errors import DistqaError
-from distqa.runlock import proc_stat
+from distqa.worker_exit import PARENT_ENV, ended, quiet_if_orphaned
 
-# The pid of the training process that starts the server: only its own server leaves the group.
-PARENT_ENV = "DISTQA_LOADER_SERVER_PARENT"
 # Imported first by the server (this module: it acts on import), then what every worker unpickles
 # its task with, so that forking a worker does not import torch again, then "__main__", as in
 # Python's own default. A worker runs a script's main module again (as `__mp_main__`, for a dataset
@@ -58,6 +54,7 @@ def _leave_the_group_if_server() -> None:
             os.setpgid(0, 0)
         except OSError:
             pass  # (a session leader cannot; never fail an import for it)
+        quiet_if_orphaned(os.getppid())  # a worker reading its dataset as the training process dies
 
 
 _leave_the_group_if_server()
@@ -100,7 +97,7 @@ def _start_server(attempts: int = 3, wait_s: float = 30.0) -> None:
             return  # (another Python's internals: the server starts as that Python starts it)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if _ended(pid):
+            if ended(pid):
                 break  # it died while starting: ensure_running reaps it and starts a new one
             if os.getpgid(pid) != os.getpgid(0):
                 return
@@ -113,12 +110,6 @@ def _start_server(attempts: int = 3, wait_s: float = 30.0) -> None:
     )
 
 
-def _ended(pid: int) -> bool:
-    """Whether our child `pid` has ended, without reaping it (`ensure_running` must see it end)."""
-    fields = proc_stat(pid)
-    return not fields or fields[0] in ("Z", "X")
-
-
 def _module_of(thing: object) -> str | None:
     """The module a worker imports to unpickle `thing`: a function's or class's own, else its class's."""
     thing = getattr(thing, "func", thing)  # functools.partial: its function
@@ -127,66 +118,6 @@ def _module_of(thing: object) -> str | None:
         thing = type(thing)
     module = getattr(thing, "__module__", None)
     return module if module not in (None, "builtins", "__main__") else None
-
-
-def end_with_training_process() -> None:
-    """In a loader worker: exit as soon as the training process is gone (SIGKILL, the OOM killer).
-    A worker started from the server is the server's child: PyTorch's watchdog watches the server,
-    which multiprocessing ends only once all its workers have, and the workers wait for batch
-    indices that will never come. A worker forked by the training process itself is watched by
-    PyTorch only between two items: one stuck in reading an item (a stale network mount) outlived
-    it. Either would hold the run's output pipes open (a launcher waiting for them would hang).
-
-    Nor does a worker print a traceback for its training process's death: a batch's tensors reach
-    that process through a socket the worker serves (multiprocessing's resource_sharer), and a
-    process killed while taking one left a traceback of that thread in the run's log, which the
-    platform's reader takes for the cause of the failure."""
-    pid = os.environ.get(PARENT_ENV, "")
-    parent = int(pid) if pid.isdigit() else os.getppid()
-    try:
-        handle = os.pidfd_open(parent)  # readable once the process has ended (Linux 5.3 and later)
-    except ProcessLookupError:
-        os._exit(0)
-    except (AttributeError, OSError):
-        handle = None
-    gone = functools.partial(_gone, parent, handle)
-    sys.excepthook = _quiet_once_gone(sys.excepthook, gone)
-    threading.excepthook = _quiet_once_gone(threading.excepthook, gone)
-    threading.Thread(target=_exit_when_gone, args=(gone,), name="distqa-loader-watch", daemon=True).start()
-
-
-def _gone(pid: int, handle: int | None, wait_s: float | None) -> bool:
-    """Whether process `pid` has ended, waiting up to `wait_s` seconds for it (None: for ever)."""
-    if handle is not None:
-        return bool(select.select([handle], [], [], wait_s)[0])
-    deadline = None if wait_s is None else time.monotonic() + wait_s
-    while not _ended(pid):
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05 if deadline is not None else 1.0)
-    return True
-
-
-def _exit_when_gone(gone: Callable[[float | None], bool]) -> None:
-    gone(None)
-    os._exit(0)
-
-
-def _quiet_once_gone(hook: Callable[..., object], gone: Callable[[float | None], bool]) -> Callable[..., None]:
-    """`hook` (sys.excepthook, threading.excepthook), unless the training process is gone: then the
-    worker exits at once, printing nothing. The socket a killed process held is closed a moment
-    before the kernel reports its end, hence the wait (a worker's own errors reach the training
-    process as objects, not through these hooks: a traceback here comes late by that wait at most)."""
-
-    def quiet(*args: object) -> None:
-        if gone(_EXIT_SEEN_WITHIN_S):
-            os._exit(0)
-        hook(*args)
-
-    return quiet
-
-
-_EXIT_SEEN_WITHIN_S = 2.0
 
 
 # torch's words when a DataLoader worker process is gone ("DataLoader worker (pid 123) is killed by
@@ -198,6 +129,54 @@ _WORKER_GONE = re.compile(
 
 
 _WORKER_STALLED = re.compile(r"DataLoader timed out after (\d+(?:\.\d+)?) seconds")
+
+# How often a rank waiting for a batch looks whether its workers still live. torch looks when the
+# DataLoader's timeout ends (every 5 s without one), and a fork server's worker is not this
+# process's child: its death raises no SIGCHLD here. With the timeout at data.timeout_s, a worker
+# the OOM killer took was seen only after 600 s, its rank's peers waiting in a collective meanwhile.
+LIVENESS_S = 1.0
+
+
+def loader_timeout(workers: int) -> float:
+    """The DataLoader's own `timeout`: a slice of data.timeout_s, which `Patient` waits out."""
+    return LIVENESS_S if workers else 0
+
+
+class Patient(Iterator[Any]):
+    """A DataLoader's iterator (its timeout `loader_timeout`) that waits up to `timeout_s` seconds in
+    all for a batch (0: for ever); at the end of every slice torch looks at its workers, and a dead
+    one is an error at once. (torch's iterator is left as it was by a timeout: asking again waits for
+    the same batch.)"""
+
+    def __init__(self, iterator: Iterator[Any], timeout_s: float) -> None:
+        self.iterator, self.timeout_s = iterator, timeout_s
+
+    def __iter__(self) -> Patient:
+        return self
+
+    def __next__(self) -> Any:
+        start = time.monotonic()
+        while True:
+            try:
+                return next(self.iterator)
+            except RuntimeError as err:
+                if _WORKER_STALLED.search(str(err)) is None:
+                    raise
+                if self.timeout_s and time.monotonic() - start >= self.timeout_s:
+                    raise RuntimeError(f"DataLoader timed out after {self.timeout_s:g} seconds") from None
+            except (ConnectionError, EOFError) as err:
+                # A worker killed while it handed over a batch's tensors (its socket): torch names
+                # a dead worker only once the server has reported its end.
+                if dead := self._dead_workers(wait_s=2 * LIVENESS_S):
+                    raise RuntimeError(f"DataLoader worker (pid(s) {dead}) exited unexpectedly") from err
+                raise
+
+    def _dead_workers(self, wait_s: float) -> str:
+        workers = getattr(self.iterator, "_workers", [])  # (torch's own list of its worker processes)
+        deadline = time.monotonic() + wait_s
+        while not (dead := [str(w.pid) for w in workers if not w.is_alive()]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return ", ".join(dead)
 
 
 def as_worker_loss(err: BaseException) -> DistqaError | None:

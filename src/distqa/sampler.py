@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from distqa.dist import DistInfo, default_num_workers
 from distqa.errors import ConfigError, DistqaError
-from distqa.loader_server import loader_context
+from distqa.loader_server import Patient, loader_context, loader_timeout
 from distqa.worker_signals import loader_worker_init, sigterm_held
 
 if TYPE_CHECKING:  # for hints only
@@ -260,10 +260,10 @@ def training_batches(
             multiprocessing_context=context,
             # A worker stuck in an item (a stale mount) otherwise held the rank for good, and its peers
             # until the process group's timeout, with a gloo traceback: `as_worker_loss` says it.
-            timeout=cfg.data.timeout_s if workers else 0,
+            timeout=loader_timeout(workers),
         )
         try:
-            return iter(loader)
+            return Patient(iter(loader), cfg.data.timeout_s) if workers else iter(loader)
         except (pickle.PicklingError, AttributeError, TypeError) as err:
             named = None if context is None or context.get_start_method() == "fork" else unpicklable(dataset, collate)
             if named is None:

@@ -15,7 +15,7 @@ import os
 import signal
 from collections.abc import Iterator
 
-from distqa.loader_server import end_with_training_process
+from distqa.worker_exit import end_with_training_process
 
 
 def loader_worker_init(worker_id: int) -> None:

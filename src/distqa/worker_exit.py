@@ -1,0 +1,115 @@
+"""How a DataLoader worker ends when its training process is killed: at once, and without a word.
+
+A worker started from the fork server (`loader_server`) is the server's child, so PyTorch's own
+watchdog (the worker exits once its parent is gone) watches the server, which lives as long as any
+worker; a worker forked by the training process itself is watched only between two items. Either
+outlived a SIGKILLed training process (a node's loss, the OOM killer) and held the run's output
+pipes open: `end_with_training_process` watches the training process from a thread of the worker.
+
+Two of multiprocessing's own paths printed a traceback into the node's log when the training
+process died at the wrong moment, and a platform's reader takes the last traceback for the cause:
+- a batch's tensors reach the training process through a socket the worker serves (the
+  resource_sharer's thread); a process killed while taking one made that thread fail;
+- a new worker, forked by the server, reads its dataset and collate from a pipe the training
+  process writes; a process killed while writing left it a truncated pickle.
+`quiet_if_orphaned` silences exactly these two, and only once the training process has ended; any
+other traceback prints as before, at once (a dataset's own thread failing is the cause a user
+needs, even if the training process ends a moment later).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import threading
+import time
+from multiprocessing import resource_sharer, spawn
+from types import CodeType, TracebackType
+
+from distqa.runlock import proc_stat
+
+# The training process's pid, in the server and its workers (set while the server starts).
+PARENT_ENV = "DISTQA_LOADER_SERVER_PARENT"
+# The socket or pipe a killed process held is closed a moment before the kernel reports its end.
+_EXIT_SEEN_WITHIN_S = 5.0
+# Where multiprocessing fails when its peer, the training process, dies mid-exchange.
+_PEER_CODE: frozenset[CodeType] = frozenset(
+    {resource_sharer._ResourceSharer._serve.__code__, spawn._main.__code__}  # type: ignore[attr-defined]
+)
+
+
+def training_process() -> int:
+    """The training process's pid, as seen from a loader worker (or the fork server)."""
+    pid = os.environ.get(PARENT_ENV, "")
+    return int(pid) if pid.isdigit() else os.getppid()
+
+
+def end_with_training_process() -> None:
+    """In a loader worker: exit as soon as the training process is gone, printing nothing of it."""
+    parent = training_process()
+    quiet_if_orphaned(parent)
+    try:
+        handle = os.pidfd_open(parent)  # readable once the process has ended (Linux 5.3 and later)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):
+        handle = None
+    threading.Thread(target=_exit_when_gone, args=(parent, handle), name="distqa-loader-watch", daemon=True).start()
+
+
+def _exit_when_gone(pid: int, handle: int | None) -> None:
+    if handle is not None:
+        select.select([handle], [], [])
+    else:
+        while not ended(pid):
+            time.sleep(1.0)
+    os._exit(0)
+
+
+def ended(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie counts), without reaping it."""
+    fields = proc_stat(pid)
+    return not fields or fields[0] in ("Z", "X")
+
+
+def _ends_within(pid: int, wait_s: float) -> bool:
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (AttributeError, OSError):
+        deadline = time.monotonic() + wait_s
+        while not ended(pid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    try:
+        return bool(select.select([handle], [], [], wait_s)[0])
+    finally:
+        os.close(handle)
+
+
+def quiet_if_orphaned(pid: int) -> None:
+    """Make `sys.excepthook` (both paths above call it) exit this process without a word when the
+    traceback comes from one of those two paths and process `pid` has ended; otherwise it prints."""
+    if getattr(sys.excepthook, "distqa_orphan_of", None) == pid:
+        return  # (a worker inherits the server's)
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if _from_a_peer_exchange(tb) and _ends_within(pid, _EXIT_SEEN_WITHIN_S):
+            os._exit(0)
+        previous(kind, value, tb)
+
+    hook.distqa_orphan_of = pid  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _from_a_peer_exchange(tb: TracebackType | None) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code in _PEER_CODE:
+            return True
+        tb = tb.tb_next
+    return False
