@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -221,25 +222,42 @@ def test_a_training_process_killed_while_taking_a_batch_leaves_no_traceback_in_t
 # A new worker reads what the training process writes (the dataset, the collate); the process is
 # SIGKILLed while it writes: the worker, slow to read (`Slow`), finds the pickle truncated.
 _KILLED_WHILE_STARTING_A_WORKER = """
-import os, signal, threading
+import os, signal, sys, threading
 from distqa.loader_server import loader_context
 import slow_to_unpickle
 
 if __name__ == "__main__":
+    sleep_s, payload = float(sys.argv[1]), int(sys.argv[2])
     context = loader_context(1, distributed=True)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    context.Process(target=print, args=(slow_to_unpickle.Slow(), b"x" * 20_000_000)).start()
+    context.Process(target=print, args=(slow_to_unpickle.Slow(sleep_s), b"x" * payload)).start()
 """
 _SLOW = """
 import time
 
 class Slow:
-    def __getstate__(self):
-        return {"slow": True}
+    def __init__(self, sleep_s):
+        self.sleep_s = sleep_s
 
     def __setstate__(self, state):
-        time.sleep(1.5)
+        time.sleep(state["sleep_s"])
 """
+
+
+def _start_and_die(tmp_path: Path, sleep_s: float, payload: int) -> tuple[subprocess.CompletedProcess, float]:
+    (tmp_path / "slow_to_unpickle.py").write_text(_SLOW)
+    (tmp_path / "starts.py").write_text(_KILLED_WHILE_STARTING_A_WORKER)
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "starts.py"), str(sleep_s), str(payload)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,  # run() reads the pipes to their end: every process holding them is gone
+    )
+    return proc, time.monotonic() - start
 
 
 @pytest.mark.safety  # (about 3 s)
@@ -247,15 +265,19 @@ def test_a_training_process_killed_while_it_starts_a_worker_leaves_no_traceback(
     """The fork server's child printed `UnpicklingError: pickle data was truncated` with its stack
     into the node's log (found by a review: a dataset held in memory, 20 MB, takes 2 s to start
     2 workers, at every epoch)."""
-    (tmp_path / "slow_to_unpickle.py").write_text(_SLOW)
-    (tmp_path / "starts.py").write_text(_KILLED_WHILE_STARTING_A_WORKER)
-    env = subprocess_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "starts.py")], env=env, capture_output=True, text=True, timeout=60
-    )
+    proc, _ = _start_and_die(tmp_path, sleep_s=1.5, payload=20_000_000)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.safety  # (about 5 s)
+def test_a_worker_whose_dataset_hangs_in_unpickling_ends_with_its_killed_training_process(tmp_path):
+    """A fork server's child reads its dataset before `worker_init_fn` starts its watch: one whose
+    `__setstate__` hung (a stale mount) outlived the SIGKILLed training process and held its output
+    pipe (found by a review: 29 s for a 25 s hang; for ever for a mount that stays stale)."""
+    proc, took_s = _start_and_die(tmp_path, sleep_s=60, payload=0)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert took_s < 30, f"the output pipe was held {took_s:.0f} s"
 
 
 def test_a_worker_s_own_thread_failing_still_prints_its_traceback_at_once(tmp_path):
@@ -452,6 +474,51 @@ def test_a_worker_killed_while_it_hands_over_a_batch_is_named_in_one_line(monkey
     assert "(pid 8) exited unexpectedly: most often the out-of-memory killer" in str(as_worker_loss(killed.value))
     with pytest.raises(ConnectionResetError):  # every worker alive: the error itself
         next(loader_server.Patient(_Handover(_Worker(7, True)), 600))
+
+
+class _QuotesATimeout(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if index == 4:  # (a storage library's own words)
+            raise RuntimeError("shard 7: DataLoader timed out after 30 seconds")
+        return index
+
+
+def test_a_worker_s_error_that_quotes_torch_s_timeout_stops_the_run_and_skips_no_batch():
+    """The first `Patient` asked again on any error holding torch's timeout words: a worker's error
+    (its traceback comes back as a RuntimeError's text) then skipped its batch, exit 0 (found by a
+    review: batches [0, 1], [2, 3], [6, 7])."""
+    one = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    batches = sampler.training_batches(_QuotesATimeout(), list, load_config(None, TOY), one, 0, 0)
+    with pytest.raises(RuntimeError, match="Caught RuntimeError in DataLoader worker"):
+        list(batches)
+
+
+class _TimesOut:
+    """torch's iterator waiting for a batch, its pin-memory thread dead (CUDA)."""
+
+    def __init__(self, *workers: _Worker) -> None:
+        self._workers = list(workers)
+        self._pin_memory_thread = threading.Thread(target=lambda: None)
+        self._pin_memory_thread.start()
+        self._pin_memory_thread.join()
+
+    def __next__(self):
+        raise RuntimeError("DataLoader timed out after 1.0 seconds")
+
+
+def test_a_dead_pin_memory_thread_is_an_error_not_a_wait(monkeypatch):
+    """torch looks at that thread only without a timeout: with data.timeout_s=0 the rank waited for
+    ever, otherwise for data.timeout_s, then blamed a stuck worker (found by a review)."""
+    from distqa import loader_server
+
+    monkeypatch.setattr(loader_server, "LIVENESS_S", 0.05)
+    with pytest.raises(RuntimeError, match="^Pin memory thread exited unexpectedly$"):
+        next(loader_server.Patient(_TimesOut(_Worker(7, True)), 5))
+    with pytest.raises(RuntimeError, match=r"^DataLoader worker \(pid\(s\) 8\) exited unexpectedly$"):
+        next(loader_server.Patient(_TimesOut(_Worker(7, True), _Worker(8, False)), 5))
 
 
 @pytest.mark.safety

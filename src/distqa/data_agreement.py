@@ -118,7 +118,7 @@ def workers_differ(dataset: Dataset, loader: tuple[Any, Any], info: DistInfo) ->
                 _ReadInWorker(dataset, collate),
                 batch_size=None,
                 num_workers=1,
-                timeout=loader_timeout(1),  # a worker stuck in an item: one line, not a hang
+                timeout=loader_timeout(1, cfg.data.timeout_s),  # a worker stuck in an item: one line, not a hang
                 multiprocessing_context=context,
                 worker_init_fn=loader_worker_init,
             )

@@ -35,7 +35,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from distqa.errors import DistqaError
-from distqa.worker_exit import PARENT_ENV, ended, quiet_if_orphaned
+from distqa.worker_exit import PARENT_ENV, end_with_training_process, ended
 
 # Imported first by the server (this module: it acts on import), then what every worker unpickles
 # its task with, so that forking a worker does not import torch again, then "__main__", as in
@@ -54,7 +54,7 @@ def _leave_the_group_if_server() -> None:
             os.setpgid(0, 0)
         except OSError:
             pass  # (a session leader cannot; never fail an import for it)
-        quiet_if_orphaned(os.getppid())  # a worker reading its dataset as the training process dies
+        os.register_at_fork(after_in_child=end_with_training_process)  # each worker, from its first moment
 
 
 _leave_the_group_if_server()
@@ -128,7 +128,9 @@ _WORKER_GONE = re.compile(
 )
 
 
-_WORKER_STALLED = re.compile(r"DataLoader timed out after (\d+(?:\.\d+)?) seconds")
+# torch's own words when a DataLoader's timeout ends, and nothing else: a worker's error that
+# quotes them (its whole traceback comes back as the text of a RuntimeError) is not a timeout.
+_TIMED_OUT = re.compile(r"DataLoader timed out after (\d+(?:\.\d+)?) seconds")
 
 # How often a rank waiting for a batch looks whether its workers still live. torch looks when the
 # DataLoader's timeout ends (every 5 s without one), and a fork server's worker is not this
@@ -137,16 +139,16 @@ _WORKER_STALLED = re.compile(r"DataLoader timed out after (\d+(?:\.\d+)?) second
 LIVENESS_S = 1.0
 
 
-def loader_timeout(workers: int) -> float:
+def loader_timeout(workers: int, timeout_s: float) -> float:
     """The DataLoader's own `timeout`: a slice of data.timeout_s, which `Patient` waits out."""
-    return LIVENESS_S if workers else 0
+    return min(LIVENESS_S, timeout_s or LIVENESS_S) if workers else 0
 
 
 class Patient(Iterator[Any]):
     """A DataLoader's iterator (its timeout `loader_timeout`) that waits up to `timeout_s` seconds in
     all for a batch (0: for ever); at the end of every slice torch looks at its workers, and a dead
-    one is an error at once. (torch's iterator is left as it was by a timeout: asking again waits for
-    the same batch.)"""
+    one is an error at once. (torch's iterator is left as it was by its timeout, which it raises
+    before it takes anything: asking again waits for the same batch.)"""
 
     def __init__(self, iterator: Iterator[Any], timeout_s: float) -> None:
         self.iterator, self.timeout_s = iterator, timeout_s
@@ -160,29 +162,39 @@ class Patient(Iterator[Any]):
             try:
                 return next(self.iterator)
             except RuntimeError as err:
-                if _WORKER_STALLED.search(str(err)) is None:
+                if type(err) is not RuntimeError or not _TIMED_OUT.fullmatch(str(err)):
                     raise
+                self._pin_thread_alive()
                 if self.timeout_s and time.monotonic() - start >= self.timeout_s:
                     raise RuntimeError(f"DataLoader timed out after {self.timeout_s:g} seconds") from None
             except (ConnectionError, EOFError) as err:
                 # A worker killed while it handed over a batch's tensors (its socket): torch names
                 # a dead worker only once the server has reported its end.
-                if dead := self._dead_workers(wait_s=2 * LIVENESS_S):
-                    raise RuntimeError(f"DataLoader worker (pid(s) {dead}) exited unexpectedly") from err
+                self._no_dead_worker(err)
                 raise
 
-    def _dead_workers(self, wait_s: float) -> str:
+    def _pin_thread_alive(self) -> None:
+        """torch looks at its pin-memory thread (CUDA) only without a timeout: it dies when it cannot
+        take a batch's tensors (a worker killed while it handed them over)."""
+        thread = getattr(self.iterator, "_pin_memory_thread", None)
+        if thread is not None and not thread.is_alive():
+            failed = RuntimeError("Pin memory thread exited unexpectedly")
+            self._no_dead_worker(failed)
+            raise failed
+
+    def _no_dead_worker(self, err: BaseException) -> None:
         workers = getattr(self.iterator, "_workers", [])  # (torch's own list of its worker processes)
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + 2 * LIVENESS_S
         while not (dead := [str(w.pid) for w in workers if not w.is_alive()]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return ", ".join(dead)
+        if dead:
+            raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(dead)}) exited unexpectedly") from err
 
 
 def as_worker_loss(err: BaseException) -> DistqaError | None:
     """`err` said as one line when a DataLoader worker of this process died or stalled past
     data.timeout_s; None for anything else."""
-    stalled = _WORKER_STALLED.search(str(err))
+    stalled = _TIMED_OUT.fullmatch(str(err))
     if stalled is not None:
         return DistqaError(
             f"waited {float(stalled.group(1)):g} s for a batch from the DataLoader workers (data.timeout_s): a worker "

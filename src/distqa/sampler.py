@@ -260,7 +260,7 @@ def training_batches(
             multiprocessing_context=context,
             # A worker stuck in an item (a stale mount) otherwise held the rank for good, and its peers
             # until the process group's timeout, with a gloo traceback: `as_worker_loss` says it.
-            timeout=loader_timeout(workers),
+            timeout=loader_timeout(workers, cfg.data.timeout_s),
         )
         try:
             return Patient(iter(loader), cfg.data.timeout_s) if workers else iter(loader)

@@ -4,7 +4,8 @@ A worker started from the fork server (`loader_server`) is the server's child, s
 watchdog (the worker exits once its parent is gone) watches the server, which lives as long as any
 worker; a worker forked by the training process itself is watched only between two items. Either
 outlived a SIGKILLed training process (a node's loss, the OOM killer) and held the run's output
-pipes open: `end_with_training_process` watches the training process from a thread of the worker.
+pipes open: `end_with_training_process` watches the training process from a thread of the worker,
+started as the server forks it (before it reads its dataset, which may hang).
 
 Two of multiprocessing's own paths printed a traceback into the node's log when the training
 process died at the wrong moment, and a platform's reader takes the last traceback for the cause:
@@ -20,6 +21,7 @@ needs, even if the training process ends a moment later).
 from __future__ import annotations
 
 import os
+import pickle
 import select
 import sys
 import threading
@@ -31,6 +33,8 @@ from distqa.runlock import proc_stat
 
 # The training process's pid, in the server and its workers (set while the server starts).
 PARENT_ENV = "DISTQA_LOADER_SERVER_PARENT"
+# Whether this process watches the training process already (a fork server's child, from its fork).
+_watching = False
 # The socket or pipe a killed process held is closed a moment before the kernel reports its end.
 _EXIT_SEEN_WITHIN_S = 5.0
 # Where multiprocessing fails when its peer, the training process, dies mid-exchange.
@@ -46,7 +50,14 @@ def training_process() -> int:
 
 
 def end_with_training_process() -> None:
-    """In a loader worker: exit as soon as the training process is gone, printing nothing of it."""
+    """In a loader worker: exit as soon as the training process is gone, printing nothing of it.
+    The fork server calls it in each child as it forks it (`os.register_at_fork`), before the child
+    reads its dataset: a dataset whose unpickling hangs (its `__setstate__` opens a stale mount)
+    outlived a SIGKILLed training process there; the worker's `worker_init_fn` calls it again."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
     parent = training_process()
     quiet_if_orphaned(parent)
     try:
@@ -99,7 +110,8 @@ def quiet_if_orphaned(pid: int) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        if _from_a_peer_exchange(tb) and _ends_within(pid, _EXIT_SEEN_WITHIN_S):
+        peer_gone = isinstance(value, (EOFError, OSError, pickle.UnpicklingError))  # (not an import error, say)
+        if peer_gone and _from_a_peer_exchange(tb) and _ends_within(pid, _EXIT_SEEN_WITHIN_S):
             os._exit(0)
         previous(kind, value, tb)
 
