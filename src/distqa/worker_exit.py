@@ -13,7 +13,7 @@ process died at the wrong moment, and a platform's reader takes the last traceba
   resource_sharer's thread); a process killed while taking one made that thread fail;
 - a new worker, forked by the server, reads its dataset and collate from a pipe the training
   process writes; a process killed while writing left it a truncated pickle.
-`quiet_if_orphaned` silences exactly these two, and only once the training process has ended; any
+`_quiet_if_orphaned` silences exactly these two, and only once the training process has ended; any
 other traceback prints as before, at once (a dataset's own thread failing is the cause a user
 needs, even if the training process ends a moment later).
 """
@@ -59,22 +59,18 @@ def end_with_training_process() -> None:
         return
     _watching = True
     parent = training_process()
-    quiet_if_orphaned(parent)
     try:
         handle = os.pidfd_open(parent)  # readable once the process has ended (Linux 5.3 and later)
     except ProcessLookupError:
         os._exit(0)
     except (AttributeError, OSError):
-        handle = None
+        handle = None  # (then /proc is polled)
+    _quiet_if_orphaned(parent, handle)
     threading.Thread(target=_exit_when_gone, args=(parent, handle), name="distqa-loader-watch", daemon=True).start()
 
 
 def _exit_when_gone(pid: int, handle: int | None) -> None:
-    if handle is not None:
-        select.select([handle], [], [])
-    else:
-        while not ended(pid):
-            time.sleep(1.0)
+    _ends_within(pid, handle, None)
     os._exit(0)
 
 
@@ -84,38 +80,29 @@ def ended(pid: int) -> bool:
     return not fields or fields[0] in ("Z", "X")
 
 
-def _ends_within(pid: int, wait_s: float) -> bool:
-    try:
-        handle = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    except (AttributeError, OSError):
-        deadline = time.monotonic() + wait_s
-        while not ended(pid):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
-    try:
+def _ends_within(pid: int, handle: int | None, wait_s: float | None) -> bool:
+    """Whether process `pid` (`handle`: its pidfd, or None) ends within `wait_s` seconds (None: waits for ever)."""
+    if handle is not None:
         return bool(select.select([handle], [], [], wait_s)[0])
-    finally:
-        os.close(handle)
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    while not ended(pid):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(1.0 if deadline is None else 0.05)
+    return True
 
 
-def quiet_if_orphaned(pid: int) -> None:
+def _quiet_if_orphaned(pid: int, handle: int | None) -> None:
     """Make `sys.excepthook` (both paths above call it) exit this process without a word when the
     traceback comes from one of those two paths and process `pid` has ended; otherwise it prints."""
-    if getattr(sys.excepthook, "distqa_orphan_of", None) == pid:
-        return  # (a worker inherits the server's)
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         peer_gone = isinstance(value, (EOFError, OSError, pickle.UnpicklingError))  # (not an import error, say)
-        if peer_gone and _from_a_peer_exchange(tb) and _ends_within(pid, _EXIT_SEEN_WITHIN_S):
+        if peer_gone and _from_a_peer_exchange(tb) and _ends_within(pid, handle, _EXIT_SEEN_WITHIN_S):
             os._exit(0)
         previous(kind, value, tb)
 
-    hook.distqa_orphan_of = pid  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 
