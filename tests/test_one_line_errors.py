@@ -267,11 +267,40 @@ def test_distqa_torchrun_after_a_sigterm(tmp_path, monkeypatch, lines, sigval, r
         raise SignalException(f"Process 1 got signal: {sigval}", sigval=signal.Signals(sigval))
 
     monkeypatch.setattr("torch.distributed.run.main", stopped)
-    (tmp_path / "node.txt").write_text("")
-    with pytest.raises(SignalException):  # nothing said: torchrun's own traceback
+    (tmp_path / "node.txt").write_text("distqa: training: local rank 0 of 1\n")
+    with pytest.raises(SignalException):  # a rank trained and said nothing more: torchrun's own traceback
         torchrun.main([])
     (tmp_path / "node.txt").write_text("".join(f"{line}\n" for line in lines))
     assert torchrun.main([]) == result
+
+
+@pytest.mark.parametrize("sigval", [15, 2])
+@pytest.mark.parametrize("launcher", [True, False])
+def test_a_signal_before_any_rank_trained_is_a_stop_not_torchrun_s_traceback(
+    tmp_path, monkeypatch, capfd, sigval, launcher
+):
+    """No rank wrote `distqa: training:` (each still loading, its SIGTERM handler not installed):
+    the signal's status, as a shell gives it, and one line; worker.sh (a launcher with its own file)
+    says the line itself. A round before the last one that trained does not count."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from distqa import torchrun
+
+    monkeypatch.setattr(sys, "argv", ["x"])
+    if launcher:
+        (tmp_path / "node.txt").write_text("distqa: round: 0\ndistqa: training: local rank 0 of 1\ndistqa: round: 1\n")
+        monkeypatch.setenv("DISTQA_ERROR_FILE", str(tmp_path / "node.txt"))
+    else:
+        monkeypatch.delenv("DISTQA_ERROR_FILE", raising=False)
+
+    def stopped(argv):
+        raise SignalException(f"Process 1 got signal: {sigval}", sigval=signal.Signals(sigval))
+
+    monkeypatch.setattr("torch.distributed.run.main", stopped)
+    assert torchrun.main([]) == 128 + sigval
+    name = signal.Signals(sigval).name
+    said = [] if launcher else [f"distqa: stopped by {name} before training started: nothing to checkpoint"]
+    assert capfd.readouterr().err.splitlines() == said
 
 
 @pytest.mark.parametrize("closed", [True, False])

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,45 @@ def test_a_sigterm_that_ends_in_a_checkpoint_exits_143_as_worker_sh_does(tmp_pat
         err = stop_and_wait(proc)  # SIGTERM to run_local.sh, which is torchrun by now (exec)
     assert proc.returncode == 143, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("distqa: preempted: stopped by SIGTERM at step "), err[-3000:]
+
+
+def _ranks_of(out: Path) -> list[int]:
+    """The pids of the processes torchrun started for the run writing to `out` (`-u -m distqa train`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"-u" in argv[:2] and b"distqa" in argv and f"output_dir={out}".encode() in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.launch  # a two-process launch under a signal: make test-launch
+@pytest.mark.parametrize("script", ["run_local.sh", "worker.sh"])
+def test_a_sigterm_while_the_ranks_load_is_a_stop_that_lost_nothing(tmp_path, script):
+    """A SIGTERM once torchrun had started its ranks, before any could checkpoint (each still
+    importing: its handler not installed, no `distqa: training:` line), ended every rank at once,
+    and torchrun ended in its SignalException's traceback, exit 1: a failure's status, which a
+    platform's restart policy may take as final. Now: exit 143 and one line, as before torchrun starts."""
+    out = tmp_path / "run"
+    env = subprocess_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # the real torchrun
+    args = ["model.name=tiny", "task.dummy_size=64", "train.batch_size=2", "train.max_steps=100000"]
+    cmd = ["bash", str(ROOT / "scripts" / script), *args, f"output_dir={out}"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_ranks_of(out)) < 2:  # both ranks exist; importing torch takes them seconds more
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "torchrun started no ranks within 60 s"
+            time.sleep(0.02)
+    finally:
+        err = stop_and_wait(proc)
+    assert proc.returncode == 143, err[-3000:]
+    said = "stopped by SIGTERM before training started: nothing to checkpoint"
+    launcher = "distqa" if script == "run_local.sh" else "worker.sh"
+    assert err.strip().splitlines()[-1] == f"{launcher}: {said}", err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not out.exists() or not list(out.glob("checkpoints/*"))

@@ -47,6 +47,7 @@ from distqa.runlock import process_start
 ERROR = re.compile(r"^distqa(?: \[rank (\d+)\])?: error: (.*)$")
 PREEMPTED = "distqa: preempted: "
 FINISHED = re.compile(r"^distqa: finished: local rank (\d+) of (\d+)$")
+TRAINING = "distqa: training: "
 ROUND = re.compile(r"^distqa: round: \d+$")
 # Marks a message printed on this node (a rank that does not show its line, as a lost peer's other
 # local ranks, still writes it, and must not keep local rank 0 from printing it). Readers skip it.
@@ -182,6 +183,7 @@ class Outcome:
     preempted: bool
     finished: set[int]  # local ranks that finished
     local_size: int  # the local world size the finished lines name (0: none)
+    training: bool  # a rank reached the point from which a SIGTERM means a checkpoint
 
     @property
     def all_finished(self) -> bool:
@@ -208,4 +210,5 @@ def read(path: Path) -> Outcome:
         elif found := FINISHED.match(line):
             finished.add(int(found.group(1)))
             local_size = int(found.group(2))
-    return Outcome(errors, any(line.startswith(PREEMPTED) for line in lines), finished, local_size)
+    preempted = any(line.startswith(PREEMPTED) for line in lines)
+    return Outcome(errors, preempted, finished, local_size, any(line.startswith(TRAINING) for line in lines))

@@ -16,6 +16,8 @@ to the node's file (distqa.outcome, `DISTQA_ERROR_FILE`, made here when no launc
   checkpointed (the preempted line, no error), the stop's own as in scripts/worker.sh: 143, or
   128+N when signal N reached torchrun itself (130 for Ctrl-C), so that scripts/run_local.sh,
   which execs this, tells a preemption from a failure as worker.sh does;
+- a signal that reached torchrun before any rank began to train (none wrote `distqa: training:`):
+  nothing was lost; the signal's status, 128+N, and one line saying so;
 - otherwise (a crash: a worker that wrote nothing): torchrun's report, as ever.
 
 One more traceback of torchrun's is a race of its own (pytorch/pytorch#69520): after the workers of
@@ -109,6 +111,18 @@ def _explained_status(err: BaseException, said: outcome.Outcome) -> int:
     return 128 + int(sigval) if sigval is not None else 128 + signal.SIGTERM  # the ranks' own exit: 143
 
 
+def _stopped_before_training(err: BaseException, *, say: bool) -> int:
+    """A signal reached torchrun before any rank wrote `distqa: training:`: every rank was still
+    loading (its SIGTERM handler not yet installed), so the signal ended it and nothing was lost.
+    torchrun's answer is its SignalException's traceback; here it is a stop's status, 128+N as a
+    shell gives it, and one line, unless a launcher that reads the node's file (worker.sh) says it."""
+    sigval = int(getattr(err, "sigval", None) or signal.SIGTERM)
+    if say:
+        name = signal.Signals(sigval).name
+        print(f"distqa: stopped by {name} before training started: nothing to checkpoint", file=sys.stderr, flush=True)
+    return 128 + sigval
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed import DistStoreError
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
@@ -152,6 +166,8 @@ def main(argv: list[str]) -> int:
         if said.all_finished:
             return 0
         failures = _failures(err)
+        if failures is None and not (said.error_ranks or said.preempted or said.training):
+            return _stopped_before_training(err, say=made is not None)
         if failures is None and said.preempted or failures is not None and said.explains(failures):
             return _explained_status(err, said)
         raise
