@@ -222,6 +222,16 @@ elif [[ $nproc == cpu ]] || { [[ $nproc == auto ]] && (($(gpu_count) == 0)) && !
   nproc_FROM="NPROC_PER_NODE=$nproc, one per CPU this node may use" nproc=$(usable_cpus)
 fi
 
+# An address that is no host: a worker node would wait its whole RDZV_TIMEOUT (600 s) for it, then
+# ask whether node 0 runs. Host and port in one (10.0.0.1:29500; an IPv6 address has two colons or
+# more), a URL, or a space (a copied value's stray one).
+if [[ $master_addr =~ [[:space:]] ]]; then
+  die "MASTER_ADDR='$master_addr' (from $master_addr_FROM) holds a space: give node 0's host name or IP address alone"
+elif [[ $master_addr == *://* ]]; then
+  die "MASTER_ADDR=$master_addr (from $master_addr_FROM) is a URL: give node 0's host name or IP address alone"
+elif [[ $master_addr == *:* && $master_addr != *:*:* ]]; then
+  die "MASTER_ADDR=$master_addr (from $master_addr_FROM) holds a port: give the host alone (${master_addr%:*}), and the port as MASTER_PORT"
+fi
 if [[ -z $master_addr || $master_addr == self ]]; then
   if ((node_rank > 0)) && [[ -z $master_addr ]]; then
     die "NODE_RANK=$node_rank (from $node_rank_FROM) is a worker node but no master address is set: set MASTER_ADDR to node 0's address"

@@ -18,7 +18,13 @@ from conftest import ROOT
 SRC = ROOT / "src"
 TASK_PACKAGES = ("distqa.nq", "distqa.textcls")
 # The configuration sits below everything: the registry hands it a task's settings class.
-CONFIG_MODULES = {"distqa.config", "distqa.config_checks", "distqa.config_layers", "distqa.errors"}
+CONFIG_MODULES = {
+    "distqa.config",
+    "distqa.config_checks",
+    "distqa.config_layers",
+    "distqa.config_yaml",
+    "distqa.errors",
+}
 
 
 def module_name(path: Path, src: Path) -> str:

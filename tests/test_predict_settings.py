@@ -62,6 +62,8 @@ def test_saved_settings_round_trip(tmp_path, capsys):
 class ForkSettings:
     temperature: float = setting(1.0, "a float a fork allows to be infinite", finite=False)
     floor: float = setting(0.0, "a float that must be finite")
+    weights: list[float] = setting([1.0], "a list of floats that must be finite")
+    scales: dict[str, float] = setting({"a": 1.0}, "a mapping of floats that may be infinite", finite=False)
 
 
 def fork_config(*overrides: str):
@@ -71,12 +73,20 @@ def fork_config(*overrides: str):
 def test_infinite_settings_are_saved_as_strict_json_and_read_back(tmp_path):
     write_task_settings(fork_config("task.temperature=-inf").task, tmp_path)
     text = (tmp_path / SETTINGS_FILE).read_text()
-    assert strict_json(text)["task"] == {"name": "fork:Task", "temperature": "-inf", "floor": 0.0}
+    assert strict_json(text)["task"] == {
+        "name": "fork:Task", "temperature": "-inf", "floor": 0.0, "weights": [1.0], "scales": {"a": 1.0}
+    }  # fmt: skip
     assert with_trained_settings(fork_config(), tmp_path).task.temperature == -math.inf
-    # nan, or inf where the setting must be finite: a tampered file, refused in one line.
-    for saved in ({"temperature": "nan"}, {"floor": "inf"}):
+    write_task_settings({"name": "fork:Task", "scales": {"a": "inf"}}, tmp_path)
+    assert with_trained_settings(fork_config(), tmp_path).task.scales == {"a": math.inf}
+    # nan, or inf where the setting must be finite (an item of a list or mapping too): a tampered
+    # file, refused in one line.
+    cases = [({"temperature": "nan"}, "temperature"), ({"floor": "inf"}, "floor"),
+             ({"weights": [1.0, "nan"]}, r"weights\[1\]"), ({"weights": ["inf"]}, r"weights\[0\]"),
+             ({"scales": {"a": "nan"}}, r"scales\.a")]  # fmt: skip
+    for saved, key in cases:
         write_task_settings({"name": "fork:Task", **saved}, tmp_path)
-        with pytest.raises(DistqaError, match=f"{SETTINGS_FILE}: task.{next(iter(saved))}=.* is not a finite number"):
+        with pytest.raises(DistqaError, match=f"{SETTINGS_FILE}: task.{key}=.* is not a finite number"):
             with_trained_settings(fork_config(), tmp_path)
 
 

@@ -7,16 +7,13 @@ Every failure is a `ConfigError`, one line naming the key and what to give it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import math
 import re
-import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
-import yaml
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from distqa.errors import ConfigError
@@ -27,12 +24,28 @@ def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
 
 
-def check_finite(key: str, value: Any, default: Any = None) -> None:
+def scalars_in(key: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """(key, value) of every single value in a setting's value: itself, or the items of a list
+    (`key[i]`) or mapping (`key.name`) setting, at any depth."""
+    if isinstance(value, Mapping):
+        for name, item in value.items():
+            yield from scalars_in(f"{key}.{name}", item)
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        for i, item in enumerate(value):
+            yield from scalars_in(f"{key}[{i}]", item)
+    else:
+        yield key, value
+
+
+def check_finite(key: str, value: Any, default: Any = None, *, inf: bool = False) -> None:
     """A float setting must be a number: nan passes every `<` test and inf every `>` one, so a
-    range check alone lets `train.lr=nan` train NaN weights to the end."""
-    if isinstance(value, float) and not math.isfinite(value):
+    range check alone lets `train.lr=nan` train NaN weights to the end. The items of a list or
+    mapping setting too (`task.class_weights=[nan, 1]`); with `inf`, +-inf may pass (never nan)."""
+    for item_key, item in scalars_in(key, value):
+        if not isinstance(item, float) or math.isfinite(item) or (inf and math.isinf(item)):
+            continue
         shown = f" (default: {default})" if isinstance(default, int | float) and not isinstance(default, bool) else ""
-        raise ConfigError(f"{key}={value} is not a finite number: give {key} a finite value{shown}")
+        raise ConfigError(f"{item_key}={item} is not a finite number: give {item_key} a finite value{shown}")
 
 
 def check_min(key: str, value: float, low: float, *, strict: bool = False) -> None:
@@ -69,150 +82,6 @@ def check_sections(values: Any, schema: Any, source: str, prefix: str = "") -> N
         check_sections(value, sub, source, f"{key}.")
 
 
-TEXT_HINTS = {"str": False, "str | None": True, "None | str": True, "Optional[str]": True}
-
-
-def _leaf_hints(schema: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(full key, type hint) of every setting of a config dataclass, sections walked into; a hint
-    that does not resolve stays the annotation as written (a string)."""
-    try:
-        hints: dict[str, Any] = typing.get_type_hints(type(schema))
-    except Exception:  # noqa: BLE001 (a fork's annotation naming what only type checkers import)
-        hints = {}
-    for f in dataclasses.fields(schema):
-        sub, key = getattr(schema, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(sub):
-            yield from _leaf_hints(sub, f"{key}.")
-        else:
-            yield key, hints.get(f.name, f.type)
-
-
-def text_keys(schema: Any, prefix: str = "") -> dict[str, bool]:
-    """Every setting typed as text (`str`, or `str | None`): full key -> whether it may be None."""
-    keys: dict[str, bool] = {}
-    for key, hint in _leaf_hints(schema, prefix):
-        if isinstance(hint, str):  # unresolved: the annotation as written
-            optional = TEXT_HINTS.get(hint.replace(" ", "").replace("|", " | "))
-        else:
-            optional = False if hint is str else True if set(typing.get_args(hint)) == {str, type(None)} else None
-        if optional is not None:
-            keys[key] = optional
-    return keys
-
-
-def bool_keys(schema: Any) -> set[str]:
-    """Every setting typed `bool` (or `bool | None`): full keys."""
-    return {
-        key
-        for key, hint in _leaf_hints(schema)
-        if hint in (bool, "bool", "bool | None", "Optional[bool]")
-        or (not isinstance(hint, str) and set(typing.get_args(hint)) == {bool, type(None)})
-    }
-
-
-def check_bool(key: str, value: Any, source: str) -> None:
-    """OmegaConf takes any whole number for a bool: train.compile=2 or train.deterministic=-1 turned
-    the switch on, without a word. 1 and 0 stay (what true and false are often written as). So does
-    a quoted number or one an interpolation gives: OmegaConf reads the text "2" as 2."""
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            value = int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value not in (0, 1):
-        raise ConfigError(f"{key}={value} in {source}: {key} is a switch: give true or false")
-
-
-# YAML 1.1, which OmegaConf reads, takes an unquoted 010 for octal (8) and 1:30 for base 60 (90).
-_OCTAL = re.compile(r"[-+]?0[0-7_]+")
-_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
-
-
-_RADIX = re.compile(r"[-+]?0[xb][0-9a-fA-F_]+")  # YAML 1.1's hexadecimal and binary integers
-
-
-def check_yaml_number(key: str, raw: str, source: str) -> None:
-    """An unquoted value that YAML reads as another number than the decimal it looks like:
-    train.max_steps=010 trained 8 steps and seed=7_ was 7, without a word (1_000 is 1000, as in Python)."""
-    raw, digits = raw.strip(), raw.strip().replace("_", "")
-    if _OCTAL.fullmatch(raw) and int(digits, 8) != int(digits):
-        read, fix = f"the octal number {int(digits, 8)}", f"write {int(digits)} without the leading zero"
-    elif _BASE_60.fullmatch(raw):
-        read, fix = "a base-60 number (1:30 is 90)", "write the number itself"
-    elif _RADIX.fullmatch(raw):
-        read, fix = f"the number {int(digits, 0)} in base {16 if 'x' in raw else 2}", f"write {int(digits, 0)}"
-    elif "_" in raw and not _grouped(raw) and isinstance(number := _yaml_number(raw), (int, float)):
-        read, fix = f"{number} (it drops underscores in a number)", f"write {number} if that is meant"
-    elif raw.startswith("!"):
-        read, fix = "a tagged value (!!int 010 is 8)", "write the value without the tag"
-    else:
-        return
-    raise ConfigError(f"{key}={raw} in {source}: YAML reads it as {read}: {fix}")
-
-
-_UNREADABLE = object()
-
-
-def _yaml_value(raw: str) -> Any:
-    """What YAML makes of `raw`, or _UNREADABLE."""
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return _UNREADABLE
-
-
-def _yaml_number(raw: str) -> int | float | None:
-    """What YAML makes of `raw` when that is a number (bools aside), else None."""
-    value = _yaml_value(raw)
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _grouped(raw: str) -> bool:
-    """Underscores between digits only, as Python writes 1_000: the number it looks like."""
-    try:
-        float(raw)
-    except ValueError:
-        return False
-    return True
-
-
-def check_no_comment(key: str, value: str) -> None:
-    """A command-line number or switch holding ` #`: YAML reads the rest as a comment, so
-    train.max_steps=100 #1000 trained 100 steps (a text key keeps the text whole)."""
-    typed = value.strip()
-    for found in re.finditer(r"\s#", typed):
-        # A comment only where YAML drops the rest: not inside quotes (['a #b'] is the text a #b).
-        kept, whole = typed[: found.start()].strip(), _yaml_value(typed)
-        if kept and whole is not _UNREADABLE and _yaml_value(kept) == whole:
-            raise ConfigError(
-                f"{key}={value} on the command line holds ' #', where YAML's comments start: it would be "
-                f"{key}={kept}: remove the comment"
-            )
-
-
-def plain_scalars(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(dotted key, raw text) of every unquoted scalar of a composed YAML mapping (`yaml.compose`)."""
-    if not isinstance(node, yaml.MappingNode):
-        return
-    for key_node, value in node.value:
-        key = f"{prefix}{key_node.value}"
-        if isinstance(value, yaml.ScalarNode) and value.style is None:
-            yield key, value.value
-        elif isinstance(value, yaml.MappingNode):
-            yield from plain_scalars(value, f"{key}.")
-
-
-def check_text(key: str, value: Any, optional: bool, source: str) -> None:
-    """A text setting that YAML read as something else: the text is lost (010 is 8, 1.10 is 1.1,
-    yes is True), and would be used as str(value) without a word. `None` where null was meant
-    would name a folder or model 'None'."""
-    if isinstance(value, (bool, int, float)):
-        raise ConfigError(
-            f"{key} in {source} is text, and YAML read its value as the {type(value).__name__} {value!r} "
-            f"(010 becomes 8, 1.10 becomes 1.1): put the value in quotes"
-        )
-    if optional and value == "None":
-        raise ConfigError(f"{key}=None in {source} would be the text 'None': for no value give null")
-
-
 def check_floats(values: Any, schema: Any, prefix: str = "") -> None:
     """Every float setting, a task's own too, is a finite number; a task's setting declared with
     `setting(..., finite=False)` may be +-inf (never nan). Run on the merged layers before any
@@ -223,8 +92,8 @@ def check_floats(values: Any, schema: Any, prefix: str = "") -> None:
         sub, value, key = getattr(schema, f.name), values.get(f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(sub):
             check_floats(value, sub, f"{key}.")
-        elif not (f.metadata.get("finite") is False and isinstance(value, float) and math.isinf(value)):
-            check_finite(key, value, sub)
+        else:
+            check_finite(key, value, sub, inf=f.metadata.get("finite") is False)
 
 
 def check_not_a_section(key: str, known: list[str]) -> None:

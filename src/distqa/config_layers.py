@@ -21,19 +21,25 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from distqa.config import Config, TaskSettings, default_config
 from distqa.config_checks import (
-    bool_keys,
-    check_bool,
     check_floats,
-    check_no_comment,
     check_not_a_section,
     check_sections,
-    check_text,
-    check_yaml_number,
-    plain_scalars,
     raise_config_error,
     suggest,
-    text_keys,
     unknown_key,
+)
+from distqa.config_yaml import (
+    bool_keys,
+    check_bool,
+    check_items,
+    check_no_comment,
+    check_text,
+    check_yaml_number,
+    check_yaml_numbers,
+    container_of,
+    item_keys,
+    plain_scalars,
+    text_keys,
 )
 from distqa.errors import ConfigError
 
@@ -139,6 +145,24 @@ def _task_name(layer: DictConfig | None, items: list[str]) -> str:
     return TaskSettings().name
 
 
+def _check_file(layer: DictConfig, path: str, defaults: Config) -> None:
+    """What YAML made of the file's values, where OmegaConf's merge would not say: a section that
+    is no mapping, a text or a switch read as something else, a number in another base."""
+    values, source = OmegaConf.to_container(layer), f"config file {path}"
+    text, items_of = text_keys(defaults), item_keys(defaults)
+    check_sections(values, defaults, path)
+    for key, optional in text.items():
+        check_text(key, _lookup(values, key), optional, source)
+    for key in bool_keys(defaults):
+        check_bool(key, _lookup(values, key), source)
+    for key, kind in items_of.items():
+        check_items(key, _lookup(values, key), kind, source)
+    with contextlib.suppress(yaml.YAMLError, OSError, UnicodeDecodeError):  # OmegaConf read it: so does yaml
+        for key, raw in plain_scalars(yaml.compose(Path(path).read_text(encoding="utf-8"))):
+            if key not in text and container_of(key, items_of) is None:
+                check_yaml_number(key, raw, source)
+
+
 def load_config(
     path: str | None,
     overrides: Sequence[str] = (),
@@ -164,18 +188,9 @@ def load_config(
     known = [k for k, _, _ in describe_keys(defaults)]
     renamed = renamed_keys(defaults)
     merged = OmegaConf.structured(defaults)
-    text, switches = text_keys(defaults), bool_keys(defaults)
+    text, switches, items_of = text_keys(defaults), bool_keys(defaults), item_keys(defaults)
     if layer is not None:
-        values = OmegaConf.to_container(layer)
-        check_sections(values, defaults, str(path))
-        for key, optional in text.items():
-            check_text(key, _lookup(values, key), optional, f"config file {path}")
-        for key in switches:
-            check_bool(key, _lookup(values, key), f"config file {path}")
-        with contextlib.suppress(yaml.YAMLError, OSError, UnicodeDecodeError):  # OmegaConf read it: so does yaml
-            for key, raw in plain_scalars(yaml.compose(Path(str(path)).read_text(encoding="utf-8"))):
-                if key not in text:
-                    check_yaml_number(key, raw, f"config file {path}")
+        _check_file(layer, str(path), defaults)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
@@ -185,13 +200,18 @@ def load_config(
         check_not_a_section(key, known)
         if key not in text:  # (a text key's value is taken as typed: output_dir=010 is the folder 010)
             check_no_comment(key, value)
-            check_yaml_number(key, value, "the command line")
+            if container_of(key, items_of) is None:
+                check_yaml_numbers(key, value, "the command line", items_of)
         try:
             override = _command_line_layer(item, text)
             if key in text and "${" not in value:  # an interpolation resolves later
                 check_text(key, OmegaConf.select(override, key), text[key], "the command line")
             if key in switches and "${" not in value:  # an interpolation resolves later
                 check_bool(key, OmegaConf.select(override, key), "the command line")
+            if (container := container_of(key, items_of)) is not None and "${" not in value:
+                check_items(
+                    key, _lookup(OmegaConf.to_container(override), key), items_of[container], "the command line"
+                )
             merged = OmegaConf.merge(merged, override)
         except ConfigKeyError as err:
             # OmegaConf names only the first unknown part (`trian`); the key as typed says more.

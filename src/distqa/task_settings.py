@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from distqa.config_checks import scalars_in
 from distqa.errors import ConfigError, DistqaError
 
 if TYPE_CHECKING:  # for hints only
@@ -116,11 +117,12 @@ def given_task_keys(config_path: str | None, overrides: Collection[str]) -> set[
 
 
 def _check_float(key: str, value: Any, field: dataclasses.Field) -> None:
-    """A float from the file is a number, as on the command line: never nan, and +-inf only for a
-    setting declared `setting(..., finite=False)`."""
-    if isinstance(value, float) and not math.isfinite(value):
-        if math.isnan(value) or field.metadata.get("finite") is not False:
-            raise ConfigError(f"task.{key}={value} is not a finite number")
+    """A float from the file is a number, as on the command line, a list's or mapping's items too:
+    never nan, and +-inf only for a setting declared `setting(..., finite=False)`."""
+    for item_key, item in scalars_in(f"task.{key}", value):
+        if isinstance(item, float) and not math.isfinite(item):
+            if math.isnan(item) or field.metadata.get("finite") is not False:
+                raise ConfigError(f"{item_key}={item} is not a finite number")
 
 
 def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str] = ()) -> RunConfig:
