@@ -341,3 +341,80 @@ def test_a_best_metric_that_is_not_finite_is_said_at_each_evaluation(capsys):
     )
     assert new_best({"step": 6, "eval_f1": 0.5}, "eval_f1", "max", None) is not None
     assert capsys.readouterr().out == ""
+
+
+def _damage(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+
+
+KEEP_TWO = ["train.checkpoint_every=2", "train.keep_checkpoints=2"]
+
+
+def test_a_fall_back_from_a_damaged_newest_checkpoint_finds_the_best_its_record_names(tmp_path, monkeypatch):
+    """keep_checkpoints=2: step 12's new best pruned step 4, the best before it, while step 10, still
+    kept, recorded step 4 as its best. With step 12 damaged the resume fell back to step 10, whose
+    record (0.9 at step 4) named a folder gone: `best` kept naming step 12, and when the redone step
+    12 scored less than 0.9 (a setting changed on resume) it stayed there for good, with a record
+    of weights that no longer existed; `distqa export --checkpoint best` refused (found by a review)."""
+    root = run(tmp_path / "run", "train.max_steps=12", *KEEP_TWO)
+    assert os.readlink(root / "best") == "step-12"
+    # Step 10 records step 4 as its best: step 4 stays while step 10 does (one checkpoint more).
+    assert names(root) == ["best", "step-10", "step-12", "step-4"]
+    _damage(root / "step-12")
+    monkeypatch.setitem(ScriptedEvalTask.SCORES, 12, 0.85)
+    run(tmp_path / "run", "train.max_steps=12", *KEEP_TWO)
+    assert os.readlink(root / "best") == "step-4" and resolve_checkpoint(root / "best") == root / "step-4"
+    state = json.loads((root / "step-12" / "trainer_state.json").read_text())
+    assert state["best"] == {"metric": "eval_score", "mode": "max", "value": 0.9, "step": 4}
+    assert names(root) == ["best", "step-10", "step-12", "step-4"]
+    monkeypatch.setitem(ScriptedEvalTask.SCORES, 14, 0.6)
+    run(tmp_path / "run", "train.max_steps=14", *KEEP_TWO)  # step 12 and 14 kept, both record step 4
+    assert names(root) == ["best", "step-12", "step-14", "step-4"]
+
+
+def test_a_best_record_whose_checkpoint_is_gone_starts_again_and_says_so(tmp_path, monkeypatch, capsys):
+    """A record naming a checkpoint that is gone (removed by hand, or pruned by an older distqa):
+    its weights cannot be exported, so the record starts again, in one line, and `best` goes until
+    the next evaluation names a checkpoint that exists."""
+    import shutil
+
+    root = run(tmp_path / "run", "train.max_steps=12", *KEEP_TWO)
+    _damage(root / "step-12")
+    shutil.rmtree(root / "step-4", ignore_errors=True)
+    monkeypatch.setitem(ScriptedEvalTask.SCORES, 12, 0.85)
+    capsys.readouterr()
+    run(tmp_path / "run", "train.max_steps=12", *KEEP_TWO)
+    out = capsys.readouterr().out
+    assert (
+        "warning: train.best_metric's record (eval_score=0.9 at step 4) names a checkpoint that is gone from "
+        f"{root}" in out
+    ), out
+    assert os.readlink(root / "best") == "step-12" and resolve_checkpoint(root / "best") == root / "step-12"
+    state = json.loads((root / "step-12" / "trainer_state.json").read_text())
+    assert state["best"] == {"metric": "eval_score", "mode": "max", "value": 0.85, "step": 12}
+
+
+def test_pointing_best_again_on_resume_keeps_the_checkpoint_resumed_from(tmp_path, monkeypatch):
+    """Resumed from step 4 after step 6 (the best) was found damaged, with train.keep_checkpoints
+    lowered to 1: pointing `best` back at step 2 (step 4's record) pruned step 4, the checkpoint
+    just loaded, while the damaged step 6 was kept; a kill before the next save lost steps 2 to 4."""
+    from distqa.checkpoint_manager import CheckpointManager
+
+    for step, score in {2: 0.9, 4: 0.5, 6: 0.95}.items():
+        monkeypatch.setitem(ScriptedEvalTask.SCORES, step, score)
+    root = run(tmp_path / "run", "train.max_steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=3")
+    assert names(root) == ["best", "step-2", "step-4", "step-6"] and os.readlink(root / "best") == "step-6"
+    _damage(root / "step-6")
+    seen = []
+    restore = CheckpointManager.restore
+
+    def look(self, directory):
+        step = restore(self, directory)
+        seen.append(names(root))
+        return step
+
+    monkeypatch.setattr(CheckpointManager, "restore", look)
+    run(tmp_path / "run", "train.max_steps=8", "train.checkpoint_every=2", "train.keep_checkpoints=1")
+    assert "step-4" in seen[0], seen
+    assert os.readlink(root / "best") == "step-6"  # step 6 redone: 0.95 again

@@ -118,6 +118,13 @@ def point_at(root: Path, step: int) -> None:
     fsync_path(root)
 
 
+def unpoint(root: Path) -> None:
+    """Rank 0: remove `root/best` when it is a pointer this module wrote (a link or its file)."""
+    if pointed(root) is not None:
+        (root / BEST_NAME).unlink(missing_ok=True)
+        fsync_path(root)
+
+
 def _remove_copied_best(root: Path) -> None:
     """A `best` that is a folder: the link, copied by a tool that follows links (`cp -rL`, an object
     store's sync). Nothing can replace a folder by a link in one step, and every resume stopped at

@@ -221,10 +221,28 @@ def _publish(
 
 
 def prune(root: Path, keep: int, protect: Collection[str] = ()) -> None:
-    """Rank 0: remove all but the newest `keep` checkpoints (0: keep all) and those in `protect`."""
-    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-        if old.name not in protect:
+    """Rank 0: remove all but the newest `keep` checkpoints (0: keep all), those in `protect`, and
+    the best checkpoint that each one kept records. A resume that falls back to a kept one (the
+    newer ones damaged) goes on with its record and points `best` at it again: pruned, the record
+    named weights that were gone, and `best` stayed on the damaged step (found by a review)."""
+    if keep <= 0:
+        return
+    checkpoints = list_checkpoints(root)
+    kept = {folder.name for folder in checkpoints[-keep:]} | set(protect)
+    kept |= {best for folder in checkpoints if folder.name in kept and (best := _recorded_best(folder))}
+    for old in checkpoints[:-keep]:
+        if old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _recorded_best(folder: Path) -> str | None:
+    """The `step-N` that `folder`'s trainer state records as the best so far (None: no record, or
+    a state that cannot be read: such a checkpoint is never resumed from)."""
+    try:
+        best = read_trainer_state(folder).get("best")
+        return f"step-{int(best['step'])}" if isinstance(best, dict) else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _not_held(lost: str | None, final: Path) -> str | None:

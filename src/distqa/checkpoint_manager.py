@@ -20,7 +20,7 @@ from torch import nn
 
 from distqa import checkpoint as ckpt
 from distqa import parallel
-from distqa.best import BEST_NAME, point_at, pointed
+from distqa.best import BEST_NAME, point_at, pointed, unpoint
 from distqa.comm_hooks import CommHook
 from distqa.config import Config
 from distqa.data_agreement import same_identity
@@ -218,20 +218,23 @@ class CheckpointManager:
                 # a replica when the process's GPU is another.
                 torch.cuda.default_generators[i].manual_seed(derive_seed(*parts, REPLICA_STREAM, i))
 
-    def _point_best(self, step: int) -> None:
-        """`checkpoints/best` names step-`step` (a whole checkpoint by now); every rank learns how it went."""
+    def _point_best(self, step: int, resumed_from: Path | None = None) -> None:
+        """`checkpoints/best` names step-`step` (a whole checkpoint by now); every rank learns how it
+        went. `resumed_from`: the checkpoint just loaded, never pruned here (with the newest one
+        damaged and train.keep_checkpoints lowered, it went, and a kill then lost its steps)."""
         on_rank0(
             self.info,
-            lambda: self._point_and_prune(step),
+            lambda: self._point_and_prune(step, resumed_from),
             failure=lambda err: (
                 f"cannot write {self.root / BEST_NAME} ({reason(err)}): {fix_for(err)} and run again to resume"
             ),
         )
 
-    def _point_and_prune(self, step: int) -> None:
+    def _point_and_prune(self, step: int, resumed_from: Path | None) -> None:
         point_at(self.root, step)
         # The best before this one was kept while `best` named it: now it goes, unless it is new enough.
-        ckpt.prune(self.root, self.cfg.train.keep_checkpoints, {f"step-{step}"})
+        protect = {f"step-{step}", *([resumed_from.name] if resumed_from is not None else [])}
+        ckpt.prune(self.root, self.cfg.train.keep_checkpoints, protect)
 
     def restore(self, directory: Path | None) -> int:
         """Load `directory` into every part; the step to go on from. Without a checkpoint: step 0,
@@ -273,12 +276,28 @@ class CheckpointManager:
                 f"warning: {directory} holds no CUDA RNG state for every GPU this run uses (written on the "
                 "CPU, or on fewer GPUs): CUDA seeded afresh per rank and GPU"
             )
-        best = p.trainer.best
-        # Resumed from an earlier checkpoint than the newest, `best` may name a step of the abandoned
-        # continuation: it names this run's record again (when that checkpoint is still there).
-        if best is not None:
-            folder = self.root / f"step-{best['step']}"
-            if on_rank0(info, lambda: folder.is_dir() and pointed(self.root) != folder):
-                self._point_best(best["step"])
+        self._best_again(directory)
         print0(f"resumed from {directory} at step {state['step']}")
         return p.trainer.step
+
+    def _best_again(self, directory: Path) -> None:
+        """Resumed from an earlier checkpoint than the newest, `best` may name a step of the
+        abandoned continuation: it names this run's record again. A record whose checkpoint is gone
+        (removed by hand, or pruned by a distqa before `prune` kept it) names weights no export can
+        give: the record starts again, said in one line, and `best` waits for the next evaluation."""
+        assert self.parts is not None
+        best, info = self.parts.trainer.best, self.info
+        if best is None:
+            return
+        folder = self.root / f"step-{best['step']}"
+        if on_rank0(info, folder.is_dir):
+            if on_rank0(info, lambda: pointed(self.root) != folder):
+                self._point_best(best["step"], directory)
+            return
+        print0(
+            f"warning: train.best_metric's record ({best['metric']}={best['value']:.4g} at step {best['step']}) "
+            f"names a checkpoint that is gone from {self.root} (removed, or pruned by an older distqa): the "
+            "record starts again at the next evaluation, which `best` will name"
+        )
+        self.parts.trainer.best = None
+        on_rank0(info, lambda: unpoint(self.root))
