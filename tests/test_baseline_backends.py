@@ -45,3 +45,47 @@ def test_the_baseline_counts_and_moves_a_fork_s_nested_batch_with_strings():
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     summary, _ = baseline.run_baseline(cfg, load_task(cfg), info, warmup=0)
     assert summary["samples"] == 3 * 2 * 4, summary
+
+
+def test_the_baseline_runs_the_trainer_s_activation_checkpointing_and_optimizer(monkeypatch, tmp_path):
+    """`--baseline` compared a trainer that ran activation checkpointing (a second forward of each
+    block) and SGD with a loop that ran neither (AdamW, hard-coded): the ratio said 'trainer
+    overhead' of what were other settings, exit 0 (found by a review). Same block forwards, same
+    optimizer steps, in both loops."""
+    from distqa.parallel import transformer_blocks
+    from distqa.registry import load_config, load_task
+    from distqa.trainer import Trainer
+
+    cfg = load_config(None, ["model.name=tiny", "task.max_seq_len=64", "task.dummy_size=64", "data.num_workers=0",
+                             "train.batch_size=4", "train.max_steps=2", "train.activation_checkpointing=true",
+                             "train.optimizer=sgd", f"output_dir={tmp_path}"])  # fmt: skip
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    seen: list[str] = []
+    for cls in (torch.optim.SGD, torch.optim.AdamW):
+        real = cls.step
+
+        def step(self, *args, _real=real, **kwargs):
+            seen.append(f"{type(self).__name__}.step")
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "step", step)
+
+    def counted_task():
+        task = load_task(cfg)
+        build = task.build_model
+
+        def build_model():
+            model = build()
+            for block in transformer_blocks(model):  # (called again inside its checkpoint wrapper)
+                block.register_forward_pre_hook(lambda *_: seen.append("block"))
+            return model
+
+        task.build_model = build_model
+        return task
+
+    baseline.run_baseline(cfg, counted_task(), info, warmup=0)
+    base, seen[:] = list(seen), []
+    Trainer(cfg, counted_task(), info, save_outputs=False).fit()
+    blocks = len(transformer_blocks(load_task(cfg).build_model()))
+    # Each of 2 steps: every block forward twice (once more in the backward), then SGD's step.
+    assert base == seen == (["block"] * 2 * blocks + ["SGD.step"]) * 2, (base, seen)

@@ -73,3 +73,22 @@ def test_edits_that_change_nothing_computed_are_no_refusal(folder_run, tmp_path)
     edit(folder, id2label={"0": "A", "1": "B"}, label2id={"A": 0, "B": 1}, chunk_size_feed_forward=16)
     train(load_config(None, [*args, "train.max_steps=4"]))
     assert (tmp_path / "run" / "checkpoints" / "step-4").is_dir()
+
+
+def test_a_model_with_one_token_type_is_refused_when_built(tmp_path, minilm_dir):
+    """NQ's windows mark the document with token type 1; RoBERTa's and XLM-R's configs hold one
+    type. Every start-up check passed, the features were built (hours on the 17 GB file), and the
+    first forward ended in 'IndexError: index out of range in self' (found by a review)."""
+    from transformers import RobertaConfig, RobertaModel
+
+    from distqa.errors import DistqaError
+
+    folder = tmp_path / "roberta"
+    RobertaModel(RobertaConfig(**{**RANDOM_MODELS["tiny"], "type_vocab_size": 1})).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(minilm_dir / name, folder / name)
+    args = [*SMALL, f"model.name={folder}", "train.batch_size=2", "train.max_steps=1", f"output_dir={tmp_path / 'run'}"]
+    refused = r"has 1 token type\(s\) \(its type_vocab_size\), and this task.s inputs use 2"
+    with pytest.raises(DistqaError, match=refused):
+        train(load_config(None, args))
+    assert not (tmp_path / "run" / "checkpoints").exists()

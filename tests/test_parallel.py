@@ -303,3 +303,19 @@ def test_a_shard_byte_entry_holding_code_is_refused_even_where_torch_would_unpic
     message = str(refused.value)
     assert f"cannot load checkpoint file {checkpoint}/.metadata and __*.distcp: it names posix.system" in message
     assert "weights_only" not in message and "\n" not in message and not _Evil.marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [(["--gpus", "0"], "argument --gpus: 0 must be a number above 0"),
+     (["--batch", "-8"], "argument --batch: -8 must be a number above 0"),
+     (["--gib", "nan"], "argument --gib: nan must be a number above 0"),
+     (["--seq", "x"], "argument --seq: 'x' is not a number")],
+)  # fmt: skip
+def test_the_memory_formula_refuses_sizes_that_are_no_sizes(args, said, capsys):
+    """--batch -8 printed negative GiB per GPU, exit 0; --gpus 0 ended in a ZeroDivisionError."""
+    from distqa.bench import memory
+
+    with pytest.raises(SystemExit) as stopped:
+        memory.main(args)
+    assert stopped.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f"error: {said}")

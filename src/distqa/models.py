@@ -200,18 +200,33 @@ def load_tokenizer(cfg: ModelConfig, *, required: bool = False) -> Any | None:
 
 
 def check_model_fits(
-    model: nn.Module, cfg: ModelConfig, *, max_seq_len: int, tokenizer: Any | None, exported: bool = False
+    model: nn.Module,
+    cfg: ModelConfig,
+    *,
+    max_seq_len: int,
+    tokenizer: Any | None,
+    exported: bool = False,
+    token_types: int = 1,
 ) -> None:
     """Refuse a model that cannot take the task's inputs when it is built, not with an index error
-    in the middle of a run: `task.max_seq_len` past its position embeddings, or a tokenizer whose ids
-    run past its embedding table. For an `exported` model (a command that runs it) the tokenizer must
-    be the one it was trained with, so its vocabulary must also be about as large (models round
-    theirs up a little for fast kernels); a much smaller one turns words into the wrong ids."""
+    in the middle of a run: `task.max_seq_len` past its position embeddings, `token_types` (the
+    segment ids the task's inputs use: 2 for a question and a passage) past its token-type table
+    (RoBERTa's and XLM-R's hold one), or a tokenizer whose ids run past its embedding table. For an
+    `exported` model (a command that runs it) the tokenizer must be the one it was trained with, so
+    its vocabulary must also be about as large (models round theirs up a little for fast kernels);
+    a much smaller one turns words into the wrong ids."""
     config = getattr(model, "config", None)
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and max_seq_len > max_positions:
         raise DistqaError(
             f"task.max_seq_len={max_seq_len} exceeds the {max_positions} positions model {cfg.name!r} was built for"
+        )
+    types = getattr(config, "type_vocab_size", None)
+    if isinstance(types, int) and token_types > types:
+        raise DistqaError(
+            f"model {cfg.name!r} has {types} token type(s) (its type_vocab_size), and this task's inputs use "
+            f"{token_types} (segment ids that tell the question from the passage): use a model with "
+            f"{token_types} or more, as BERT, ALBERT and ELECTRA have"
         )
     vocab_size = getattr(config, "vocab_size", None)
     if tokenizer is None or vocab_size is None:

@@ -34,8 +34,10 @@ relative-position score matrices no fused kernel removes: its activation figures
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 GIB = 2**30
 # Set aside from each GPU: the CUDA context, NCCL's buffers, and the allocator's blocks reserved but
@@ -166,12 +168,28 @@ def table(gpus: int, seq: int, batch: int) -> str:
     )
 
 
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of `kind` above 0 (--batch -8 printed negative GiB, --gpus 0 a
+    ZeroDivisionError traceback; found by a review)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{text} must be a number above 0")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per GPU per micro-batch")
-    parser.add_argument("--gib", type=float, default=80.0, help="memory of one GPU, for the largest batch")
+    parser.add_argument("--gpus", type=_positive(int), default=8)
+    parser.add_argument("--seq", type=_positive(int), default=512)
+    parser.add_argument("--batch", type=_positive(int), default=8, help="sequences per GPU per micro-batch")
+    parser.add_argument("--gib", type=_positive(float), default=80.0, help="memory of one GPU, for the largest batch")
     args = parser.parse_args(argv)
     print(f"GiB per GPU, {args.gpus} GPUs, seq {args.seq}, batch {args.batch} per GPU, bf16 compute, AdamW")
     print(table(args.gpus, args.seq, args.batch))

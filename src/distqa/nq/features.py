@@ -34,6 +34,9 @@ from distqa.nq.reader import NQExample
 
 UNKNOWN, YES, NO, SHORT, LONG = range(5)
 _CACHE_LIMIT = 2_000_000  # words; bounds a worker's memory over the 17 GB file
+# Segment ids: 0 for [CLS] question [SEP], 1 for the document and its [SEP] (BERT's pairs). The
+# model must have that many token types (models.check_model_fits).
+TOKEN_TYPES = 2
 
 
 @dataclass(frozen=True)

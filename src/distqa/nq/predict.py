@@ -17,6 +17,7 @@ from distqa.errors import DistqaError
 from distqa.models import check_model_fits, load_tokenizer, tokenizer_difference
 from distqa.nq.data import check_feature_ids, resolve_features
 from distqa.nq.evaluate import final_answers, window_bests
+from distqa.nq.features import TOKEN_TYPES
 from distqa.nq.model import BertJointQA
 from distqa.nq.postprocess import group_by_example
 from distqa.nq.reader import NQExample, NQReader
@@ -176,7 +177,9 @@ def predict(
     tokenizer = model_tokenizer(cfg, folder)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = BertJointQA.from_pretrained(folder).to(device)
-    check_model_fits(model, cfg.model, max_seq_len=cfg.task.max_seq_len, tokenizer=tokenizer, exported=True)
+    check_model_fits(
+        model, cfg.model, max_seq_len=cfg.task.max_seq_len, tokenizer=tokenizer, exported=True, token_types=TOKEN_TYPES
+    )
     thresholds_path = folder / THRESHOLDS_FILE
     # Without thresholds (a run with no data.valid) every example gets its best answer.
     there = thresholds_path.exists() or thresholds_path.is_symlink()  # a folder or a broken link: read, refused

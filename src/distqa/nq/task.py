@@ -26,6 +26,7 @@ from distqa.nq.data import (
 )
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
+from distqa.nq.features import TOKEN_TYPES
 from distqa.nq.model import BertJointQA, bert_joint_loss
 from distqa.nq.postprocess import WindowBest, group_by_example
 from distqa.nq.settings import NQSettings
@@ -64,7 +65,10 @@ class NQTask(Task):
 
     def build_model(self) -> nn.Module:
         model = BertJointQA.build(self.cfg.model)
-        check_model_fits(model, self.cfg.model, max_seq_len=self.cfg.task.max_seq_len, tokenizer=self.tokenizer)
+        settings = self.cfg.task
+        check_model_fits(
+            model, self.cfg.model, max_seq_len=settings.max_seq_len, tokenizer=self.tokenizer, token_types=TOKEN_TYPES
+        )
         self._vocab_size = model.config.vocab_size
         return model
 
