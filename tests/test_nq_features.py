@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -174,3 +175,47 @@ def test_dev_format_with_five_annotations_reads_and_targets(tmp_path, tokenizer)
     assert select_target(example) == (1960, 1968, SHORT)
     positives = [f for f in build(tokenizer, keep_unknown=0.0)(example) if f["answer_type"] == SHORT]
     assert positives and positives[0]["token_map"][positives[0]["start_positions"]] == 1960
+
+
+def _byte_level_bpe(texts):
+    """A RoBERTa-style tokenizer, trained here: byte-level BPE without a prefix space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["[CLS]", "[SEP]", "[PAD]", "[UNK]"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]"
+    )
+
+
+def test_document_words_are_spelt_as_in_running_text_by_any_tokenizer(tokenizer):
+    """Each document word was encoded alone: a byte-level BPE tokenizer (RoBERTa, ModernBERT) spelt
+    every one as a text's first word ('New' where the text reads 'ĠNew'), so the windows lost the
+    words' boundaries and the document had other ids than the question for the same word; a
+    ModernBERT trained on that with exit 0 (found by a review). BERT's ids, and the feature cache's
+    key for it, are as before."""
+    from distqa.nq.feature_stamp import made_with
+    from distqa.nq.features import spells_after_space
+
+    examples = list(NQReader(SAMPLE))
+    bpe = _byte_level_bpe(" ".join(e.tokens) for e in examples)
+    for tok, spaced in ((bpe, True), (tokenizer, False)):
+        assert spells_after_space(tok.backend_tokenizer) is spaced
+        builder, whole = build(tok), copy.deepcopy(tok.backend_tokenizer)
+        whole.no_truncation()  # (MiniLM's tokenizer.json cuts at 512)
+        for example in examples[:3]:
+            kept = [t for t in example.tokens if t and not is_html_tag(t)]
+            ids, _ = builder.document_subwords(example.tokens)
+            text = " ".join(kept)
+            assert ids == whole.encode(f" {text}" if spaced else text, add_special_tokens=False).ids
+        assert ("words" in made_with(tok, FeatureSettings())["settings"]) is spaced
+    question = bpe.backend_tokenizer.encode("what is the capital of new york", add_special_tokens=False).ids
+    later = bpe.backend_tokenizer.encode(" york", add_special_tokens=False).ids
+    assert question[-len(later) :] == later and build(bpe).word_ids(["york"]) == [later]

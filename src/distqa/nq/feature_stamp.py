@@ -21,7 +21,7 @@ from distqa.data_identity import arrow_fingerprint
 from distqa.durable import file_digest
 from distqa.errors import DistqaError
 from distqa.nq.feature_folder import FINGERPRINT_FILE, read_stamp
-from distqa.nq.features import FeatureSettings
+from distqa.nq.features import FeatureSettings, spells_after_space
 from distqa.rank0 import reason
 
 # Bump when the feature layout or the targets change: old caches must not be reused.
@@ -103,6 +103,10 @@ def made_with(tokenizer: Any, settings: FeatureSettings) -> dict[str, Any]:
     if not settings.training:
         del used["keep_unknown"], used["seed"]
         used["ids_checked"] = True  # repeated/unusable ids refused: folders made before are made again
+    if spells_after_space(tokenizer.backend_tokenizer):
+        # Words encoded after a space (byte-level BPE): features an older distqa made of such a
+        # tokenizer spelt each word alone, and must not be reused. Other tokenizers' keys are as before.
+        used["words"] = "after a space"
     vocab = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
     return {"version": FEATURES_VERSION, "tokenizer": vocab, "settings": used}
 

@@ -80,6 +80,23 @@ def select_target(example: NQExample) -> tuple[int, int, int]:
     return -1, -1, UNKNOWN
 
 
+# Words whose ids a tokenizer may give otherwise after a space than alone (`spells_after_space`).
+_PROBES = ("the", "word", "New", "York", "1990", "a")
+
+
+def spells_after_space(backend: Any) -> bool:
+    """Whether a tokenizer spells a word otherwise after a space than alone, as byte-level BPE does
+    without a prefix space (RoBERTa, ModernBERT: `Ġword` in running text, `word` alone). Such a
+    tokenizer gets each document word as it reads in the text, after a space: alone, every word
+    was spelt as a text's first, the words' boundaries were gone from the windows and a word had
+    other ids in the document than in the question, exit 0 (found by a review). WordPiece and
+    SentencePiece give the same ids either way, and are left as they were (their features too)."""
+    return any(
+        backend.encode(f" {word}", add_special_tokens=False).ids != backend.encode(word, add_special_tokens=False).ids
+        for word in _PROBES
+    )
+
+
 def _stable_seed(seed: int, example_id: str) -> list[int]:
     digest = hashlib.blake2b(example_id.encode(), digest_size=8).digest()
     return [seed, int.from_bytes(digest, "little")]
@@ -102,6 +119,7 @@ class FeatureBuilder:
         backend.no_truncation()
         backend.encode_special_tokens = True
         self._backend = backend
+        self._space = " " if spells_after_space(backend) else ""
         self._cache: dict[str, list[int]] = {}
 
     def word_ids(self, words: list[str]) -> list[list[int]]:
@@ -113,7 +131,8 @@ class FeatureBuilder:
             missing = list(set(words))
         if missing:
             # The Rust tokenizer directly: transformers' __call__ wraps the same work in ~3x the time.
-            encoded = self._backend.encode_batch(missing, add_special_tokens=False)
+            spelt = [self._space + word for word in missing] if self._space else missing
+            encoded = self._backend.encode_batch(spelt, add_special_tokens=False)
             cache.update(zip(missing, (e.ids for e in encoded)))
         return [cache[w] for w in words]
 
