@@ -229,7 +229,7 @@ if [[ $master_addr =~ [[:space:]] ]]; then
   die "MASTER_ADDR='$master_addr' (from $master_addr_FROM) holds a space: give node 0's host name or IP address alone"
 elif [[ $master_addr == *://* ]]; then
   die "MASTER_ADDR=$master_addr (from $master_addr_FROM) is a URL: give node 0's host name or IP address alone"
-elif [[ $master_addr == *:* && $master_addr != *:*:* ]]; then
+elif [[ $master_addr == \[*\]:* || ($master_addr == *:* && $master_addr != *:*:* && $master_addr != \[*) ]]; then
   die "MASTER_ADDR=$master_addr (from $master_addr_FROM) holds a port: give the host alone (${master_addr%:*}), and the port as MASTER_PORT"
 fi
 if [[ -z $master_addr || $master_addr == self ]]; then
@@ -482,6 +482,10 @@ elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' <<<"$said";
   # a failure's, so that a platform restarts the job rather than giving it up.
   note "stopped by SIG$stopped_by before training started: nothing to checkpoint"
   status=$stop_status
+elif early=$(grep -m 1 '^distqa: stopped before training: ' <<<"$said") && ((status > 128)); then
+  # A signal that reached torchrun itself (not through this script's trap) while every rank was
+  # still loading: distqa.torchrun stopped the ranks and said which signal. Nothing was lost.
+  note "stopped by ${early##*: } before training started: nothing to checkpoint"
 elif ((status > 128)); then
   signal=$(kill -l "$((status - 128))" 2>/dev/null || echo "signal $((status - 128))")
   # Its workers outlive it (each in a session of its own) and stop themselves once they see it gone,

@@ -790,6 +790,9 @@ class ListSettings:
     flags: list[bool] = setting([True], "switches")
     by_label: dict[str, float] = setting({"pos": 1.0}, "a weight per label")
     names: dict[str, str] = setting({"pos": "positive"}, "a name per label")
+    nested: list[list[str]] = setting([["a"]], "groups of words")
+    maybe: list[str | None] = setting(["a"], "words or none")
+    by_group: dict[str, list[str]] = setting({"g": ["a"]}, "words per group")
 
 
 ON_CLI_AS = "in the command line is text, and YAML read it as the"
@@ -822,11 +825,19 @@ def _list_config(args, tmp_path=None, text=None):
         ("task.names={pos: yes}", rf"task\.names\.pos {ON_CLI_AS} bool True"),
         ("task.names.pos=1.10", rf"task\.names\.pos {ON_CLI_AS} float 1\.1"),
         ("task.flags=[true,2]", r"task\.flags\[1\]=2 in the command line: task\.flags\[1\] is a switch"),
+        # An interpolation among the items left the others unchecked; one resolved is checked then.
+        ('task.stop_words=[no, "${oc.env:HOME}"]', rf"task\.stop_words\[0\] {ON_CLI_AS} bool False"),
+        ('task.flags=[true, "${oc.env:DISTQA_TEST_TWO}"]', r"task\.flags\[1\]=2 in the configuration: .* is a switch"),
+        ("task.nested=[[a], [no]]", rf"task\.nested\[1\]\[0\] {ON_CLI_AS} bool False"),
+        ("task.nested=[[010]]", rf"task\.nested\[0\]\[0\] {ON_CLI_AS} int 8"),
+        ("task.maybe=[no]", rf"task\.maybe\[0\] {ON_CLI_AS} bool False"),
+        ("task.by_group={g: [a, off]}", rf"task\.by_group\.g\[1\] {ON_CLI_AS} bool False"),
     ],
 )
-def test_the_items_of_a_list_or_mapping_setting_are_checked_as_single_settings_are(given, error):
+def test_the_items_of_a_list_or_mapping_setting_are_checked_as_single_settings_are(given, error, monkeypatch):
     """A fork's list[str] given [no, off] trained with ['False', 'False'], [010] was [8], [nan] a
     weight of nan, [2, -1] of list[bool] [True, True], each exit 0 (found by a review)."""
+    monkeypatch.setenv("DISTQA_TEST_TWO", "2")
     with pytest.raises(ConfigError, match=f"^{error}"):
         _list_config([given])
 
@@ -856,5 +867,9 @@ def test_good_list_and_mapping_settings_are_taken_as_written(tmp_path):
     assert (task.weights, task.scales, task.sizes) == ([0.5, 2.0], [math.inf, 1.0], [1000, 7])
     assert task.stop_words == ["no", "010", "a"] and task.flags == [True, False, True]
     assert task.by_label == {"pos": 2.5} and task.names == {"pos": "1.10"}
+    cfg = _list_config(
+        ["task.nested=[['no'], [a]]", "task.maybe=[null, 'off']", "task.stop_words=[a, '${oc.env:HOME}']"]
+    )
+    assert cfg.task.nested == [["no"], ["a"]] and cfg.task.maybe == [None, "off"] and cfg.task.stop_words[0] == "a"
     cfg = _list_config([], tmp_path, "stop_words: ['no', \"1.10\"]\nsizes: [8, 1]\nnames: {pos: '010'}")
     assert cfg.task.stop_words == ["no", "1.10"] and cfg.task.sizes == [8, 1] and cfg.task.names == {"pos": "010"}

@@ -326,3 +326,42 @@ def test_a_rank_that_failed_alone_is_not_taken_for_one_that_stopped_on_purpose(f
     time.sleep(0.2)
     finished.stop()
     assert fast_peer_watch.add("finished/alive/0", 0) >= PeerWatch.DONE
+
+
+@pytest.mark.safety  # two launches of 2 processes (~20 s): make test-safety
+def test_a_rank_0_without_the_run_s_checkpoints_refuses_to_start_over(tmp_path):
+    """Nodes that do not share output_dir, relaunched with rank 0 on another host (or an elastic
+    round whose rank 0 is a node that joined): rank 0 found no checkpoint and the run started from
+    step 0 beside the other node's, exit 0 (found by a review). Each rank's own output_dir here:
+    LOCAL_RANK in the path, the second launch with rank 1's folder holding the first run."""
+    first = [*SMALL, "train.max_steps=2", "train.checkpoint_every=2", "train.check_replicas=false"]
+    run_train([*first, f"output_dir={tmp_path}/r${{oc.env:LOCAL_RANK}}"], nproc=2)
+    assert (tmp_path / "r0" / "checkpoints" / "step-2").is_dir()
+    (tmp_path / "s0").mkdir()
+    (tmp_path / "s1").symlink_to(tmp_path / "r0")
+    second = [*SMALL, "train.max_steps=4", "train.checkpoint_every=2", f"output_dir={tmp_path}/s${{oc.env:LOCAL_RANK}}"]
+    proc = run_train(second, nproc=2, check=False)
+    assert proc.returncode != 0
+    assert (
+        f"rank 0 finds no checkpoint in {tmp_path}/s0/checkpoints, but rank 1 in {tmp_path}/s1/checkpoints "
+        "(newest step-2) sees one: this run would start from step 0 beside them" in proc.stderr
+    ), proc.stderr[-3000:]
+    assert not (tmp_path / "s0" / "checkpoints").exists()
+
+
+def test_no_checkpoint_on_any_rank_is_checked_on_every_rank(monkeypatch, tmp_path):
+    """The check itself, at 3 ranks, without a launch: rank 2 alone sees a step folder."""
+    import torch
+
+    from distqa import checkpoint_verify
+    from distqa.dist import DistInfo
+    from distqa.errors import ConfigError
+
+    views = [([], "/a/checkpoints"), ([], "/b/checkpoints"), (["step-8"], "/c/checkpoints")]
+    monkeypatch.setattr(checkpoint_verify, "all_gather_objects", lambda obj, info: views)
+    info = DistInfo(rank=1, local_rank=0, world_size=3, device=torch.device("cpu"))
+    said = r"^rank 0 finds no checkpoint in /a/checkpoints, but rank 2 in /c/checkpoints \(newest step-8\) sees one"
+    with pytest.raises(ConfigError, match=said):
+        checkpoint_verify.none_on_any_rank(tmp_path, info)
+    views[2] = ([], "/c/checkpoints")
+    checkpoint_verify.none_on_any_rank(tmp_path, info)

@@ -92,3 +92,25 @@ def test_a_model_with_one_token_type_is_refused_when_built(tmp_path, minilm_dir)
     with pytest.raises(DistqaError, match=refused):
         train(load_config(None, args))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("types", "refused"), [(0, False), (1, True), (2, False), (None, False)])
+def test_the_token_type_check_refuses_only_a_table_too_small(types, refused):
+    """0 is no token-type table (DeBERTa-v3: segment ids ignored, as ModernBERT's), which trained
+    before the check and must still (found by a review); 1 (RoBERTa, XLM-R) cannot take type 1."""
+    import types as pytypes
+
+    from torch import nn
+
+    from distqa.config import ModelConfig
+    from distqa.errors import DistqaError
+    from distqa.models import check_model_fits
+
+    model = nn.Linear(1, 1)
+    model.config = pytypes.SimpleNamespace(type_vocab_size=types, max_position_embeddings=512, vocab_size=100)
+    check = lambda: check_model_fits(model, ModelConfig(name="m"), max_seq_len=64, tokenizer=None, token_types=2)  # noqa: E731
+    if refused:
+        with pytest.raises(DistqaError, match="has 1 token type"):
+            check()
+    else:
+        check()

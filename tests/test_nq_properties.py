@@ -658,7 +658,9 @@ def test_no_room_is_a_value_error(tokenizer, builder):
     @given(
         example=nq_document_example(),
         question=st.text(any_char, min_size=200, max_size=400),
-        max_seq_len=st.integers(8, 40),
+        # (8-40 took the branch in 3 of 31 examples once, under its floor of a tenth: 8-24 takes it
+        # in about half, and still leaves room in many.)
+        max_seq_len=st.integers(8, 24),
         max_query_len=st.integers(8, 64),
     )
     @explicit(example=ONE_WINDOW, question="why " * 60, max_seq_len=8, max_query_len=64)

@@ -301,6 +301,8 @@ def test_a_signal_before_any_rank_trained_is_a_stop_not_torchrun_s_traceback(
     name = signal.Signals(sigval).name
     said = [] if launcher else [f"distqa: stopped by {name} before training started: nothing to checkpoint"]
     assert capfd.readouterr().err.splitlines() == said
+    if launcher:  # for worker.sh, which says it, also when the signal did not pass its trap
+        assert (tmp_path / "node.txt").read_text().splitlines()[-1] == f"distqa: stopped before training: {name}"
 
 
 @pytest.mark.parametrize("closed", [True, False])
@@ -390,3 +392,51 @@ def test_a_node_that_never_joins_the_rendezvous_is_one_line(tmp_path):
         "): start every node, each with its own NODE_RANK from 0 to NNODES-1, within RDZV_TIMEOUT of each "
         "other and pointed at node 0's MASTER_ADDR:MASTER_PORT"
     )
+
+
+def test_torchrun_s_store_lost_with_node_0_is_one_line(tmp_path, monkeypatch, capfd):
+    """Node 0 (the rendezvous store's host) lost mid-run: the other nodes' torchrun ended in about
+    70 lines and a RendezvousConnectionError traceback (found by a review)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from distqa import torchrun
+
+    monkeypatch.setattr(sys, "argv", ["x"])
+    monkeypatch.setenv("DISTQA_ERROR_FILE", str(tmp_path / "node.txt"))
+
+    def lost(argv):
+        raise RendezvousConnectionError("The connection to the C10d store has failed. See inner exception for details.")
+
+    monkeypatch.setattr("torch.distributed.run.main", lost)
+    assert torchrun.main([]) == 1
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith(
+        "distqa: error: the connection to torchrun's rendezvous store on node 0 (MASTER_ADDR) failed (The connection "
+        "to the C10d store has failed. See inner exception for details.): node 0 is gone"
+    ), line
+
+
+@pytest.mark.parametrize("handed_down", [True, False])
+def test_a_worker_whose_agent_died_before_its_watch_started_stops(tmp_path, handed_down):
+    """torchrun killed while its workers still imported torch: each started its watch of the agent
+    after it had been re-parented, took the new parent for the agent, and waited in the rendezvous
+    for ever, holding the launch's output pipes (a test launch hung, found while testing a SIGTERM
+    during loading). `handed_down`: distqa.torchrun's pid in DISTQA_AGENT_PID; without it (a plain
+    torchrun) a parent that is no torchrun is taken as the agent gone."""
+    import subprocess
+    import time
+
+    worker = (
+        "import time; time.sleep(1.5); from distqa.parent_watch import watch_parent; watch_parent(grace_s=1); "
+        "time.sleep(60)"
+    )
+    agent = (
+        "import os, subprocess, sys\n"
+        f"env = dict(os.environ, TORCHELASTIC_RUN_ID='x', DISTQA_AGENT_PID=str(os.getpid()) if {handed_down} else '')\n"
+        f"subprocess.Popen([sys.executable, '-c', {worker!r}], env=env, start_new_session=True)\n"
+    )
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=30)  # the pipes close when the worker ends too
+    assert time.monotonic() - started < 15, err
+    assert "torchrun (pid" in err and "is gone: stopping this worker" in err, err

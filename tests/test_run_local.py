@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -174,13 +175,29 @@ def _ranks_of(out: Path) -> list[int]:
     return pids
 
 
+def _torchrun_of(out: Path) -> int:
+    """The pid of the `python -m distqa.torchrun` running the run that writes to `out`."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"distqa.torchrun" in argv and f"output_dir={out}".encode() in argv:
+            return int(entry.name)
+    raise AssertionError("no distqa.torchrun process found")
+
+
 @pytest.mark.launch  # a two-process launch under a signal: make test-launch
-@pytest.mark.parametrize("script", ["run_local.sh", "worker.sh"])
-def test_a_sigterm_while_the_ranks_load_is_a_stop_that_lost_nothing(tmp_path, script):
+@pytest.mark.parametrize(
+    ("script", "to_torchrun"), [("run_local.sh", False), ("worker.sh", False), ("worker.sh", True)]
+)
+def test_a_sigterm_while_the_ranks_load_is_a_stop_that_lost_nothing(tmp_path, script, to_torchrun):
     """A SIGTERM once torchrun had started its ranks, before any could checkpoint (each still
     importing: its handler not installed, no `distqa: training:` line), ended every rank at once,
     and torchrun ended in its SignalException's traceback, exit 1: a failure's status, which a
-    platform's restart policy may take as final. Now: exit 143 and one line, as before torchrun starts."""
+    platform's restart policy may take as final. Now: exit 143 and one line, as before torchrun starts.
+    `to_torchrun`: the SIGTERM goes to torchrun itself, not through worker.sh's trap (`kill`, a
+    group-wide signal): worker.sh said torchrun was killed and the workers would checkpoint."""
     out = tmp_path / "run"
     env = subprocess_env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # the real torchrun
@@ -193,8 +210,12 @@ def test_a_sigterm_while_the_ranks_load_is_a_stop_that_lost_nothing(tmp_path, sc
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "torchrun started no ranks within 60 s"
             time.sleep(0.02)
+        if to_torchrun:
+            os.kill(_torchrun_of(out), signal.SIGTERM)
+            _, err = proc.communicate(timeout=120)
     finally:
-        err = stop_and_wait(proc)
+        if not to_torchrun or proc.returncode is None:
+            err = stop_and_wait(proc)
     assert proc.returncode == 143, err[-3000:]
     said = "stopped by SIGTERM before training started: nothing to checkpoint"
     launcher = "distqa" if script == "run_local.sh" else "worker.sh"

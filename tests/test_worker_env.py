@@ -290,6 +290,10 @@ def test_an_elastic_node_count_uses_the_c10d_rendezvous_on_node_zero(tmp_path):
             "MASTER_ADDR=h:1 (from PET_MASTER_ADDR) holds a port",
         ),
         ({"MASTER_ADDR": "node0:29500"}, "MASTER_ADDR=node0:29500 (from MASTER_ADDR) holds a port"),
+        (
+            {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "[::1]:29500"},
+            "MASTER_ADDR=[::1]:29500 (from MASTER_ADDR) holds a port: give the host alone ([::1])",
+        ),
         ({"NNODES": "zero"}, "NNODES=zero (from NNODES) is not a positive integer"),
         ({"NNODES": "3:2"}, "NNODES=3:2 (from NNODES) is not a node count N or a range MIN:MAX"),
         ({"NNODES": "1:2", "RDZV_LAST_CALL": "soon"}, "RDZV_LAST_CALL=soon"),
@@ -817,7 +821,7 @@ def test_an_earlier_restart_rounds_line_does_not_decide_how_the_run_ended(tmp_pa
     assert proc.stderr.strip().splitlines()[-1] == said
 
 
-@pytest.mark.parametrize("addr", ["fd00::1", "node-0.cluster.local", "10.0.0.1"])
+@pytest.mark.parametrize("addr", ["fd00::1", "[fd00::1]", "node-0.cluster.local", "10.0.0.1"])
 def test_a_host_name_or_address_passes_the_address_check(tmp_path, addr):
     """The check for a port or URL in MASTER_ADDR takes an IPv6 address (two colons or more) as an address."""
     r = resolved(tmp_path, NNODES="2", NODE_RANK="1", MASTER_ADDR=addr, LOCAL_ADDR="10.1.2.3")

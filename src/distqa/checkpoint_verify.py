@@ -305,3 +305,22 @@ def same_on_every_rank(directory: Path, info: DistInfo, *, shared: bool = False)
             f"({'; '.join(problems)}): every process must load the same one, so put output_dir on storage "
             "every node shares, or give every node a copy of rank 0's checkpoint at the same place"
         )
+
+
+def none_on_any_rank(root: Path, info: DistInfo) -> None:
+    """Rank 0 found no checkpoint in `root`, and the run starts from step 0: raise the same one
+    line on every rank when another rank sees step folders in its own `root`. On nodes that do not
+    share output_dir, a relaunch whose rank 0 landed on another host (or an elastic round whose
+    rank 0 is a node that joined) started over from step 0 beside the run's checkpoints, exit 0
+    (found by a review). Every rank must call it."""
+    if not info.is_distributed:
+        return
+    newest = [p.name for p in step_folders(root)][-1:]
+    views: list[tuple[list[str], str]] = all_gather_objects((newest, str(root)), info)  # type: ignore[assignment]
+    seen = [f"rank {rank} in {where} (newest {found[0]})" for rank, (found, where) in enumerate(views) if found]
+    if seen:
+        raise ConfigError(
+            f"rank 0 finds no checkpoint in {views[0][1]}, but {'; '.join(seen[:3])} sees one: this run would "
+            "start from step 0 beside them. Put output_dir on storage every node shares, or give rank 0's node "
+            "a copy of the newest checkpoint at the same place; train.resume=never on every node starts afresh"
+        )

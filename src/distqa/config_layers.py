@@ -208,7 +208,7 @@ def load_config(
                 check_text(key, OmegaConf.select(override, key), text[key], "the command line")
             if key in switches and "${" not in value:  # an interpolation resolves later
                 check_bool(key, OmegaConf.select(override, key), "the command line")
-            if (container := container_of(key, items_of)) is not None and "${" not in value:
+            if (container := container_of(key, items_of)) is not None:  # (each item's interpolation resolves later)
                 check_items(
                     key, _lookup(OmegaConf.to_container(override), key), items_of[container], "the command line"
                 )
@@ -225,6 +225,9 @@ def load_config(
         given = OmegaConf.to_container(OmegaConf.create(OmegaConf.to_container(merged)), resolve=True)
         for key in switches:
             check_bool(key, _lookup(given, key), "the configuration")
+        for key, kind in items_of.items():  # a switch's item that an interpolation gave
+            if kind is bool:
+                check_items(key, _lookup(given, key), bool, "the configuration")
         cfg = OmegaConf.to_object(merged)  # instantiates the dataclasses: runs every __post_init__
     except OmegaConfBaseException as err:
         if isinstance(err.__cause__, ConfigError):

@@ -168,19 +168,18 @@ def check_text(key: str, value: Any, optional: bool, source: str) -> None:
         raise ConfigError(f"{key}=None in {source} would be the text 'None': for no value give null")
 
 
-def _item_type(hint: Any) -> type | None:
-    """The type of each item of a list, tuple or mapping setting (`list[str]`, `dict[str, bool]`,
-    optional or not), when it is text or a switch: None otherwise."""
+def _item_type(hint: Any, *, item: bool = False) -> type | None:
+    """The type of the single values in a list, tuple or mapping setting (`list[str]`,
+    `dict[str, bool]`, `list[list[str]]`, `list[str | None]`, optional or not), when they are
+    text or switches: None otherwise (and for a plain `str`: that is `text_keys`')."""
     origin, args = typing.get_origin(hint), [a for a in typing.get_args(hint) if a is not type(None)]
-    if origin in (typing.Union, types.UnionType) and len(args) == 1:  # list[str] | None
-        return _item_type(args[0])
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:  # list[str] | None, str | None
+        return _item_type(args[0], item=item)
     if origin in (list, tuple, abc.Sequence) and args:
-        item = args[0]
-    elif origin in (dict, abc.Mapping) and len(args) == 2:
-        item = args[1]
-    else:
-        return None
-    return item if item in (str, bool) else None
+        return _item_type(args[0], item=True)
+    if origin in (dict, abc.Mapping) and len(args) == 2:
+        return _item_type(args[1], item=True)
+    return hint if item and hint in (str, bool) else None
 
 
 def item_keys(schema: Any) -> dict[str, type]:
@@ -199,6 +198,8 @@ def check_items(key: str, value: Any, kind: type, source: str) -> None:
     setting of that type is checked: a text that YAML read as a number or switch, a switch given a
     number."""
     for item_key, item in scalars_in(key, value):
+        if isinstance(item, str) and "${" in item:  # an interpolation: checked once resolved
+            continue
         if kind is bool:
             check_bool(item_key, item, source)
         elif isinstance(item, (bool, int, float)):

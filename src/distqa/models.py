@@ -211,10 +211,11 @@ def check_model_fits(
     """Refuse a model that cannot take the task's inputs when it is built, not with an index error
     in the middle of a run: `task.max_seq_len` past its position embeddings, `token_types` (the
     segment ids the task's inputs use: 2 for a question and a passage) past its token-type table
-    (RoBERTa's and XLM-R's hold one), or a tokenizer whose ids run past its embedding table. For an
-    `exported` model (a command that runs it) the tokenizer must be the one it was trained with, so
-    its vocabulary must also be about as large (models round theirs up a little for fast kernels);
-    a much smaller one turns words into the wrong ids."""
+    (RoBERTa's and XLM-R's hold one; a model without one, DeBERTa-v3's 0, ignores them), or a
+    tokenizer whose ids run past its embedding table. For an `exported` model (a command that runs
+    it) the tokenizer must be the one it was trained with, so its vocabulary must also be about as
+    large (models round theirs up a little for fast kernels); a much smaller one turns words into
+    the wrong ids."""
     config = getattr(model, "config", None)
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and max_seq_len > max_positions:
@@ -222,7 +223,8 @@ def check_model_fits(
             f"task.max_seq_len={max_seq_len} exceeds the {max_positions} positions model {cfg.name!r} was built for"
         )
     types = getattr(config, "type_vocab_size", None)
-    if isinstance(types, int) and token_types > types:
+    # (0: no token-type table at all, as DeBERTa-v3's: the model ignores segment ids.)
+    if isinstance(types, int) and 0 < types < token_types:
         raise DistqaError(
             f"model {cfg.name!r} has {types} token type(s) (its type_vocab_size), and this task's inputs use "
             f"{token_types} (segment ids that tell the question from the passage): use a model with "

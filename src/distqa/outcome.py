@@ -19,6 +19,7 @@ Lines, one per rank and event (and `# printed: ...` for what this node printed):
     distqa: preempted: MESSAGE
     distqa: finished: local rank L of N
     distqa: training: local rank L of N  (SIGTERM from here on means a checkpoint)
+    distqa: stopped before training: SIGNAL  (`distqa.torchrun`: a signal before any rank trained)
 
 A launcher's file outlives torchrun's restart rounds, so only the last round's lines say how the
 run ended (`this_round`): an earlier round's preempted line (a node joining makes every rank
@@ -48,6 +49,9 @@ ERROR = re.compile(r"^distqa(?: \[rank (\d+)\])?: error: (.*)$")
 PREEMPTED = "distqa: preempted: "
 FINISHED = re.compile(r"^distqa: finished: local rank (\d+) of (\d+)$")
 TRAINING = "distqa: training: "
+# Written by `distqa.torchrun` when a signal reached it before any rank began to train (the
+# signal's name follows): the launcher above it (worker.sh) says so, however the signal came.
+STOPPED_EARLY = "distqa: stopped before training: "
 ROUND = re.compile(r"^distqa: round: \d+$")
 # Marks a message printed on this node (a rank that does not show its line, as a lost peer's other
 # local ranks, still writes it, and must not keep local rank 0 from printing it). Readers skip it.
@@ -152,6 +156,11 @@ def training() -> None:
     """From here a SIGTERM makes this rank checkpoint (`StopSignal`); before it, one finds nothing to
     checkpoint, and a launcher that sees no such line reports a stop as one before training."""
     _say_once("training")
+
+
+def stopped_before_training(signal_name: str) -> None:
+    """`distqa.torchrun`: `signal_name` reached torchrun before any rank of this round trained."""
+    _append(f"{STOPPED_EARLY}{signal_name}")
 
 
 def _say_once(event: str) -> None:

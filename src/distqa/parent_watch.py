@@ -26,7 +26,7 @@ def watch_parent(grace_s: float = 10.0) -> None:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    parent = os.getppid()
+    parent = agent_pid()
 
     def poll() -> None:
         while os.getppid() == parent:
@@ -45,6 +45,34 @@ def watch_parent(grace_s: float = 10.0) -> None:
         os._exit(1)
 
     threading.Thread(target=poll, name="distqa-parent-watch", daemon=True).start()
+
+
+# The agent's pid, which `distqa.torchrun` hands its workers: a worker whose agent died before
+# its watch started (it imports torch first, seconds) was re-parented by then, took its new parent
+# for the agent and waited for ever, in the rendezvous, holding the launch's output pipes.
+AGENT_ENV = "DISTQA_AGENT_PID"
+
+
+def agent_pid() -> int:
+    """The torchrun agent this worker belongs to: its parent while that is the agent, else the
+    pid `distqa.torchrun` handed down (`AGENT_ENV`), or -1 under a plain torchrun: either way one
+    that is not the parent, so the watch acts at once. (A parent that runs torchrun is the agent,
+    whatever the variable says: one inherited from elsewhere must not stop a healthy worker.)"""
+    parent, given = os.getppid(), os.environ.get(AGENT_ENV, "")
+    if (given.isdigit() and int(given) == parent) or _runs_torchrun(parent):
+        return parent
+    return int(given) if given.isdigit() else -1
+
+
+def _runs_torchrun(pid: int) -> bool:
+    """Whether process `pid` is a torchrun (`torchrun`, `-m torch.distributed.run`, `-m
+    distqa.torchrun`); True where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return True
+    return any(arg.endswith(b"torchrun") or arg in (b"torch.distributed.run", b"distqa.torchrun") for arg in argv)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

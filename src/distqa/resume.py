@@ -22,7 +22,7 @@ from typing import Any
 
 from distqa.agreement import flatten
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
-from distqa.checkpoint_verify import same_on_every_rank
+from distqa.checkpoint_verify import none_on_any_rank, same_on_every_rank
 from distqa.config import Config
 from distqa.config_layers import setting_field
 from distqa.data_agreement import same_identity
@@ -60,6 +60,8 @@ def choose_checkpoint(output_dir: Path, mode: str, info: DistInfo) -> Path | Non
         error=ConfigError,
     )
     if choice is None:
+        if mode == "auto":
+            none_on_any_rank(root, info)
         return None
     chosen, inside = choice
     mine = chosen if inside is None or info.is_main else output_dir / inside

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from distqa import outcome
+from distqa.parent_watch import AGENT_ENV
 
 # torchrun's own log records that belong to its failure report.
 _REPORT_RECORDS = ("failed (exitcode", "Sending process")
@@ -102,6 +103,16 @@ def rendezvous_failure(err: BaseException) -> str:
     )
 
 
+def store_lost(err: BaseException) -> str:
+    """One line for torchrun's store lost mid-run: node 0, whose agent hosts it, is gone."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return (
+        f"the connection to torchrun's rendezvous store on node 0 (MASTER_ADDR) failed ({first}): node 0 is gone, "
+        "and no new round can start without it, so this node stops too; start node 0 again, then the other nodes, "
+        "to resume from the newest checkpoint"
+    )
+
+
 def _explained_status(err: BaseException, said: outcome.Outcome) -> int:
     """The exit status of a stop distqa explained: torchrun's 1 when a rank wrote an error; else
     every rank checkpointed on the signal, and the status is the signal's, as a shell gives it."""
@@ -117,8 +128,9 @@ def _stopped_before_training(err: BaseException, *, say: bool) -> int:
     torchrun's answer is its SignalException's traceback; here it is a stop's status, 128+N as a
     shell gives it, and one line, unless a launcher that reads the node's file (worker.sh) says it."""
     sigval = int(getattr(err, "sigval", None) or signal.SIGTERM)
+    name = signal.Signals(sigval).name
+    outcome.stopped_before_training(name)  # for worker.sh, which may not have sent it (a kill of torchrun)
     if say:
-        name = signal.Signals(sigval).name
         print(f"distqa: stopped by {name} before training started: nothing to checkpoint", file=sys.stderr, flush=True)
     return 128 + sigval
 
@@ -128,7 +140,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
 
     sys.argv[0] = "torchrun"  # its usage and error messages name the command users know
@@ -142,6 +154,7 @@ def main(argv: list[str]) -> int:
         os.close(fd)
         os.environ["DISTQA_ERROR_FILE"] = made  # the workers inherit it
     path = Path(os.environ["DISTQA_ERROR_FILE"])
+    os.environ[AGENT_ENV] = str(os.getpid())  # the workers' watch of this process (distqa.parent_watch)
     quiet = (logging.getLogger("torch.distributed.elastic.multiprocessing.api"), _QuietOnceExplained(path))
     note = (logging.getLogger("torch.distributed.elastic.agent.server.api"), _ExitBarrierNote())
     for logger, log_filter in (quiet, note):
@@ -160,6 +173,12 @@ def main(argv: list[str]) -> int:
     except (DistStoreError, RendezvousTimeoutError) as err:
         # The nodes never all met: torchrun's answer is a traceback of its store's internals.
         print(f"distqa: error: {rendezvous_failure(err)}", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousConnectionError as err:
+        # Node 0's agent, which hosts the store, is gone (its node lost): this node's workers have
+        # stopped, each saying so, and no round can start without the store. torchrun's answer is
+        # 70 lines ending in a traceback; the ranks' own line spoke of a next round (found by a review).
+        print(f"distqa: error: {store_lost(err)}", file=sys.stderr, flush=True)
         return 1
     except (ChildFailedError, SignalException) as err:
         said = outcome.read(path)
