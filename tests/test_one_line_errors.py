@@ -416,27 +416,51 @@ def test_torchrun_s_store_lost_with_node_0_is_one_line(tmp_path, monkeypatch, ca
     ), line
 
 
-@pytest.mark.parametrize("handed_down", [True, False])
-def test_a_worker_whose_agent_died_before_its_watch_started_stops(tmp_path, handed_down):
+@pytest.mark.parametrize(("handed_down", "agent_s"), [(True, 0.0), (True, 0.5), (False, 0.5)])
+def test_a_worker_whose_agent_died_before_its_watch_started_stops(tmp_path, handed_down, agent_s):
     """torchrun killed while its workers still imported torch: each started its watch of the agent
     after it had been re-parented, took the new parent for the agent, and waited in the rendezvous
     for ever, holding the launch's output pipes (a test launch hung, found while testing a SIGTERM
     during loading). `handed_down`: distqa.torchrun's pid in DISTQA_AGENT_PID; without it (a plain
-    torchrun) a parent that is no torchrun is taken as the agent gone."""
+    torchrun) the parent noted when the module was imported, before the imports that take seconds.
+    `agent_s`: how long the agent outlives the start (0: it is gone before that import)."""
     import subprocess
     import time
 
+    # As `python -m distqa` does: the watch's module first (it notes the parent), then the imports.
     worker = (
-        "import time; time.sleep(1.5); from distqa.parent_watch import watch_parent; watch_parent(grace_s=1); "
+        "from distqa.parent_watch import watch_parent; import time; time.sleep(1.5); watch_parent(grace_s=1); "
         "time.sleep(60)"
     )
     agent = (
         "import os, subprocess, sys\n"
         f"env = dict(os.environ, TORCHELASTIC_RUN_ID='x', DISTQA_AGENT_PID=str(os.getpid()) if {handed_down} else '')\n"
         f"subprocess.Popen([sys.executable, '-c', {worker!r}], env=env, start_new_session=True)\n"
+        f"import time; time.sleep({agent_s})\n"
     )
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=30)  # the pipes close when the worker ends too
     assert time.monotonic() - started < 15, err
     assert "torchrun (pid" in err and "is gone: stopping this worker" in err, err
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_worker_under_any_live_launcher_keeps_running(stale):
+    """The first version of the watch took a parent whose command line named no torchrun for a dead
+    agent: under `python -mtorch.distributed.run`, `torch.distributed.launch` or a launcher calling
+    torch's elastic_launch (as accelerate does), every worker stopped at once (found by a review).
+    `stale`: a DISTQA_AGENT_PID inherited from an outer launch that still runs (this test)."""
+    import subprocess
+
+    worker = (
+        "from distqa.parent_watch import watch_parent; import time; watch_parent(grace_s=1); time.sleep(3); "
+        "print('worked', flush=True)"
+    )
+    agent = (
+        "import os, subprocess, sys\n"
+        f"env = dict(os.environ, TORCHELASTIC_RUN_ID='x', DISTQA_AGENT_PID=str(os.getppid()) if {stale} else '')\n"
+        f"sys.exit(subprocess.run([sys.executable, '-c', {worker!r}], env=env, start_new_session=True).returncode)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", agent], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "worked\n" and "is gone" not in proc.stderr, proc.stderr

@@ -409,6 +409,18 @@ def test_an_output_dir_outside_the_launchs_kept_folder_is_refused(tmp_path, monk
     lock.release()
 
 
+def test_check_config_refuses_an_output_dir_outside_the_launchs_kept_folder(tmp_path, monkeypatch, capsys):
+    """worker.sh runs `distqa train --check-config` before torchrun: it passed such an output_dir,
+    and every rank then refused it, after torchrun had started them (found by a review)."""
+    from distqa.cli import main
+
+    monkeypatch.setenv("DISTQA_OUTPUT_ROOT", str(tmp_path / "results"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--check-config", "output_dir=runs/a"]) == 2
+    assert capsys.readouterr().err.startswith(f"distqa: error: output_dir='runs/a' ({tmp_path}/runs/a) is not under")
+    assert main(["train", "--check-config", "output_dir=results/a"]) == 0
+
+
 # /proc/self/mountinfo as a container shows it: the root is the container's overlay layer, the
 # results folder a bind mount of the host's, the data a mount whose name holds a space (escaped).
 CONTAINER_MOUNTS = """\

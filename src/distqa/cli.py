@@ -212,6 +212,7 @@ def build_parser(task: str | None = None, config_note: str = "") -> argparse.Arg
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
+        from distqa.config_checks import check_output_root
         from distqa.config_layers import check_training_data
         from distqa.registry import load_config
 
@@ -220,6 +221,7 @@ def _run(args: argparse.Namespace) -> int:
         # said once, not once per rank and again in torchrun's failure report).
         cfg = load_config(args.config, args.overrides)
         check_training_data(cfg)
+        check_output_root(cfg.output_dir)
         if args.check_config:
             return 0
         from distqa.trainer import train

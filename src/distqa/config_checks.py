@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -198,3 +200,21 @@ def escaped(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [escaped(item) for item in value]
     return value
+
+
+def check_output_root(output_dir: str | Path) -> None:
+    """A launch whose containers keep one mounted folder and nothing else (scripts/run_docker_nodes.sh
+    mounts RESULTS_DIR at /app/results, .neuro/live.yml the results volume) names it in
+    DISTQA_OUTPUT_ROOT: an output_dir elsewhere was written inside the container and removed with
+    it, the script saying 'finished; results in ...' over an empty folder, exit 0. Checked by
+    `distqa train --check-config` too, so that a launch script refuses it before torchrun starts."""
+    root = os.environ.get("DISTQA_OUTPUT_ROOT")
+    if not root:
+        return
+    where, kept = Path(output_dir).resolve(), Path(root).resolve()
+    if not where.is_relative_to(kept):
+        raise ConfigError(
+            f"output_dir={str(output_dir)!r} ({where}) is not under {kept}, the only folder of this container "
+            f"that outlives it (DISTQA_OUTPUT_ROOT, set by the launch that mounts it): set output_dir to a folder in "
+            f"{kept}, e.g. output_dir={kept}/{where.name}"
+        )

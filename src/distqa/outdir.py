@@ -27,6 +27,7 @@ from typing import Any
 from safetensors import SafetensorError
 
 from distqa.checkpoint_verify import SOURCE_FILE, export_files, manifest_entry, recorded_source, source_of
+from distqa.config_checks import check_output_root
 from distqa.dist import DistInfo
 from distqa.durable import fsync_path, held_exclusively, read_no_link, write_atomically
 from distqa.errors import DistqaError
@@ -49,23 +50,6 @@ def linked_run_path(output_dir: Path) -> str | None:
                 "output_dir itself and never through a link: remove the link, or use another output_dir"
             )
     return None
-
-
-def check_output_root(output_dir: Path) -> None:
-    """A launch whose containers keep one mounted folder and nothing else (scripts/run_docker_nodes.sh
-    mounts RESULTS_DIR at /app/results, .neuro/live.yml the results volume) names it in
-    DISTQA_OUTPUT_ROOT: an output_dir elsewhere was written inside the container and removed with
-    it, the script saying 'finished; results in ...' over an empty folder, exit 0."""
-    root = os.environ.get("DISTQA_OUTPUT_ROOT")
-    if not root:
-        return
-    where, kept = Path(output_dir).resolve(), Path(root).resolve()
-    if not where.is_relative_to(kept):
-        raise DistqaError(
-            f"output_dir={str(output_dir)!r} ({where}) is not under {kept}, the only folder of this container "
-            f"that outlives it (DISTQA_OUTPUT_ROOT, set by the launch that mounts it): set output_dir to a folder in "
-            f"{kept}, e.g. output_dir={kept}/{where.name}"
-        )
 
 
 # The file systems a container's own writable layer is made of (Docker's overlay2, containerd's

@@ -47,32 +47,41 @@ def watch_parent(grace_s: float = 10.0) -> None:
     threading.Thread(target=poll, name="distqa-parent-watch", daemon=True).start()
 
 
-# The agent's pid, which `distqa.torchrun` hands its workers: a worker whose agent died before
-# its watch started (it imports torch first, seconds) was re-parented by then, took its new parent
-# for the agent and waited for ever, in the rendezvous, holding the launch's output pipes.
+# The process that started this one, read as this module is imported: `python -m distqa` imports
+# it first (distqa/__main__.py), before torch, so for a torchrun worker this is its agent. A watch
+# that read the parent only when it started, after seconds of imports, took a parent that had died
+# meanwhile for init (or a subreaper), and waited for ever in the rendezvous, holding the launch's
+# output pipes (a test launch hung).
+_STARTED_UNDER = os.getppid()
+# `distqa.torchrun` hands its pid to its workers too: for one whose agent died even before this
+# module was imported.
 AGENT_ENV = "DISTQA_AGENT_PID"
 
 
 def agent_pid() -> int:
-    """The torchrun agent this worker belongs to: its parent while that is the agent, else the
-    pid `distqa.torchrun` handed down (`AGENT_ENV`), or -1 under a plain torchrun: either way one
-    that is not the parent, so the watch acts at once. (A parent that runs torchrun is the agent,
-    whatever the variable says: one inherited from elsewhere must not stop a healthy worker.)"""
-    parent, given = os.getppid(), os.environ.get(AGENT_ENV, "")
-    if (given.isdigit() and int(given) == parent) or _runs_torchrun(parent):
-        return parent
-    return int(given) if given.isdigit() else -1
+    """The torchrun agent this worker belongs to: the process that started it, unless that was no
+    longer the agent (the pid `distqa.torchrun` handed down differs, and is gone: the watch acts at
+    once). A handed-down pid that still runs while another process started this one was inherited
+    from an outer launch (a torchrun started inside a distqa.torchrun worker): not this worker's."""
+    given = os.environ.get(AGENT_ENV, "")
+    if not given.isdigit() or int(given) == _STARTED_UNDER:
+        return _STARTED_UNDER
+    return _STARTED_UNDER if _runs(int(given)) else int(given)
 
 
-def _runs_torchrun(pid: int) -> bool:
-    """Whether process `pid` is a torchrun (`torchrun`, `-m torch.distributed.run`, `-m
-    distqa.torchrun`); True where /proc cannot tell."""
+def _runs(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (a zombie, not yet reaped, has)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it runs, as another user
         return True
-    return any(arg.endswith(b"torchrun") or arg in (b"torch.distributed.run", b"distqa.torchrun") for arg in argv)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
