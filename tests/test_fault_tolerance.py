@@ -357,11 +357,25 @@ def test_no_checkpoint_on_any_rank_is_checked_on_every_rank(monkeypatch, tmp_pat
     from distqa.dist import DistInfo
     from distqa.errors import ConfigError
 
-    views = [([], "/a/checkpoints"), ([], "/b/checkpoints"), (["step-8"], "/c/checkpoints")]
+    views = [([], "/a/checkpoints", None), ([], "/b/checkpoints", None), (["step-8"], "/c/checkpoints", None)]
     monkeypatch.setattr(checkpoint_verify, "all_gather_objects", lambda obj, info: views)
     info = DistInfo(rank=1, local_rank=0, world_size=3, device=torch.device("cpu"))
     said = r"^rank 0 finds no checkpoint in /a/checkpoints, but rank 2 in /c/checkpoints \(newest step-8\) sees one"
     with pytest.raises(ConfigError, match=said):
         checkpoint_verify.none_on_any_rank(tmp_path, info)
-    views[2] = ([], "/c/checkpoints")
+    views[2] = ([], "/c/checkpoints", None)
     checkpoint_verify.none_on_any_rank(tmp_path, info)
+    # A rank that cannot read its folder says so on every rank, not alone (the others would wait in the gather).
+    views[1] = ([], "/b/checkpoints", "cannot read it (Stale file handle)")
+    with pytest.raises(ConfigError, match=r"not every rank can look for one .*rank 1: /b/checkpoints cannot read it"):
+        checkpoint_verify.none_on_any_rank(tmp_path, info)
+
+    def unreadable(root):
+        raise OSError(116, "Stale file handle")
+
+    seen = []
+    monkeypatch.setattr(checkpoint_verify, "step_folders", unreadable)
+    monkeypatch.setattr(checkpoint_verify, "all_gather_objects", lambda obj, info: seen.append(obj) or [obj] * 3)
+    with pytest.raises(ConfigError, match="cannot read it"):
+        checkpoint_verify.none_on_any_rank(tmp_path, info)
+    assert seen and seen[0][2] == "cannot read it (Stale file handle)"  # gathered, not raised alone

@@ -416,6 +416,7 @@ def test_torchrun_s_store_lost_with_node_0_is_one_line(tmp_path, monkeypatch, ca
     ), line
 
 
+@pytest.mark.safety  # 3 launches of ~4 s each: make test-safety
 @pytest.mark.parametrize(("handed_down", "agent_s"), [(True, 0.0), (True, 0.5), (False, 0.5)])
 def test_a_worker_whose_agent_died_before_its_watch_started_stops(tmp_path, handed_down, agent_s):
     """torchrun killed while its workers still imported torch: each started its watch of the agent
@@ -445,6 +446,7 @@ def test_a_worker_whose_agent_died_before_its_watch_started_stops(tmp_path, hand
     assert "torchrun (pid" in err and "is gone: stopping this worker" in err, err
 
 
+@pytest.mark.safety  # 2 launches of ~4 s each: make test-safety
 @pytest.mark.parametrize("stale", [False, True])
 def test_a_worker_under_any_live_launcher_keeps_running(stale):
     """The first version of the watch took a parent whose command line named no torchrun for a dead

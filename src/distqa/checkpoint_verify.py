@@ -315,9 +315,18 @@ def none_on_any_rank(root: Path, info: DistInfo) -> None:
     (found by a review). Every rank must call it."""
     if not info.is_distributed:
         return
-    newest = [p.name for p in step_folders(root)][-1:]
-    views: list[tuple[list[str], str]] = all_gather_objects((newest, str(root)), info)  # type: ignore[assignment]
-    seen = [f"rank {rank} in {where} (newest {found[0]})" for rank, (found, where) in enumerate(views) if found]
+    try:
+        newest, problem = [p.name for p in step_folders(root)][-1:], None
+    except OSError as err:  # (one rank raising alone would leave the others in the gather)
+        newest, problem = [], f"cannot read it ({err.strerror or err})"
+    views: list[tuple[list[str], str, str | None]] = all_gather_objects((newest, str(root), problem), info)  # type: ignore[assignment]
+    unread = [f"rank {rank}: {where} {problem}" for rank, (_, where, problem) in enumerate(views) if problem]
+    if unread:
+        raise ConfigError(
+            f"rank 0 finds no checkpoint in {views[0][1]}, and not every rank can look for one in its output_dir "
+            f"({'; '.join(unread[:3])}): fix that storage, then run again"
+        )
+    seen = [f"rank {rank} in {where} (newest {found[0]})" for rank, (found, where, _) in enumerate(views) if found]
     if seen:
         raise ConfigError(
             f"rank 0 finds no checkpoint in {views[0][1]}, but {'; '.join(seen[:3])} sees one: this run would "
