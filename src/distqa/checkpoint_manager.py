@@ -290,8 +290,10 @@ class CheckpointManager:
         if best is None:
             return
         folder = self.root / f"step-{best['step']}"
-        if on_rank0(info, folder.is_dir):
-            if on_rank0(info, lambda: pointed(self.root) != folder):
+        found = on_rank0(info, lambda: (folder.is_dir(), pointed(self.root) != folder))  # (one broadcast)
+        exists, elsewhere = found if found is not None else (False, False)
+        if exists:
+            if elsewhere:
                 self._point_best(best["step"], directory)
             return
         print0(

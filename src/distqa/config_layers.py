@@ -145,15 +145,17 @@ def _task_name(layer: DictConfig | None, items: list[str]) -> str:
     return TaskSettings().name
 
 
-def _check_file(layer: DictConfig, path: str, defaults: Config) -> None:
+def _check_file(
+    layer: DictConfig, path: str, defaults: Config, text: dict[str, bool], switches: set[str], items_of: dict[str, type]
+) -> None:
     """What YAML made of the file's values, where OmegaConf's merge would not say: a section that
-    is no mapping, a text or a switch read as something else, a number in another base."""
+    is no mapping, a text or a switch read as something else, a number in another base. (`text`,
+    `switches`, `items_of`: the schema's text, switch and list-or-mapping keys, `load_config`'s.)"""
     values, source = OmegaConf.to_container(layer), f"config file {path}"
-    text, items_of = text_keys(defaults), item_keys(defaults)
     check_sections(values, defaults, path)
     for key, optional in text.items():
         check_text(key, _lookup(values, key), optional, source)
-    for key in bool_keys(defaults):
+    for key in switches:
         check_bool(key, _lookup(values, key), source)
     for key, kind in items_of.items():
         check_items(key, _lookup(values, key), kind, source)
@@ -190,7 +192,7 @@ def load_config(
     merged = OmegaConf.structured(defaults)
     text, switches, items_of = text_keys(defaults), bool_keys(defaults), item_keys(defaults)
     if layer is not None:
-        _check_file(layer, str(path), defaults)
+        _check_file(layer, str(path), defaults, text, switches, items_of)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:

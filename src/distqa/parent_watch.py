@@ -12,6 +12,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from distqa.runlock import proc_stat
+
 
 def watch_parent(grace_s: float = 10.0) -> None:
     """End this process soon after the torchrun agent that started it is gone.
@@ -77,11 +79,8 @@ def _runs(pid: int) -> bool:
         return False
     except OSError:  # EPERM: it runs, as another user
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] not in ("Z", "X")  # (unreadable: it runs, as the signal said)
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -118,8 +118,13 @@ def _explained_status(err: BaseException, said: outcome.Outcome) -> int:
     every rank checkpointed on the signal, and the status is the signal's, as a shell gives it."""
     if said.error_ranks or not said.preempted:
         return 1
-    sigval = getattr(err, "sigval", None)  # SignalException: the signal torchrun itself received
-    return 128 + int(sigval) if sigval is not None else 128 + signal.SIGTERM  # the ranks' own exit: 143
+    return 128 + _signal_of(err)  # without a signal of torchrun's own, the ranks' own exit: 143
+
+
+def _signal_of(err: BaseException) -> int:
+    """The signal torchrun itself received (a SignalException's), else SIGTERM (the ranks')."""
+    sigval = getattr(err, "sigval", None)
+    return int(sigval) if sigval is not None else int(signal.SIGTERM)
 
 
 def _stopped_before_training(err: BaseException, *, say: bool) -> int:
@@ -127,7 +132,7 @@ def _stopped_before_training(err: BaseException, *, say: bool) -> int:
     loading (its SIGTERM handler not yet installed), so the signal ended it and nothing was lost.
     torchrun's answer is its SignalException's traceback; here it is a stop's status, 128+N as a
     shell gives it, and one line, unless a launcher that reads the node's file (worker.sh) says it."""
-    sigval = int(getattr(err, "sigval", None) or signal.SIGTERM)
+    sigval = _signal_of(err)
     name = signal.Signals(sigval).name
     outcome.stopped_before_training(name)  # for worker.sh, which may not have sent it (a kill of torchrun)
     if say:
