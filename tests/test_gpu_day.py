@@ -9,6 +9,7 @@ prove that a step past its box is stopped, reported timed-out, and the day goes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,7 +46,8 @@ for ((i = 0; i < ${#args[@]}; i++)); do
     --nproc) nproc=${args[i + 1]} ;;
     --dp) modes="ddp dp" ;;
     train.batch_size=*) batch=${args[i]#*=} ;;
-    train.compile=true) speed=125; [[ -z ${FAKE_COMPILE_SLEEP:-} ]] || sleep "$FAKE_COMPILE_SLEEP" ;;
+    train.compile=true) speed=125
+      [[ -z ${FAKE_COMPILE_SLEEP:-} ]] || { echo "$$" >> "$FAKE_LOG.sleeping"; sleep "$FAKE_COMPILE_SLEEP"; } ;;
   esac
 done
 if [[ $out == */batches/* ]] && ((batch > ${FAKE_MAX_BATCH:-512})); then
@@ -462,6 +464,15 @@ def test_one_call_gathers_its_files_flat_into_out(tmp_path):
     assert proc.returncode == 2 and "$OUT is the folder whose files come back" in proc.stderr
 
 
+def _kill_sleeping_stand_ins(log):
+    """The call's steps run under timeout, which leads a process group of its own: killing the
+    call's group left the sleeping stand-in behind for its whole sleep."""
+    pids = log.with_name(log.name + ".sleeping")
+    for pid in pids.read_text().split() if pids.exists() else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(int(pid)), signal.SIGKILL)
+
+
 def test_a_call_cut_off_at_its_limit_still_returns_the_steps_that_ended(tmp_path):
     """The machine's limit kills the whole call: gathered only at its end, $OUT came back empty,
     the finished steps' figures with it (found by a review)."""
@@ -478,6 +489,7 @@ def test_a_call_cut_off_at_its_limit_still_returns_the_steps_that_ended(tmp_path
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        _kill_sleeping_stand_ins(log)
     assert sorted(p.name for p in out.iterdir()) == ["day.tar.gz", "gpu_day.json", "gpu_day.md"]
     report = json.loads((out / "gpu_day.json").read_text())
     assert [(s["name"], s["status"]) for s in report["steps"]] == [("bench", "ok")]

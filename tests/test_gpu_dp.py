@@ -40,7 +40,13 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() and not DRY_RUN el
 FP32_LOSS_RTOL = 1e-4
 FP32_WEIGHTS_RTOL = 1e-4
 DP_RUN = [*BASE, "model.name=tiny", LR["tiny"], "train.deterministic=true", "train.max_steps=6"]
-BF16_LOSS_RTOL = 2e-2  # bf16's first step against fp32's, as in tests/test_gpu.py
+BF16_LOSS_RTOL = 5e-3  # bf16's first step against fp32's: tests/test_gpu.py's LOSS_RTOL
+# DataParallel's threads carry autocast's on/off but not its dtype, so a lost AutocastForward
+# runs the copies in fp16, which lands nearer fp32 than bf16 does (2.5e-6 against 8.6e-5 for
+# the tiny model, measured on H100s): nearness to fp32 cannot tell them apart (a review saw
+# this). Nearness to one bf16 DDP process can: the two bf16 runs differ only in how the batch is
+# split, far less than bf16 differs from fp32.
+BF16_TWIN_SHARE = 0.25
 
 
 @pytest.fixture(autouse=True)
@@ -115,15 +121,28 @@ def test_dp_on_two_gpus_equals_one_ddp_process_with_the_same_global_batch(tmp_pa
 
 
 @pytest.mark.gpu(gpus=2)
-def test_dp_bf16_on_two_gpus_trains_near_the_fp32_step(tmp_path, ddp_one):
-    """bf16 autocast inside each GPU's copy (DataParallel's threads would otherwise run fp16): the
-    first step's loss within BF16_LOSS_RTOL of the fp32 reference's, then the loss falls."""
-    args = [*BASE, "model.name=tiny", LR["tiny"], "train.parallel=dp", "train.precision=bf16", "train.max_steps=30"]
-    run = launch(tmp_path / "dp-bf16", args, gpus=2)
+def test_dp_bf16_on_two_gpus_computes_in_bf16_and_trains(tmp_path, ddp_one):
+    """bf16 autocast inside each GPU's copy: the first step's loss within BF16_LOSS_RTOL of the
+    fp32 reference's, and nearer one bf16 DDP process's than that one is to fp32 (fp16 in the
+    copies would be nearer fp32); then the loss falls."""
+    args = [*BASE, "model.name=tiny", LR["tiny"], "train.precision=bf16", "train.max_steps=30"]
+    run = launch(tmp_path / "dp-bf16", [*args, "train.parallel=dp"], gpus=2)
+    twin = launch(tmp_path / "ddp-bf16", args, gpus=1)
+    fp32 = ddp_one.get().losses[:1]
+    diff, apart = max_rel(run.losses[:1], fp32), max_rel(twin.losses[:1], fp32)
+    twin_diff = max_rel(run.losses[:1], twin.losses[:1])
     first, last = trained(run.losses)
-    diff = max_rel(run.losses[:1], ddp_one.get().losses[:1])
-    record("dp/two_gpus_bf16", first_loss_rel_diff=diff, tolerance=BF16_LOSS_RTOL, first5_mean=first, last5_mean=last)
+    record(
+        "dp/two_gpus_bf16",
+        first_loss_rel_diff=diff,
+        bf16_ddp_rel_diff_from_fp32=apart,
+        rel_diff_from_bf16_ddp=twin_diff,
+        tolerances=[BF16_LOSS_RTOL, BF16_TWIN_SHARE],
+        first5_mean=first,
+        last5_mean=last,
+    )
     assert diff <= BF16_LOSS_RTOL and all(math.isfinite(x) for x in run.losses)
+    assert twin_diff <= BF16_TWIN_SHARE * apart, "DataParallel's copies did not compute in bf16"
     assert last < 0.9 * first, run.losses
 
 
