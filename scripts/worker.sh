@@ -324,6 +324,9 @@ with socket.socket(family, kind, proto) as s:
   # the rendezvous store: with the shared one, a node that joins a running run waits, until the
   # join timeout, for keys that group rank 0 writes only in its first round (torch 2.13; seen here).
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+  # The rendezvous's store lives as long as node 0's torchrun: the launch's first round notes there
+  # that train.resume=never or PATH was carried out, and later rounds continue (distqa.launch_start).
+  export DISTQA_LAUNCH_STORE=$master_addr:$master_port
   cmd=(
     "${torchrun[@]}"
     --nnodes "$nnodes" --nproc-per-node "$nproc"
@@ -347,7 +350,12 @@ note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$maste
 # ---- checks before torchrun starts --------------------------------------------------------------
 
 # A settings mistake is then one line here, rather than one per rank and torchrun's report.
-"$python" -m distqa train --check-config "$@" || exit
+# With the process counts this launch may have: each must split the global batch (an elastic run's
+# node counts MIN..MAX each), found now rather than when a node joins and every round stops.
+sizes=$((nproc * ${min_nodes:-$nnodes}))
+for ((n = ${min_nodes:-$nnodes} + 1; n <= ${max_nodes:-0} && n <= min_nodes + 4096; n++)); do sizes+=" $((nproc * n))"; done
+DISTQA_CHECK_WORLD_SIZES="$sizes|NNODES=$nnodes x NPROC_PER_NODE=$nproc" \
+  "$python" -m distqa train --check-config "$@" || exit
 for arg in "$@"; do # --help was printed by the check: nothing to launch
   if [[ $arg == -h || $arg == --help ]]; then exit 0; fi
 done

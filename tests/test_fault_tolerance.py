@@ -55,9 +55,13 @@ def test_sigkill_of_a_worker_restarts_from_an_earlier_checkpoint_and_ends_with_t
     """A worker killed inside FAULT_RUN's second epoch (8 steps each): the next round resumes from
     step-8, the epoch's first step, while steps past it were already logged. The result is the
     uninterrupted run's, bit for bit, and metrics.jsonl and TensorBoard show each step once, with
-    the straight run's loss (the resume rewrote the steps after its checkpoint, not repeated them)."""
+    the straight run's loss (the resume rewrote the steps after its checkpoint, not repeated them).
+    Run with train.resume=never over an earlier run: the first round moves it aside, and the next
+    round continues this launch's checkpoints (it moved them aside too, and trained from step 0)."""
     out = tmp_path / "killed"
-    proc = launch([*FAULT_RUN, f"output_dir={out}"], max_restarts=1)
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # the earlier run's record
+    proc = launch([*FAULT_RUN, "train.resume=never", f"output_dir={out}"], max_restarts=1)
     wait_for_step(proc, out, 9)  # 3 steps before the step-12 checkpoint
     victim = workers_of(proc.pid)[-1]
     os.kill(victim, signal.SIGKILL)
@@ -65,6 +69,7 @@ def test_sigkill_of_a_worker_restarts_from_an_earlier_checkpoint_and_ends_with_t
     logged = last_step(out)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-3000:]
+    assert stdout.count("was moved to") == 1 and "continues from output_dir's newest checkpoint" in stdout, stdout
     resumed = int(stdout.split("resumed from ")[1].split(" at step ")[1].split()[0])
     # The new round really restarted from a checkpoint, one older than the last logged step.
     assert resumed % 4 == 0 and 8 <= resumed < logged, (resumed, logged, stdout[-2000:])

@@ -377,7 +377,10 @@ def test_an_elastic_run_goes_on_without_a_lost_node_and_takes_it_back(two_hosts,
     elastic = {"NNODES": "1:2", "MAX_RESTARTS": "3", "RDZV_TIMEOUT": "60", "RDZV_LAST_CALL": "5"}
 
     def start(rank: int) -> Node:
-        return node(hosts[rank], rank, master, args, ("taskset", "-c", str(rank)), **elastic)
+        # train.resume=never: each join starts a round of this launch, which must continue it
+        # (launch_start), not move it aside and start from step 0 again.
+        never = [*args[:-1], "train.resume=never", args[-1]]
+        return node(hosts[rank], rank, master, never, ("taskset", "-c", str(rank)), **elastic)
 
     procs = [start(0), start(1)]
     wait_for_checkpoint(procs, out, 8)

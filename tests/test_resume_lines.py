@@ -166,6 +166,29 @@ def test_an_attention_kernel_changed_on_resume_is_named_as_applied(capsys):
     assert "applied from step 2 on: model.attn_implementation (None -> 'eager')" in capsys.readouterr().out
 
 
+def test_compile_turned_on_at_a_resume_is_named_as_applied(capsys):
+    """Compiled code draws other dropout masks (2e-3 apart in 4 steps of the tiny model, found by a
+    review): not a silent setting."""
+    state = {"step": 2, "config": dataclasses.asdict(load_config()), "data": None}
+    compiled = load_config(None, ["train.compile=true"])
+    assert not check_continuation(Path("ckpt"), state, compiled, total_steps=4, data={})
+    assert "applied from step 2 on: train.compile (False -> True)" in capsys.readouterr().out
+
+
+def test_another_length_at_a_resume_names_the_rate_it_gives(capsys):
+    """8 steps at warm-up 0.05 (1 step) made 200 at step 4: the warm-up becomes 10 steps, so step 5's
+    rate drops from 5.71e-4 to 4e-4 and warms up again (a review saw it done without a word)."""
+    settings = ["train.lr=1e-3", "train.warmup_ratio=0.05"]
+    state = {"step": 4, "config": dataclasses.asdict(load_config(None, settings)), "data": None, "total_steps": 8}
+    longer = load_config(None, [*settings, "train.max_steps=200"])
+    assert not check_continuation(Path("ckpt"), state, longer, total_steps=200, data={})
+    line = capsys.readouterr().out
+    assert "with another length, applied from step 4 on: 8 -> 200 steps" in line
+    assert "step 5's rate is 0.0004 (0.000571 in 8 steps); its warm-up now ends at step 10, not 1" in line
+    assert not check_continuation(Path("ckpt"), state, load_config(None, settings), total_steps=8, data={})
+    assert "another length" not in capsys.readouterr().out
+
+
 def test_rng_and_comm_files_the_manifest_does_not_list_are_not_loaded(tmp_path):
     """A rank's RNG or communication state in the folder but not in the manifest (its hash vouches
     for nothing) is absent: the rank is seeded afresh, as on more processes than saved. Listed, it loads."""

@@ -182,7 +182,7 @@ ALTERNATIVES = {
     "train.weight_decay": "0.1",
     "train.max_grad_norm": "0.5",
     "train.precision": "fp16",
-    "train.compile": None,  # silent by classification; compiling costs a minute on a CPU
+    "train.compile": None,  # applied (test_resume_lines.py); compiling costs a minute on a CPU
     "train.static_graph": "false",
     "train.find_unused_parameters": "true",
     # Communication settings: one process here has no all-reduce to compress; their effect at two

@@ -212,7 +212,7 @@ def build_parser(task: str | None = None, config_note: str = "") -> argparse.Arg
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
-        from distqa.config_checks import check_output_root
+        from distqa.config_checks import check_output_root, check_world_sizes
         from distqa.config_layers import check_training_data
         from distqa.registry import load_config
 
@@ -222,6 +222,7 @@ def _run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         check_training_data(cfg)
         check_output_root(cfg.output_dir)
+        check_world_sizes(cfg.train)
         if args.check_config:
             return 0
         from distqa.trainer import train

@@ -218,3 +218,37 @@ def check_output_root(output_dir: str | Path) -> None:
             f"that outlives it (DISTQA_OUTPUT_ROOT, set by the launch that mounts it): set output_dir to a folder in "
             f"{kept}, e.g. output_dir={kept}/{where.name}"
         )
+
+
+WORLD_SIZES_ENV = "DISTQA_CHECK_WORLD_SIZES"  # worker.sh: "SIZE ...|NNODES=1:2 x NPROC_PER_NODE=1"
+
+
+def check_world_sizes(train: Any) -> None:
+    """The process counts a launch may have, from worker.sh (`WORLD_SIZES_ENV`), checked against
+    the global batch before torchrun starts. An elastic run (NNODES=MIN:MAX) whose global batch
+    did not divide a node count it reached, or that set no train.global_batch at all (the batch then
+    follows the process count, and a resume refuses another), trained on alone until a node joined,
+    then every round stopped: the healthy node too, and a run already exported reported failed
+    (a review saw both)."""
+    given = os.environ.get(WORLD_SIZES_ENV, "")
+    if not given:
+        return
+    sizes_text, _, label = given.partition("|")
+    sizes = sorted({int(size) for size in sizes_text.split()})
+    if len(sizes) > 1 and not train.global_batch:
+        raise ConfigError(
+            f"{label} lets the number of processes change ({', '.join(map(str, sizes))}), and a checkpoint "
+            "resumes only with the global batch it was trained with: set train.global_batch to a multiple "
+            f"of train.batch_size x each ({_multiple(train.batch_size, sizes)}), so that train.grad_accum follows"
+        )
+    for size in sizes if train.global_batch else []:
+        if train.global_batch % (train.batch_size * size):
+            raise ConfigError(
+                f"train.global_batch={train.global_batch} cannot be split over {size} process(es) of "
+                f"train.batch_size={train.batch_size}, which {label} allows: pick train.global_batch a "
+                f"multiple of {_multiple(train.batch_size, sizes)}"
+            )
+
+
+def _multiple(batch_size: int, sizes: list[int]) -> int:
+    return math.lcm(*(batch_size * size for size in sizes))

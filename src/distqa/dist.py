@@ -130,6 +130,7 @@ def _restart_scoped_store() -> dist.Store | None:
         is_master=False,
         timeout=timedelta(seconds=_env_int("DISTQA_STORE_TIMEOUT_S", 900)),
     )
+    rounds.client = client
     joined = rounds.joined = rounds.join_round(
         client,
         rank=_env_int("RANK", 0),

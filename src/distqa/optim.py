@@ -65,9 +65,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=fused_for(device))
 
 
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    return math.ceil(cfg.warmup_ratio * total_steps)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> LambdaLR:
-    warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
-    if total_steps == 1 and warmup_steps:  # warm-up starts at 0, Hugging Face's convention
+    if total_steps == 1 and warmup_steps(cfg, total_steps):  # warm-up starts at 0, Hugging Face's convention
         print0(
             f"warning: train.warmup_ratio={cfg.warmup_ratio} over a run of 1 step: its learning rate is 0, "
             "so it changes no weight (set train.warmup_ratio=0 to train it)"
@@ -75,9 +78,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
     return get_scheduler(
         _SCHEDULES[cfg.lr_schedule],
         optimizer,
-        num_warmup_steps=warmup_steps,
+        num_warmup_steps=warmup_steps(cfg, total_steps),
         num_training_steps=total_steps,
     )
+
+
+def rate_after(cfg: TrainConfig, total_steps: int, step: int) -> float:
+    """The learning rate of step `step + 1` in a run of `total_steps` steps: what the schedule
+    gives once `step` steps are done (as LambdaLR computes it, on a stand-in parameter)."""
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+    schedule = get_scheduler(
+        _SCHEDULES[cfg.lr_schedule],
+        stand_in,
+        num_warmup_steps=warmup_steps(cfg, total_steps),
+        num_training_steps=total_steps,
+    )
+    return cfg.lr * schedule.lr_lambdas[0](step)
 
 
 def apply_settings(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: TrainConfig) -> None:

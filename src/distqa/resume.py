@@ -28,6 +28,7 @@ from distqa.config_layers import setting_field
 from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
+from distqa.optim import rate_after, warmup_steps
 from distqa.rank0 import on_rank0, reason
 from distqa.set_aside import set_aside_earlier_run, undo_killed_move
 from distqa.sharded import sees_rank0_files
@@ -135,7 +136,8 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int) -> dict[
         raise ConfigError(
             f"checkpoint {directory} was trained with a global batch of {state['global_batch']} examples, "
             f"this run has {global_batch} (train.batch_size x train.grad_accum x processes): resume "
-            "with the same global batch, or start afresh in another output_dir"
+            "with the same global batch (train.global_batch keeps it at any process count), or start afresh "
+            "in another output_dir"
         )
     refused, saved, now = _changed_of_kind("refused", state, cfg)
     if "train.parallel" in refused:
@@ -247,7 +249,25 @@ def check_continuation(
             f"warning: resuming {directory} with changed settings, applied from step {state['step']} on: "
             + _shown(applied, saved, now)
         )
+    _warn_of_another_length(directory, state, cfg, total_steps)
     return False
+
+
+def _warn_of_another_length(directory: Path, state: dict[str, Any], cfg: Config, total_steps: int) -> None:
+    """train.max_steps, train.epochs (or the data's size) may change a run's length on resume;
+    the schedule is then the new length's from the resume step on, and with a warm-up its rate can
+    drop and warm up again (a review saw 5.7e-4 become 4e-4, then climb): said, never silent."""
+    planned, step = state.get("total_steps"), state["step"]
+    if not isinstance(planned, int) or planned == total_steps or planned <= step:
+        return
+    rates = rate_after(cfg.train, planned, step), rate_after(cfg.train, total_steps, step)
+    warm = warmup_steps(cfg.train, planned), warmup_steps(cfg.train, total_steps)
+    again = f"; its warm-up now ends at step {warm[1]}, not {warm[0]}" if warm[1] > step and warm[0] != warm[1] else ""
+    print0(
+        f"warning: resuming {directory} with another length, applied from step {step} on: {planned} -> "
+        f"{total_steps} steps; the learning-rate schedule is the new length's: step {step + 1}'s rate is "
+        f"{rates[1]:.3g} ({rates[0]:.3g} in {planned} steps){again}"
+    )
 
 
 def check_task_identity(

@@ -223,6 +223,7 @@ _PEER_GONE = re.compile(
 _PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
 
 joined: Round | None = None  # this process's round, once its process group exists
+client: dist.Store | None = None  # the agent's store, kept for the launch's life (launch_start)
 
 
 def as_peer_loss(err: BaseException, step: int) -> PeerLost | None:

@@ -30,6 +30,7 @@ from distqa.errors import DistqaError, EvaluationFailed, Preempted
 from distqa.evaluate_again import evaluate_again
 from distqa.evaluation import run_evaluation
 from distqa.finish import export_final, is_exported, plot_run, summary
+from distqa.launch_start import mode_of_this_round, note_started
 from distqa.loader_server import as_worker_loss
 from distqa.meter import ThroughputMeter
 from distqa.metrics import MetricsWriter
@@ -106,7 +107,8 @@ class Trainer:
 
     def _fit(self) -> Path:
         # Decided before anything is written: train.resume=never may move an earlier run aside.
-        resume_from = choose_checkpoint(self.out, self.cfg.train.resume, self.info)
+        mode = mode_of_this_round(self.cfg.train.resume, self.out, self.info)
+        resume_from = choose_checkpoint(self.out, mode, self.info)
         # The settings first, then the data: a refused resume costs no data preparation.
         saved = check_resumable(resume_from, self.cfg, global_batch=self.global_batch) if resume_from else None
         dataset = self._build()
@@ -121,7 +123,8 @@ class Trainer:
         )
         # (finished: the same on every rank.) train.resume=PATH: output_dir then holds PATH's line
         # alone (later ones, or another run, set aside), finished or not: nothing lands beside another's.
-        aside = set_aside_other_line(self.out, resume_from, self.cfg.train.resume, self.info)
+        aside = set_aside_other_line(self.out, resume_from, mode, self.info)
+        note_started(mode, self.info)
         if finished and (not self.save_outputs or is_exported(self.out, resume_from, self.info)):  # type: ignore[arg-type]
             print0(
                 f"the run in {self.out} already finished at step {self.total_steps}: nothing to train, "
