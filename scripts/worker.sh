@@ -352,8 +352,12 @@ note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$maste
 # A settings mistake is then one line here, rather than one per rank and torchrun's report.
 # With the process counts this launch may have: each must split the global batch (an elastic run's
 # node counts MIN..MAX each), found now rather than when a node joins and every round stops.
-sizes=$((nproc * ${min_nodes:-$nnodes}))
-for ((n = ${min_nodes:-$nnodes} + 1; n <= ${max_nodes:-0} && n <= min_nodes + 4096; n++)); do sizes+=" $((nproc * n))"; done
+# (NPROC_PER_NODE=auto or gpu, GPUs visible: torchrun starts one per GPU; none counted: no sizes.)
+per_node=$nproc sizes=""
+[[ $per_node =~ ^[0-9]+$ ]] || per_node=$(gpu_count)
+for ((n = ${min_nodes:-$nnodes}; per_node > 0 && n <= ${max_nodes:-$nnodes} && n <= ${min_nodes:-0} + 4096; n++)); do
+  sizes+="$((per_node * n)) "
+done
 DISTQA_CHECK_WORLD_SIZES="$sizes|NNODES=$nnodes x NPROC_PER_NODE=$nproc" \
   "$python" -m distqa train --check-config "$@" || exit
 for arg in "$@"; do # --help was printed by the check: nothing to launch

@@ -61,3 +61,17 @@ def test_an_unreadable_store_keeps_the_setting_with_a_warning(tmp_path, monkeypa
     monkeypatch.setattr(launch_start, "_connect_timeout", timedelta(seconds=1))
     assert mode_of_this_round("never", tmp_path, ONE) == "never"
     assert "warning: cannot read the launch's store (127.0.0.1:" in capsys.readouterr().out
+
+
+def test_one_process_under_torchrun_reaches_the_agents_store(tmp_path, monkeypatch, no_store):
+    """One process in all: distqa.dist keeps no client of the agent's store, so a restarted
+    single-process launch took train.resume=never again (found by a review)."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    note_started("never", ONE)
+    assert server.check(["distqa/launch/started"])
+    monkeypatch.setattr(launch_start, "_store", None)
+    assert mode_of_this_round("never", tmp_path, ONE) == "auto"

@@ -187,6 +187,13 @@ def test_another_length_at_a_resume_names_the_rate_it_gives(capsys):
     assert "step 5's rate is 0.0004 (0.000571 in 8 steps); its warm-up now ends at step 10, not 1" in line
     assert not check_continuation(Path("ckpt"), state, load_config(None, settings), total_steps=8, data={})
     assert "another length" not in capsys.readouterr().out
+    # A finished run made longer (the review of the first version saw it said nothing).
+    finished = {**state, "step": 8}
+    assert not check_continuation(Path("ckpt"), finished, longer, total_steps=200, data={})
+    assert (
+        "8 -> 200 steps; the learning-rate schedule is the new length's: step 9's rate is 0.0008; its "
+        "warm-up now ends at step 10, not 1" in capsys.readouterr().out
+    )
 
 
 def test_rng_and_comm_files_the_manifest_does_not_list_are_not_loaded(tmp_path):

@@ -829,21 +829,35 @@ def test_a_host_name_or_address_passes_the_address_check(tmp_path, addr):
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "extra", "message"),
     [
-        ([], "NNODES=1:2 x NPROC_PER_NODE=1 lets the number of processes change (1, 2), and a checkpoint resumes"),
+        ([], {}, "NNODES=1:2 x NPROC_PER_NODE=1 lets the number of processes change (1, 2), and a checkpoint"),
         (
             ["train.global_batch=4", "train.batch_size=4"],
-            "train.global_batch=4 cannot be split over 2 process(es) of train.batch_size=4, which NNODES=1:2",
+            {},
+            "train.global_batch=4 cannot be split over 2 process(es) of train.batch_size=4",
+        ),
+        (
+            ["train.global_batch=8", "train.batch_size=2", "train.grad_accum=4"],
+            {},
+            "train.grad_accum=4 contradicts train.global_batch=8 (2 process(es) x train.batch_size=2 need 2)",
+        ),
+        # One process per GPU, counted for the check (the first version stopped on `gpu` itself).
+        (
+            ["train.global_batch=8", "train.batch_size=4"],
+            {"NPROC_PER_NODE": "gpu", "FAKE_GPUS": "2"},
+            "train.global_batch=8 cannot be split over 4 process(es) of train.batch_size=4",
         ),
     ],
-    ids=["no-global-batch", "global-batch-splits-one-count-only"],
+    ids=["no-global-batch", "global-batch-splits-one-count-only", "grad-accum-set-too", "one-per-gpu"],
 )
-def test_an_elastic_launch_whose_global_batch_a_node_count_breaks_is_refused_before_torchrun(tmp_path, args, message):
-    """Found by a review: the run trained alone until node 1 joined, then every round stopped on
+def test_an_elastic_launch_whose_global_batch_a_node_count_breaks_is_refused_before_torchrun(
+    tmp_path, args, extra, message
+):
+    """Found by reviews: the run trained alone until node 1 joined, then every round stopped on
     both nodes (a finished, exported run too), exit 1. Now worker.sh's settings check, before
-    torchrun, is given every process count MIN..MAX allows."""
-    env = {"NNODES": "1:2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "WORKER_DRY_RUN": "0"}
+    torchrun, is given every process count MIN..MAX allows and applies each round's rule to each."""
+    env = {"NNODES": "1:2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "WORKER_DRY_RUN": "0", **extra}
     proc = worker(tmp_path, "model.name=tiny", f"output_dir={tmp_path / 'run'}", *args, **env)
     assert proc.returncode == 2 and f"distqa: error: {message}" in proc.stderr, proc.stderr
     assert "torchrun" not in proc.stderr and not (tmp_path / "run").exists()

@@ -225,30 +225,31 @@ WORLD_SIZES_ENV = "DISTQA_CHECK_WORLD_SIZES"  # worker.sh: "SIZE ...|NNODES=1:2 
 
 def check_world_sizes(train: Any) -> None:
     """The process counts a launch may have, from worker.sh (`WORLD_SIZES_ENV`), checked against
-    the global batch before torchrun starts. An elastic run (NNODES=MIN:MAX) whose global batch
-    did not divide a node count it reached, or that set no train.global_batch at all (the batch then
-    follows the process count, and a resume refuses another), trained on alone until a node joined,
-    then every round stopped: the healthy node too, and a run already exported reported failed
-    (a review saw both)."""
+    the global batch before torchrun starts, by the rule each round applies
+    (`TrainConfig.resolve_global_batch`). An elastic run (NNODES=MIN:MAX) whose global batch did
+    not split over a node count it reached (or whose train.grad_accum contradicted it there), or
+    that set no train.global_batch at all (the batch then follows the process count, and a resume
+    refuses another), trained on alone until a node joined, then every round stopped: the healthy
+    node too, and a run already exported reported failed (reviews saw both)."""
     given = os.environ.get(WORLD_SIZES_ENV, "")
-    if not given:
-        return
     sizes_text, _, label = given.partition("|")
     sizes = sorted({int(size) for size in sizes_text.split()})
+    shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
     if len(sizes) > 1 and not train.global_batch:
         raise ConfigError(
-            f"{label} lets the number of processes change ({', '.join(map(str, sizes))}), and a checkpoint "
-            "resumes only with the global batch it was trained with: set train.global_batch to a multiple "
-            f"of train.batch_size x each ({_multiple(train.batch_size, sizes)}), so that train.grad_accum follows"
+            f"{label} lets the number of processes change ({shown}), and a checkpoint resumes only with "
+            f"the global batch it was trained with: set train.global_batch {_multiple(train.batch_size, sizes)}, "
+            "so that train.grad_accum follows"
         )
     for size in sizes if train.global_batch else []:
-        if train.global_batch % (train.batch_size * size):
-            raise ConfigError(
-                f"train.global_batch={train.global_batch} cannot be split over {size} process(es) of "
-                f"train.batch_size={train.batch_size}, which {label} allows: pick train.global_batch a "
-                f"multiple of {_multiple(train.batch_size, sizes)}"
-            )
+        try:
+            dataclasses.replace(train).resolve_global_batch(size)
+        except ConfigError as err:
+            raise ConfigError(f"{err} ({label} allows {size} process(es))") from None
 
 
-def _multiple(batch_size: int, sizes: list[int]) -> int:
-    return math.lcm(*(batch_size * size for size in sizes))
+def _multiple(batch_size: int, sizes: list[int]) -> str:
+    lcm = math.lcm(*(batch_size * size for size in sizes))
+    if lcm > 10**7:
+        return "(none splits over so many counts: narrow NNODES)"
+    return f"to a multiple of train.batch_size x each ({lcm})"

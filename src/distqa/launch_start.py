@@ -10,10 +10,10 @@ folder set aside the steps trained since (a review saw 31 of 40 steps redone).
 So the first round, once its start is carried out (the earlier run or the other line set aside),
 notes that in a store that lives as long as the launch, and a later round continues from
 output_dir's newest checkpoint, as `auto` does, said in one line. The store is the agent's
-(torchrun shares it with the workers: `rounds.client`), or, where each round makes a store of its
-own (worker.sh's elastic launch), the rendezvous's own, which worker.sh names in
-DISTQA_LAUNCH_STORE. Without either (one `python -m distqa train`, no torchrun), every start is
-a launch's first.
+(torchrun shares it with the workers: `rounds.client`, or a client made here for one process in
+all), or, where each round makes a store of its own (worker.sh's elastic launch), the
+rendezvous's own, which worker.sh names in DISTQA_LAUNCH_STORE. Without either (one
+`python -m distqa train`, no torchrun), every start is a launch's first.
 """
 
 from __future__ import annotations
@@ -42,10 +42,15 @@ def _launch_store() -> dist.Store | None:
 
     if rounds.client is not None:
         return rounds.client
-    endpoint = os.environ.get(STORE_ENV, "")
-    if _store is None and endpoint:
-        host, _, port = endpoint.rpartition(":")
-        _store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=_connect_timeout)
+    if _store is None:
+        endpoint = os.environ.get(STORE_ENV, "")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # One process in all: distqa.dist keeps no client of the agent's store (a review saw a
+            # restarted single-process launch take train.resume=never again).
+            endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        if endpoint:
+            host, _, port = endpoint.rpartition(":")
+            _store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=_connect_timeout)
     return _store
 
 

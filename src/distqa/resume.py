@@ -258,15 +258,17 @@ def _warn_of_another_length(directory: Path, state: dict[str, Any], cfg: Config,
     the schedule is then the new length's from the resume step on, and with a warm-up its rate can
     drop and warm up again (a review saw 5.7e-4 become 4e-4, then climb): said, never silent."""
     planned, step = state.get("total_steps"), state["step"]
-    if not isinstance(planned, int) or planned == total_steps or planned <= step:
+    if not isinstance(planned, int) or planned == total_steps:
         return
-    rates = rate_after(cfg.train, planned, step), rate_after(cfg.train, total_steps, step)
+    rate = rate_after(cfg.train, total_steps, step)
+    # (A finished run made longer has no rate of its own left to compare with.)
+    before = f" ({rate_after(cfg.train, planned, step):.3g} in {planned} steps)" if step < planned else ""
     warm = warmup_steps(cfg.train, planned), warmup_steps(cfg.train, total_steps)
     again = f"; its warm-up now ends at step {warm[1]}, not {warm[0]}" if warm[1] > step and warm[0] != warm[1] else ""
     print0(
         f"warning: resuming {directory} with another length, applied from step {step} on: {planned} -> "
         f"{total_steps} steps; the learning-rate schedule is the new length's: step {step + 1}'s rate is "
-        f"{rates[1]:.3g} ({rates[0]:.3g} in {planned} steps){again}"
+        f"{rate:.3g}{before}{again}"
     )
 
 
