@@ -295,7 +295,10 @@ def test_settings_that_change_nothing_computed_resume_silently_all_at_once(four_
     run(out, *(arg for arg in args if not arg.startswith("train.max_steps=")), "train.max_steps=5")
     # (train.eval_every's other value is said to do nothing here: this run has no data.valid.)
     printed = capsys.readouterr().out.replace("warning: train.eval_every=", "")
-    assert "resumed from" in printed and "warning" not in printed
+    # The one warning: the run made longer (4 -> 5 steps) takes the new length's schedule.
+    warnings = [line for line in printed.splitlines() if "warning" in line]
+    assert "resumed from" in printed and len(warnings) == 1, printed
+    assert "with another length, applied from step 4 on: 4 -> 5 steps" in warnings[0]
 
 
 @pytest.mark.parametrize("key", sorted(NEEDS_TOKENIZER))
