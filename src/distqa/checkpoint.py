@@ -44,7 +44,7 @@ from distqa.checkpoint_verify import REQUIRED_FILES as REQUIRED_FILES  # re-expo
 from distqa.checkpoint_verify import step_folders as step_folders
 from distqa.checkpoint_verify import verify_checkpoint as verify_checkpoint
 from distqa.dist import DistInfo, all_gather_objects, broadcast_object, gather_to_main
-from distqa.durable import fsync_path
+from distqa.durable import as_umask_allows, fsync_path
 from distqa.errors import DistqaError
 from distqa.rank0 import fix_for, raise_on_every_rank, reason, with_free_space
 from distqa.rng_state import capture_rng_state, restore_rng_state
@@ -65,6 +65,7 @@ def _write(tmp: Path, files: _RankZeroFiles) -> None:
     """Rank 0's files, then the manifest of every file."""
     if files.model is not None:
         save_model(files.model, str(tmp / "model.safetensors"))
+        as_umask_allows([tmp / "model.safetensors"])
     torch.save(files.training_state, tmp / "training_state.pt")
     for rank, rng in enumerate(files.rng_states):
         torch.save(rng, tmp / f"rng-rank{rank}.pt")

@@ -21,6 +21,7 @@ from distqa.checkpoint_verify import export_damage, exported_from
 from distqa.config import Config
 from distqa.console import outputs_summary, run_title
 from distqa.dist import DistInfo, print0
+from distqa.durable import as_umask_allows
 from distqa.errors import DistqaError
 from distqa.metrics import plot_metrics
 from distqa.outdir import export_atomically, layer_warning
@@ -54,6 +55,7 @@ def save_task_model(task: Task, model: nn.Module, folder: Path) -> None:
     `distqa_*` records): a fork's `torch.save(state, "model.pt")` without the folder wrote the
     weights into the working directory, and the run said "model written to .../model", exit 0."""
     task.save_model(model, folder)
+    as_umask_allows(folder.rglob("*"))
     if not any(p.is_file() and not p.name.startswith("distqa_") for p in folder.rglob("*")):
         raise DistqaError(
             f"the task's save_model wrote no file into {folder}: write the model into the directory it is given"

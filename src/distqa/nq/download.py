@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from distqa.durable import abandoned, lock_while_writing
+from distqa.durable import abandoned, lock_while_writing, umask
 from distqa.errors import DistqaError
 
 COMPETITION = "tensorflow2-question-answering"
@@ -225,7 +225,7 @@ def _move_into_place(source: io.BufferedIOBase | Path, target: Path) -> bool:
     partial = Path(name)
     try:
         lock_while_writing(fd)
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 kept other users (the image's uid) out
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 kept other users (the image's uid) out
         with os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(source, out, length=1 << 24)
     except BaseException:  # a full disk, an interrupt: no copy of its own left behind
@@ -250,18 +250,6 @@ def _remove_abandoned_copies(target: Path) -> None:
     if left:
         gone = f"{size / 1e9:.1f} GB"
         print(f"removed {len(left)} partial copy(ies) of {target.name} left by an interrupted download ({gone})")
-
-
-def _umask() -> int:
-    """This process's umask, read without setting it (os.umask sets it, for every thread) where
-    Linux says it (/proc/self/status, since 4.7)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _install(staging: Path, output_dir: Path) -> tuple[list[str], list[str]]:
