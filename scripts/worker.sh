@@ -97,16 +97,17 @@ first_slurm_host() {
 
 gpu_count() {
   # A scheduler that hands out GPUs says which in CUDA_VISIBLE_DEVICES; count those as CUDA does:
-  # the entries before the first that names no device (",0", "-1", "none": none visible).
+  # the entries before the first that names no device (",0", "-1", "none": none visible), and of
+  # MIG instances one (a CUDA process enumerates a single MIG device, NVIDIA's MIG user guide).
   if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
-    local ids id n=0
+    local ids id n=0 mig=0
     IFS=, read -ra ids <<<"$CUDA_VISIBLE_DEVICES"
     for id in "${ids[@]}"; do
       id=${id//[[:space:]]/}
       [[ $id =~ ^[0-9]+$|^(GPU|MIG)- ]] || break
-      n=$((n + 1))
+      if [[ $id == MIG-* ]]; then mig=1; else n=$((n + 1)); fi
     done
-    echo "$n"
+    echo "$((n + mig))"
     return
   fi
   nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true

@@ -873,3 +873,30 @@ def test_good_list_and_mapping_settings_are_taken_as_written(tmp_path):
     assert cfg.task.nested == [["no"], ["a"]] and cfg.task.maybe == [None, "off"] and cfg.task.stop_words[0] == "a"
     cfg = _list_config([], tmp_path, "stop_words: ['no', \"1.10\"]\nsizes: [8, 1]\nnames: {pos: '010'}")
     assert cfg.task.stop_words == ["no", "1.10"] and cfg.task.sizes == [8, 1] and cfg.task.names == {"pos": "010"}
+
+
+FSDP = ["train.parallel=fsdp", "train.check_replicas=false"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            ["train.ddp_comm_hook=bf16", "train.grad_accum=2"],
+            "train.ddp_comm_hook=bf16 with train.parallel=fsdp and train.grad_accum=2: FSDP would sum",
+        ),
+        (["train.find_unused_parameters=true"], "train.find_unused_parameters=true is a DDP setting"),
+    ],
+)
+def test_fsdp_refuses_what_it_cannot_do_in_one_line(settings, message):
+    """Found by a review: FSDP summed the micro-batches' gradients in the hook's 16 bits (DDP sums
+    in fp32), exit 0; find_unused_parameters was accepted, and a skipped part aborted gloo."""
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        load_config(None, ["model.name=tiny", *FSDP, *settings])
+    assert "\n" not in str(caught.value)
+    # The same grad_accum derived from train.global_batch at 2 processes, once the world is known.
+    cfg = load_config(None, ["model.name=tiny", *FSDP, "train.ddp_comm_hook=fp16", "train.global_batch=16"])
+    with pytest.raises(ConfigError, match="train.ddp_comm_hook=fp16 with train.parallel=fsdp and train.grad_accum=2"):
+        cfg.train.resolve_global_batch(1)  # batch_size 8 x 1 process: accumulates 2
+    # Without accumulation the hook is FSDP's reduce-scatter dtype, as documented.
+    assert load_config(None, ["model.name=tiny", *FSDP, "train.ddp_comm_hook=bf16"]).train.ddp_comm_hook == "bf16"

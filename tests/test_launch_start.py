@@ -5,6 +5,7 @@ elastic run (make test-nodes)."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -24,6 +25,8 @@ def no_store(monkeypatch):
     monkeypatch.setattr(rounds, "client", None)
     monkeypatch.setattr(launch_start, "_store", None)
     monkeypatch.delenv(STORE_ENV, raising=False)
+    monkeypatch.setattr(launch_start, "_unreachable", None)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # as torchrun sets it for its workers
 
 
 def test_the_agents_store_carries_the_first_rounds_start_to_later_rounds(tmp_path, monkeypatch, no_store, capsys):
@@ -56,11 +59,26 @@ def test_the_elastic_rendezvous_store_named_by_worker_sh_is_used(tmp_path, monke
     assert mode_of_this_round("never", tmp_path, ONE) == "auto"
 
 
-def test_an_unreadable_store_keeps_the_setting_with_a_warning(tmp_path, monkeypatch, no_store, capsys):
+def test_an_unreadable_store_keeps_the_setting_with_a_warning_once(tmp_path, monkeypatch, no_store, capsys):
     monkeypatch.setenv(STORE_ENV, f"127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setattr(launch_start, "_connect_timeout", timedelta(seconds=1))
     assert mode_of_this_round("never", tmp_path, ONE) == "never"
     assert "warning: cannot read the launch's store (127.0.0.1:" in capsys.readouterr().out
+    start = time.monotonic()
+    note_started("never", ONE)  # the failure is remembered, not waited for again
+    assert time.monotonic() - start < 0.5
+    assert "warning: cannot write to the launch's store" in capsys.readouterr().out
+
+
+def test_a_store_named_outside_torchrun_is_not_waited_for(tmp_path, monkeypatch, no_store, capsys):
+    """DISTQA_LAUNCH_STORE left exported in a shell: a plain `python -m distqa train` waited for it
+    minutes, and warned of later rounds it has none of (found by a review)."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv(STORE_ENV, f"127.0.0.1:{free_port()}")
+    start = time.monotonic()
+    assert mode_of_this_round("never", tmp_path, ONE) == "never"
+    note_started("never", ONE)
+    assert time.monotonic() - start < 0.5 and capsys.readouterr().out == ""
 
 
 def test_one_process_under_torchrun_reaches_the_agents_store(tmp_path, monkeypatch, no_store):

@@ -187,6 +187,12 @@ def test_another_length_at_a_resume_names_the_rate_it_gives(capsys):
     assert "step 5's rate is 0.0004 (0.000571 in 8 steps); its warm-up now ends at step 10, not 1" in line
     assert not check_continuation(Path("ckpt"), state, load_config(None, settings), total_steps=8, data={})
     assert "another length" not in capsys.readouterr().out
+    # With the warm-up changed too, the "before" figures are the run's own (a review saw this run's).
+    other = load_config(None, ["train.lr=1e-3", "train.warmup_ratio=0.5", "train.max_steps=20"])
+    assert not check_continuation(Path("ckpt"), state, other, total_steps=20, data={})
+    assert "step 5's rate is 0.0004 (0.000571 in 8 steps); its warm-up now ends at step 10, not 1" in (
+        capsys.readouterr().out
+    )
     # A finished run made longer (the review of the first version saw it said nothing).
     finished = {**state, "step": 8}
     assert not check_continuation(Path("ckpt"), finished, longer, total_steps=200, data={})

@@ -79,7 +79,14 @@ def test_one_process_per_gpu(tmp_path):
     assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES="2,5")["--nproc-per-node"] == "2"
     assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES="")["--nproc-per-node"] == "1"
     # Counted as CUDA reads the list: up to the first entry that names no device (",0" counted 2).
-    for visible, count in ((",0", "1"), ("0,,1", "1"), ("-1,0", "1"), ("GPU-8a1f,MIG-2b3c", "2"), (" 1, 3", "2")):
+    for visible, count in (
+        (",0", "1"),
+        ("0,,1", "1"),
+        ("-1,0", "1"),
+        ("GPU-8a1f,MIG-2b3c", "2"),
+        (" 1, 3", "2"),
+        ("MIG-2b3c,MIG-4d5e", "1"),
+    ):
         assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES=visible)["--nproc-per-node"] == count, visible
 
 

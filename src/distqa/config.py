@@ -17,7 +17,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from distqa.config_checks import check_choice, check_fraction, check_min, check_parallel, escaped
+from distqa.config_checks import (
+    check_choice,
+    check_fraction,
+    check_fsdp_accumulation,
+    check_min,
+    check_parallel,
+    escaped,
+)
 from distqa.errors import ConfigError
 
 RESUME_RULES = ("silent", "applied")
@@ -163,7 +170,8 @@ class TrainConfig:
     ddp_comm_hook: str = setting(
         "none",
         "gradient all-reduce: none (DDP's own, fp32) | fp16 | bf16 (16-bit: half the bytes; under "
-        "train.parallel=fsdp the reduce-scatter dtype) | powersgd (low-rank, with error feedback; ddp, not fp16)",
+        "train.parallel=fsdp the reduce-scatter dtype, grad_accum 1) | powersgd (low-rank, with error "
+        "feedback; ddp, not fp16)",
         resume="applied",
     )
     powersgd_rank: int = setting(
@@ -277,6 +285,7 @@ class TrainConfig:
                 "train.grad_accum unset when train.global_batch is set"
             )
         self.grad_accum = accum
+        check_fsdp_accumulation(self)
 
 
 @dataclass

@@ -33,15 +33,22 @@ _KEY = "distqa/launch/started"
 STORE_ENV = "DISTQA_LAUNCH_STORE"  # HOST:PORT of the elastic rendezvous's store (worker.sh)
 
 _store: dist.Store | None = None
-_connect_timeout = timedelta(seconds=60)
+_unreachable: BaseException | None = None  # the first failure to connect, said again, not retried
+# The store's host is node 0's agent, which every node's agent reaches: a connection takes
+# milliseconds, and one that fails should not hold rank 0 (and the ranks waiting for it) long.
+_connect_timeout = timedelta(seconds=15)
 
 
 def _launch_store() -> dist.Store | None:
-    global _store
+    global _store, _unreachable
     from distqa import rounds
 
     if rounds.client is not None:
         return rounds.client
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None  # not started by torchrun: no rounds (an exported DISTQA_LAUNCH_STORE is stale)
+    if _unreachable is not None:
+        raise _unreachable
     if _store is None:
         endpoint = os.environ.get(STORE_ENV, "")
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -50,7 +57,11 @@ def _launch_store() -> dist.Store | None:
             endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         if endpoint:
             host, _, port = endpoint.rpartition(":")
-            _store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=_connect_timeout)
+            try:
+                _store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=_connect_timeout)
+            except (OSError, RuntimeError) as err:
+                _unreachable = err
+                raise
     return _store
 
 

@@ -260,16 +260,24 @@ def _warn_of_another_length(directory: Path, state: dict[str, Any], cfg: Config,
     planned, step = state.get("total_steps"), state["step"]
     if not isinstance(planned, int) or planned == total_steps:
         return
-    rate = rate_after(cfg.train, total_steps, step)
+    rate, then = rate_after(cfg.train, total_steps, step), _schedule_settings(state, cfg)
     # (A finished run made longer has no rate of its own left to compare with.)
-    before = f" ({rate_after(cfg.train, planned, step):.3g} in {planned} steps)" if step < planned else ""
-    warm = warmup_steps(cfg.train, planned), warmup_steps(cfg.train, total_steps)
+    before = f" ({rate_after(then, planned, step):.3g} in {planned} steps)" if step < planned else ""
+    warm = warmup_steps(then, planned), warmup_steps(cfg.train, total_steps)
     again = f"; its warm-up now ends at step {warm[1]}, not {warm[0]}" if warm[1] > step and warm[0] != warm[1] else ""
     print0(
         f"warning: resuming {directory} with another length, applied from step {step} on: {planned} -> "
         f"{total_steps} steps; the learning-rate schedule is the new length's: step {step + 1}'s rate is "
         f"{rate:.3g}{before}{again}"
     )
+
+
+def _schedule_settings(state: dict[str, Any], cfg: Config) -> Any:
+    """This run's train settings with the checkpoint's rate, warm-up and schedule: the "before" of
+    the length line is the run's own schedule, also where one of those changed with the length."""
+    saved = state["config"].get("train", {}) if isinstance(state.get("config"), dict) else {}
+    keys = ("lr", "warmup_ratio", "lr_schedule")
+    return dataclasses.replace(cfg.train, **{key: saved[key] for key in keys if key in saved})
 
 
 def check_task_identity(
