@@ -110,7 +110,9 @@ gpu_count() {
     echo "$((n + mig))"
     return
   fi
-  nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  # nvidia-smi -L: each GPU, with its MIG instances indented under it; the same count.
+  nvidia-smi -L 2>/dev/null | awk '/^GPU/ { gpus++ } /^[[:space:]]+MIG/ { if (!(gpus in mig)) split_gpus++; mig[gpus] = 1 }
+    END { print gpus - split_gpus + (split_gpus > 0 ? 1 : 0) }' || true
 }
 
 gpu_without_smi() {

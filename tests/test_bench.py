@@ -327,6 +327,20 @@ def test_bench_rejects_bad_input_before_launching(tmp_path, monkeypatch, capsys)
         (["--nproc", "1", "--peak-tflops", "nan"], "--peak-tflops=nan must be a number > 0"),
         (["--nproc", "1", "--peak-tflops", "inf"], "--peak-tflops=inf must be a number > 0"),
         (["--nproc", "1", "--peak-tflops", "0"], "--peak-tflops=0.0 must be a number > 0"),
+        # Each count's split of the global batch, as its trainer would (found by a review: refused
+        # by the launch, after it started)
+        (["--nproc", "1,2", "train.global_batch=8", "train.batch_size=8"], "cannot be split over 2 process(es)"),
+        (
+            [
+                "--nproc",
+                "1",
+                "train.parallel=fsdp",
+                "train.check_replicas=false",
+                "train.ddp_comm_hook=bf16",
+                "train.global_batch=16",
+            ],
+            "train.ddp_comm_hook=bf16 with train.parallel=fsdp and train.grad_accum=2",
+        ),
     ):
         assert main(["bench", "--output", out, *args]) == 2
         err = capsys.readouterr().err

@@ -888,12 +888,16 @@ FSDP = ["train.parallel=fsdp", "train.check_replicas=false"]
         (["train.find_unused_parameters=true"], "train.find_unused_parameters=true is a DDP setting"),
     ],
 )
-def test_fsdp_refuses_what_it_cannot_do_in_one_line(settings, message):
+def test_fsdp_refuses_what_it_cannot_do_in_one_line(settings, message, capsys):
     """Found by a review: FSDP summed the micro-batches' gradients in the hook's 16 bits (DDP sums
-    in fp32), exit 0; find_unused_parameters was accepted, and a skipped part aborted gloo."""
-    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
-        load_config(None, ["model.name=tiny", *FSDP, *settings])
-    assert "\n" not in str(caught.value)
+    in fp32), exit 0; find_unused_parameters was accepted, and a skipped part aborted gloo. Where a
+    run starts: `distqa export` reads an older checkpoint's such settings (a review saw it refused)."""
+    assert main(["train", "--check-config", "model.name=tiny", *FSDP, *settings]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distqa: error: {message}") and len(err.splitlines()) == 1, err
+    read = load_config(None, ["model.name=tiny", *FSDP, *settings])  # as export reads a checkpoint's
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read.train.resolve_global_batch(2)  # where each run starts
     # The same grad_accum derived from train.global_batch at 2 processes, once the world is known.
     cfg = load_config(None, ["model.name=tiny", *FSDP, "train.ddp_comm_hook=fp16", "train.global_batch=16"])
     with pytest.raises(ConfigError, match="train.ddp_comm_hook=fp16 with train.parallel=fsdp and train.grad_accum=2"):

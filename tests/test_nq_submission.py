@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
 
+from distqa.durable import umask
 from distqa.nq.metric import read_submission
 from distqa.nq.submission import format_span, write_submission
 
@@ -24,6 +26,8 @@ def test_exact_format_and_order(tmp_path):
         b"9_long,1:2\n9_short,\n"
     )
     assert not list(tmp_path.glob("*.partial"))
+    # As readable as an ordinary file (mkstemp's 0600 kept other users out: found by a review).
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask()
 
 
 def test_two_predictions_into_one_output_each_write_a_whole_file(tmp_path, monkeypatch):

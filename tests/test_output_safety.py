@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -476,3 +477,23 @@ def test_a_run_into_the_containers_own_layer_is_warned_at_start_and_at_the_end(t
         'folder there to keep them (docker run -v "$PWD/results:/app/results" ...)'
     )
     assert start == [warning] and end == [warning]
+
+
+def test_only_safetensors_that_only_their_owner_reads_are_opened(tmp_path):
+    """safetensors writes 0600 (a host user of another uid read all but the weights); a fork's own
+    files keep their modes (a first version set every file to 0644: a script lost its exec bit)."""
+    from distqa.durable import as_umask_allows, umask
+
+    modes = {"model.safetensors": 0o600, "adapter.safetensors": 0o700, "serve.sh": 0o755, "secret.token": 0o600}
+    for name, mode in modes.items():
+        (tmp_path / name).write_bytes(b"x")
+        (tmp_path / name).chmod(mode)
+    as_umask_allows(tmp_path.rglob("*"))
+    got = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in modes}
+    mask = umask()
+    assert got == {
+        "model.safetensors": 0o666 & ~mask | 0o600,
+        "adapter.safetensors": 0o777 & ~mask | 0o700,
+        "serve.sh": 0o755,
+        "secret.token": 0o600,
+    }, {name: oct(mode) for name, mode in got.items()}

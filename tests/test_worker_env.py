@@ -75,6 +75,8 @@ def test_train_arguments_pass_through_unchanged(tmp_path):
 
 def test_one_process_per_gpu(tmp_path):
     assert resolved(tmp_path, FAKE_GPUS="4")["--nproc-per-node"] == "4"
+    # MIG instances count as one device (CUDA enumerates one): 2 whole GPUs and 2 split, 3 in all.
+    assert resolved(tmp_path, FAKE_GPUS="4", FAKE_MIG="2")["--nproc-per-node"] == "3"
     # A scheduler's CUDA_VISIBLE_DEVICES is what this node may use, whatever nvidia-smi lists.
     assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES="2,5")["--nproc-per-node"] == "2"
     assert resolved(tmp_path, FAKE_GPUS="8", CUDA_VISIBLE_DEVICES="")["--nproc-per-node"] == "1"

@@ -212,7 +212,7 @@ def build_parser(task: str | None = None, config_note: str = "") -> argparse.Arg
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
-        from distqa.config_checks import check_output_root, check_world_sizes
+        from distqa.config_checks import check_fsdp_run, check_output_root, check_world_sizes
         from distqa.config_layers import check_training_data
         from distqa.registry import load_config
 
@@ -223,6 +223,7 @@ def _run(args: argparse.Namespace) -> int:
         check_training_data(cfg)
         check_output_root(cfg.output_dir)
         check_world_sizes(cfg.train)
+        check_fsdp_run(cfg.train)  # (a train.grad_accum set; one from global_batch: each round)
         if args.check_config:
             return 0
         from distqa.trainer import train

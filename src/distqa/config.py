@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from distqa.config_checks import (
     check_choice,
     check_fraction,
-    check_fsdp_accumulation,
+    check_fsdp_run,
     check_min,
     check_parallel,
     escaped,
@@ -267,8 +267,10 @@ class TrainConfig:
             )
 
     def resolve_global_batch(self, world_size: int) -> None:
-        """Derive `grad_accum` from `global_batch` for this many processes (in place; no-op when unset)."""
+        """Derive `grad_accum` from `global_batch` for this many processes (in place; no-op when
+        unset), and check what FSDP makes of it."""
         if not self.global_batch:
+            check_fsdp_run(self)
             return
         per_step = self.batch_size * world_size
         if self.global_batch % per_step:
@@ -285,7 +287,7 @@ class TrainConfig:
                 "train.grad_accum unset when train.global_batch is set"
             )
         self.grad_accum = accum
-        check_fsdp_accumulation(self)
+        check_fsdp_run(self)
 
 
 @dataclass

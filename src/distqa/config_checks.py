@@ -143,14 +143,6 @@ def check_parallel(train: Any) -> None:
         )
     check_choice("train.ddp_comm_hook", train.ddp_comm_hook, ("none", "fp16", "bf16", "powersgd"))
     _check_dp(train)
-    check_fsdp_accumulation(train)
-    if train.parallel == "fsdp" and train.find_unused_parameters:
-        # FSDP reduce-scatters a module's gradients as its backward ends: a part one rank skipped
-        # left the ranks' collectives unmatched, and gloo aborted the process (a review saw it).
-        raise ConfigError(
-            "train.find_unused_parameters=true is a DDP setting: train.parallel=fsdp needs every rank to use "
-            "the same parameters in each step; use train.parallel=ddp for a model that leaves some unused"
-        )
     if train.parallel == "fsdp" and train.ddp_comm_hook == "powersgd":
         raise ConfigError(
             "train.ddp_comm_hook=powersgd is a DDP hook, and train.parallel=fsdp reduce-scatters shards: "
@@ -173,16 +165,28 @@ def check_parallel(train: Any) -> None:
     check_min("train.bucket_cap_mb", train.bucket_cap_mb, 0.0, strict=True)
 
 
-def check_fsdp_accumulation(train: Any) -> None:
-    """FSDP keeps the micro-batches' gradients in its reduce dtype between steps: with a 16-bit
-    train.ddp_comm_hook and train.grad_accum > 1 it summed them in bf16 or fp16 (DDP sums in fp32
-    and rounds only what it sends), 2 to 3 times DDP's error at grad_accum 32 (a review measured
-    it), without a word. Checked again once train.global_batch has set grad_accum."""
-    if train.parallel == "fsdp" and train.ddp_comm_hook in ("bf16", "fp16") and train.grad_accum > 1:
+def check_fsdp_run(train: Any) -> None:
+    """What FSDP cannot train with, checked where a run starts (`resolve_global_batch`, `distqa
+    train --check-config`), not where settings are read: `distqa export` reads older checkpoints'.
+    - A 16-bit train.ddp_comm_hook with train.grad_accum > 1 (set, or derived from
+      train.global_batch): FSDP keeps the micro-batches' gradients in its reduce dtype and summed
+      them in bf16 or fp16 (DDP sums in fp32 and rounds only what it sends), 2 to 3 times DDP's
+      error at grad_accum 32 (a review measured it), without a word.
+    - train.find_unused_parameters=true: FSDP reduce-scatters a module's gradients as its backward
+      ends, so a part one rank skipped left the collectives unmatched and gloo aborted the process;
+      the key was accepted and did nothing (a review saw both)."""
+    if train.parallel != "fsdp":
+        return
+    if train.ddp_comm_hook in ("bf16", "fp16") and train.grad_accum > 1:
         raise ConfigError(
             f"train.ddp_comm_hook={train.ddp_comm_hook} with train.parallel=fsdp and train.grad_accum="
             f"{train.grad_accum}: FSDP would sum the micro-batches' gradients in {train.ddp_comm_hook}, not "
             "fp32; use train.ddp_comm_hook=none, or a batch that needs no accumulation"
+        )
+    if train.find_unused_parameters:
+        raise ConfigError(
+            "train.find_unused_parameters=true is a DDP setting: train.parallel=fsdp needs every rank to use "
+            "the same parameters in each step; use train.parallel=ddp for a model that leaves some unused"
         )
 
 

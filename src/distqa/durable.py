@@ -157,10 +157,16 @@ def umask() -> int:
 
 
 def as_umask_allows(paths: Iterable[Path]) -> None:
-    """Give files the mode an ordinary `open` gives (0644 under umask 022). safetensors writes its
-    files 0600: a host user of another uid than the container's (the image runs as uid 1000) read
-    every file of a run but its weights (a review saw it). Links are left alone."""
-    mode = 0o666 & ~umask()
+    """Open to group and others, as far as the umask allows, the `.safetensors` files among
+    `paths` that only their owner may read: safetensors writes its files 0600, and a host user of
+    another uid than the container's (the image runs as uid 1000) read every file of a run but its
+    weights (a review saw it). Only those: a fork's own files keep the modes it gave them (a first
+    version set every file to 0644, which took a script's exec bit). Links are left alone."""
+    mask = umask()
     for path in paths:
-        if path.is_file() and not path.is_symlink():
-            os.chmod(path, mode)
+        if path.suffix != ".safetensors" or path.is_symlink() or not path.is_file():
+            continue
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077 == 0:
+            owner = mode & 0o700
+            os.chmod(path, (mode | owner >> 3 | owner >> 6) & ~mask & 0o777 | owner)

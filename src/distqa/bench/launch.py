@@ -12,6 +12,7 @@ warned about.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -213,6 +214,8 @@ def _checked(args: Any) -> tuple[list[int], Config]:
         )
     _check_dp(args, cfg)
     _check_devices(nprocs)
+    for nproc in nprocs:  # as each launch's trainer will: the global batch's split, and FSDP's
+        dataclasses.replace(cfg.train).resolve_global_batch(nproc)
     return nprocs, cfg
 
 

@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from distqa.durable import file_in_the_way
+from distqa.durable import file_in_the_way, umask
 from distqa.errors import DistqaError
 from distqa.rank0 import fix_for
 
@@ -113,7 +113,10 @@ def _partial(path: Path) -> Path:
     `path`: two predictions given one --output each write their own (one name for both interleaved
     their rows, and the one renamed last held some of the other's)."""
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
+    try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 kept other users out (a review saw it)
+    finally:
+        os.close(fd)
     return Path(name)
 
 
