@@ -14,6 +14,7 @@ changed one is refused unless `train.allow_data_change=true`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -274,10 +275,18 @@ def _warn_of_another_length(directory: Path, state: dict[str, Any], cfg: Config,
 
 def _schedule_settings(state: dict[str, Any], cfg: Config) -> Any:
     """This run's train settings with the checkpoint's rate, warm-up and schedule: the "before" of
-    the length line is the run's own schedule, also where one of those changed with the length."""
+    the length line is the run's own schedule, also where one of those changed with the length.
+    (A copy, not `dataclasses.replace`, which would check every setting again; a value this
+    distqa does not know keeps this run's.)"""
     saved = state["config"].get("train", {}) if isinstance(state.get("config"), dict) else {}
-    keys = ("lr", "warmup_ratio", "lr_schedule")
-    return dataclasses.replace(cfg.train, **{key: saved[key] for key in keys if key in saved})
+    then = copy.copy(cfg.train)
+    if isinstance(saved.get("lr"), int | float) and saved["lr"] > 0:
+        then.lr = float(saved["lr"])
+    if isinstance(saved.get("warmup_ratio"), int | float) and 0 <= saved["warmup_ratio"] <= 1:
+        then.warmup_ratio = float(saved["warmup_ratio"])
+    if saved.get("lr_schedule") in ("linear", "constant", "cosine"):
+        then.lr_schedule = saved["lr_schedule"]
+    return then
 
 
 def check_task_identity(
