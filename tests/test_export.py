@@ -72,6 +72,8 @@ def test_tiny_export_loads_both_ways(tmp_path):
     assert saved["task"]["name"] == "nq" and saved["task"]["max_seq_len"] == 64
 
 
+# MiniLM's fine-tune and export (14 s) in make test-launch, beyond make test's 5 minutes at 1179 tests
+@pytest.mark.launch
 def test_pretrained_minilm_fine_tunes_and_exports(tmp_path, minilm_dir):
     out = tmp_path / "minilm"
     train_single_process([f"output_dir={out}", f"model.name={minilm_dir}", "train.lr=1e-5", "train.warmup_ratio=0"])

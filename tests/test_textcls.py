@@ -366,6 +366,8 @@ def write_pair_jsonl(path: Path, n: int, seed: int) -> tuple[Path, list[tuple[st
     return path, rows
 
 
+# (13 s) in make test-launch, beyond make test's 5 minutes at 1179 tests
+@pytest.mark.launch
 def test_minilm_learns_from_the_pair_column_of_jsonl(tmp_path, minilm_dir):
     """In this process: the torchrun path is the CSV test's; this one is about the pair column."""
     from distqa.trainer import train as run_in_process
