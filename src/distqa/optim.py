@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # for hints only
     from distqa.config import TrainConfig
 
 # transformers' names for our three schedules; all three warm up linearly from 0 first.
-_SCHEDULES = {"linear": "linear", "constant": "constant_with_warmup", "cosine": "cosine"}
+SCHEDULES = {"linear": "linear", "constant": "constant_with_warmup", "cosine": "cosine"}  # ours: transformers'
 
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
 
@@ -75,8 +75,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
             f"warning: train.warmup_ratio={cfg.warmup_ratio} over a run of 1 step: its learning rate is 0, "
             "so it changes no weight (set train.warmup_ratio=0 to train it)"
         )
+    return _schedule(optimizer, cfg, total_steps)
+
+
+def _schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> LambdaLR:
     return get_scheduler(
-        _SCHEDULES[cfg.lr_schedule],
+        SCHEDULES[cfg.lr_schedule],
         optimizer,
         num_warmup_steps=warmup_steps(cfg, total_steps),
         num_training_steps=total_steps,
@@ -87,13 +91,7 @@ def rate_after(cfg: TrainConfig, total_steps: int, step: int) -> float:
     """The learning rate of step `step + 1` in a run of `total_steps` steps: what the schedule
     gives once `step` steps are done (as LambdaLR computes it, on a stand-in parameter)."""
     stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
-    schedule = get_scheduler(
-        _SCHEDULES[cfg.lr_schedule],
-        stand_in,
-        num_warmup_steps=warmup_steps(cfg, total_steps),
-        num_training_steps=total_steps,
-    )
-    return cfg.lr * schedule.lr_lambdas[0](step)
+    return cfg.lr * _schedule(stand_in, cfg, total_steps).lr_lambdas[0](step)
 
 
 def apply_settings(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: TrainConfig) -> None:

@@ -29,7 +29,7 @@ from distqa.config_layers import setting_field
 from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
-from distqa.optim import rate_after, warmup_steps
+from distqa.optim import SCHEDULES, rate_after, warmup_steps
 from distqa.rank0 import on_rank0, reason
 from distqa.set_aside import set_aside_earlier_run, undo_killed_move
 from distqa.sharded import sees_rank0_files
@@ -284,7 +284,7 @@ def _schedule_settings(state: dict[str, Any], cfg: Config) -> Any:
         then.lr = float(saved["lr"])
     if isinstance(saved.get("warmup_ratio"), int | float) and 0 <= saved["warmup_ratio"] <= 1:
         then.warmup_ratio = float(saved["warmup_ratio"])
-    if saved.get("lr_schedule") in ("linear", "constant", "cosine"):
+    if saved.get("lr_schedule") in SCHEDULES:
         then.lr_schedule = saved["lr_schedule"]
     return then
 
