@@ -42,6 +42,7 @@ note() { echo "worker.sh: $*" >&2; }
 # in SIGKILL after its grace period. Replaced below, once torchrun runs, by the forwarding trap.
 trap 'note "stopped by SIGTERM before training started: nothing to checkpoint"; exit 143' TERM
 trap 'note "stopped by SIGINT before training started: nothing to checkpoint"; exit 130' INT
+trap 'note "stopped by SIGHUP before training started: nothing to checkpoint"; exit 129' HUP
 
 # pick TARGET VAR...: set TARGET to the value of the first VAR that is set and not empty, and
 # TARGET_FROM to that VAR's name, so that error messages can say where a value came from.
@@ -158,7 +159,7 @@ if [[ -n $slurm_list ]]; then slurm_master=$(first_slurm_host "$slurm_list"); fi
 SLURM_FIRST_HOST=$slurm_master
 
 sky_master=""
-if [[ -n ${SKYPILOT_NODE_IPS:-} ]]; then sky_master=$(head -n 1 <<<"$SKYPILOT_NODE_IPS" | tr -d '[:space:]'); fi
+if [[ -n ${SKYPILOT_NODE_IPS:-} ]]; then sky_master=$(awk 'NF { print $1; exit }' <<<"$SKYPILOT_NODE_IPS"); fi
 # shellcheck disable=SC2034
 SKYPILOT_FIRST_IP=$sky_master
 
@@ -348,7 +349,10 @@ if [[ ${WORKER_DRY_RUN:-0} == 1 ]]; then
   exit 0
 fi
 
-note "node $node_rank of $nnodes, $nproc process(es); master $master_addr:$master_port (from $master_addr_FROM)${threads_note:+; $threads_note}"
+# Where a count came from when no NODE_RANK or NNODES said it: a WORLD_SIZE that a launcher meant
+# as a process count is read as Kubeflow's node count, and the run waits for nodes that never come.
+from_note() { case $2 in "$1" | default) ;; *) printf ' (from %s)' "$2" ;; esac; }
+note "node $node_rank$(from_note NODE_RANK "$node_rank_FROM") of $nnodes$(from_note NNODES "$nnodes_FROM"), $nproc process(es); master $master_addr:$master_port (from $master_addr_FROM)${threads_note:+; $threads_note}"
 
 # ---- checks before torchrun starts --------------------------------------------------------------
 
@@ -441,8 +445,9 @@ cmd=("${launcher[@]}" "${cmd[@]:${#torchrun[@]}}")
 if command -v setsid >/dev/null 2>&1; then setsid "${cmd[@]}" & else "${cmd[@]}" & fi
 child=$!
 term_sent=0 stopped_by=TERM stop_status=143
-# forward_term SIGNAL: the first SIGTERM or SIGINT (Ctrl-C on an attached `docker run`) goes on to
-# torchrun as a SIGTERM, so every rank checkpoints as on a preemption; later ones are ignored.
+# forward_term SIGNAL: the first SIGTERM, SIGINT (Ctrl-C on an attached `docker run`) or SIGHUP (the
+# terminal closed; torchrun, in a session of its own, gets none) goes on to torchrun as a SIGTERM,
+# so every rank checkpoints as on a preemption; later ones are ignored.
 # shellcheck disable=SC2329  # called by the traps below
 forward_term() {
   if ((term_sent)); then
@@ -453,10 +458,12 @@ forward_term() {
   fi
   term_sent=1 stopped_by=$1
   if [[ $1 == INT ]]; then stop_status=130; fi # the shell's status for Ctrl-C
+  if [[ $1 == HUP ]]; then stop_status=129; fi
   kill -TERM "$child" 2>/dev/null || true
 }
 trap 'forward_term TERM' TERM
 trap 'forward_term INT' INT
+trap 'forward_term HUP' HUP
 status=0
 while :; do
   # (2>/dev/null: bash's own "Killed" job notice; the line below says it better)

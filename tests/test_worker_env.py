@@ -234,6 +234,27 @@ def test_skypilot(tmp_path):
     assert (r["--nnodes"], r["--node-rank"], r["--master-addr"]) == ("3", "2", "10.1.0.5")
 
 
+@pytest.mark.parametrize("ips", ["10.1.0.5 10.1.0.6", "\n10.1.0.5\n10.1.0.6", " 10.1.0.5\t10.1.0.6\n"])
+def test_skypilot_addresses_in_other_layouts_give_the_first_one(tmp_path, ips):
+    """Spaces were deleted, not split on: `10.1.0.5 10.1.0.6` became master 10.1.0.510.1.0.6, and
+    a leading blank line gave no master at all (a review)."""
+    r = resolved(tmp_path, SKYPILOT_NUM_NODES="2", SKYPILOT_NODE_RANK="1", SKYPILOT_NODE_IPS=ips)
+    assert r["--master-addr"] == "10.1.0.5"
+
+
+def test_the_start_line_says_where_node_counts_came_from_when_no_nnodes_said_it(tmp_path):
+    """WORLD_SIZE, which some launchers export as a process count, is read as Kubeflow's pod count:
+    the run then waited for nodes that never came, and nothing said where the count came from."""
+    fake = recording_torchrun(tmp_path)
+    common = dict(WORKER_DRY_RUN="0", TORCHRUN=str(fake), MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
+    proc = worker(tmp_path, **common, WORLD_SIZE="2", RANK="0")
+    assert proc.returncode == 0, proc.stderr
+    assert "worker.sh: node 0 (from RANK (Kubeflow)) of 2 (from WORLD_SIZE (Kubeflow)), 1 process(es)" in proc.stderr
+    common = dict(WORKER_DRY_RUN="0", TORCHRUN=str(fake), MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
+    proc = worker(tmp_path, **common, NNODES="2", NODE_RANK="0")
+    assert "worker.sh: node 0 of 2, 1 process(es)" in proc.stderr, proc.stderr
+
+
 def test_explicit_variables_win_over_schedulers(tmp_path):
     schedulers = dict(
         PET_NNODES="8",
@@ -714,12 +735,14 @@ def test_sigterm_reaches_torchrun_once_and_143_needs_distqa_preempted_line(tmp_p
     assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
 
 
-def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_and_130(tmp_path):
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)], ids=["SIGINT", "SIGHUP"])
+def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_and_130(tmp_path, sig, status):
     """SIGINT (Ctrl-C on an attached `docker run`) was passed on as SIGINT: a KeyboardInterrupt
-    traceback from every rank, and the steps since the last checkpoint lost."""
-    proc, stderr = sigterm_twice(tmp_path, preempted="1", first=signal.SIGINT)
+    traceback from every rank, and the steps since the last checkpoint lost. SIGHUP (a terminal
+    closed) killed the script and left torchrun, in its own session, training unseen."""
+    proc, stderr = sigterm_twice(tmp_path, preempted="1", first=sig)
     assert (tmp_path / "terms").read_text().strip() == "1"  # torchrun got one SIGTERM
-    assert proc.returncode == 130
+    assert proc.returncode == status
     assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
 
 

@@ -248,6 +248,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def run_and_exit() -> None:
     """The process's entry point: `python -m distqa`, torchrun's `-m distqa` and the `distqa` script."""
+    from distqa.console import outlive_closed_output
+
+    outlive_closed_output()  # a run outlives the tee or terminal that shows it
     code = main()
     # Interpreter teardown walks every object torch and transformers created: about 1.5 s per
     # process, paid by every rank of every launch, after the work is done. Everything is written

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -206,3 +207,56 @@ def outputs_summary(out: Path, *, plotted: bool) -> str:
         f"model written to {out / 'model'}\n"
         f"metrics in {out / 'metrics.jsonl'}{plot} (TensorBoard: tensorboard --logdir {out / 'tb'})"
     )
+
+
+class _OutlivesItsReader:
+    """stdout or stderr that goes on when what reads it is gone: `distqa train | tee train.log`
+    with the tee ended (Ctrl-C reaches both; a closed ssh session), or a terminal hung up. A write
+    there raised BrokenPipeError (EIO on a hung-up terminal) from whatever printed next: a run died
+    at its next log line, or in the middle of the line that says a stop is being checkpointed, and
+    the steps since its last checkpoint were lost (a review saw it). The stream's file descriptor
+    is pointed at /dev/null instead: the lines are lost, the run is not (its records are in
+    metrics.jsonl and tb/)."""
+
+    _GONE = (errno.EPIPE, errno.EIO)
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            self._to_null(err)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            self._to_null(err)
+
+    def _to_null(self, err: OSError) -> None:
+        if err.errno not in self._GONE:
+            raise err
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            # The descriptor, not just this object: the interpreter's last flush, faulthandler and
+            # child processes started from now on write there too.
+            os.dup2(null, self._stream.fileno())
+        finally:
+            os.close(null)
+        with contextlib.suppress(OSError):
+            self._stream.flush()  # what the failed write left buffered goes to /dev/null
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def outlive_closed_output() -> None:
+    """Make this process's stdout and stderr `_OutlivesItsReader`s: its entry points call it
+    (`distqa`, `python -m distqa.torchrun`), in-process callers (tests) keep their own streams."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _OutlivesItsReader):
+            setattr(sys, name, _OutlivesItsReader(stream))

@@ -41,8 +41,11 @@ class StopSignal:
         self.received_at: float | None = None
         self.signal_name = "SIGTERM"  # what asked for the stop (another rank's: said as SIGTERM)
         # SIGINT (Ctrl-C; torchrun passes it on to the workers) stops as SIGTERM does, with a
-        # checkpoint; a second one interrupts at once, as Ctrl-C twice does anywhere.
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # checkpoint; a second one interrupts at once, as Ctrl-C twice does anywhere. SIGHUP too:
+        # a terminal that closes (an ssh session lost) sends it, and torchrun passes on the signal
+        # it got; it killed every rank, the steps since the last checkpoint lost.
+        stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in stops}
         outcome.training()  # a launcher's stop from here on finds a checkpoint, or says why not
         # With NCCL, an all-reduce of a CPU flag needs a CPU-capable group, and this keeps the poll
         # off the GPU stream (no device sync per step). Created collectively, here, on all ranks.

@@ -237,6 +237,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from distqa.console import outlive_closed_output
+
+    outlive_closed_output()  # its workers go on when the tee or terminal showing them is gone
     code = main(sys.argv[1:])
     # torchrun has imported torch, and the interpreter's teardown walks every object of it: about
     # 2 s on a busy CPU, after the workers are gone. On a `docker stop` that is time out of the

@@ -21,7 +21,7 @@ known to, so such a value is refused rather than scored one way or the other.
 
     micro F1 = 2 TP / (2 TP + FP + FN)        (0.0 when the denominator is 0)
 
-`distqa score GOLD.jsonl submission.csv` runs `main_score`; its last stdout line is one JSON object.
+`distqa score --gold GOLD.jsonl --pred submission.csv` runs `main_score`; its last stdout line is one JSON object.
 """
 
 from __future__ import annotations
