@@ -160,12 +160,28 @@ def test_damaged_checkpoint_is_reported_and_the_previous_one_used(tmp_path, caps
         in_process(tmp_path, "run", "train.max_steps=8", f"train.resume={newest.parent}")
 
 
-def test_only_the_newest_checkpoints_are_kept_and_tmp_folders_ignored(tmp_path):
-    out = in_process(tmp_path, "keep", "train.max_steps=5", "train.checkpoint_every=1", "train.keep_checkpoints=2")
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-4", "step-5"]
-    (out / "checkpoints" / ".tmp-step-9").mkdir()  # a save killed half-way
-    (out / "checkpoints" / "step-9").mkdir()  # no trainer_state.json: incomplete
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-4", "step-5"]
+@pytest.mark.parametrize("keep", [2, 0])
+def test_only_the_newest_checkpoints_are_kept_and_tmp_folders_ignored(tmp_path, capsys, keep):
+    """What kills left (a save cut short, a removal cut short) is ignored by resume, and removed by
+    the next save: it stayed for good, gigabytes each at bert-large size (a review)."""
+    saving = ["train.checkpoint_every=1", f"train.keep_checkpoints={keep}"]
+    out = in_process(tmp_path, "keep", "train.max_steps=5", *saving)
+    root = out / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)][-2:] == ["step-4", "step-5"]
+    assert len(list_checkpoints(root)) == (keep or 5)
+    leftovers = [".tmp-step-9", ".tmp-step-3", ".old-step-2", "step-9", "step-1" if keep else "step-0"]
+    for name in leftovers:
+        (root / name).mkdir(exist_ok=True)  # (step-1 with keep 2 was pruned: a removal cut short)
+        (root / name / "model.safetensors").write_bytes(b"partial")
+    (root / "notes").mkdir()  # not distqa's: left alone
+    assert [p.name for p in list_checkpoints(root)][-2:] == ["step-4", "step-5"]
+    capsys.readouterr()
+    in_process(tmp_path, "keep", "train.max_steps=6", *saving)
+    assert "resumed from" in capsys.readouterr().out
+    assert not any((root / name).exists() for name in leftovers)
+    assert (root / "notes").is_dir()
+    expected = ["step-5", "step-6"] if keep else [f"step-{i}" for i in range(1, 7)]
+    assert [p.name for p in list_checkpoints(root)] == expected
 
 
 @pytest.fixture

@@ -250,3 +250,16 @@ def test_main_score_prints_exactly_one_json_object_on_stdout(tmp_path, capsys):
     assert {"micro_f1", "long_f1", "short_f1", "tp", "fp", "fn"} <= result.keys()
     assert (result["tp"], result["fp"], result["fn"], result["missing_examples"]) == (1, 0, 9, 9)
     assert "lacks 18 rows (9 whole examples)" in captured.err
+
+
+@pytest.mark.parametrize("bad_row", [2, 7, 300])
+def test_a_byte_that_is_not_utf_8_names_its_own_line(tmp_path, bad_row):
+    """The decoder reads ahead a block at a time: the reader's count named line 0, or one far
+    before the byte (a review)."""
+    rows = [f"{i}_long,{i}:{i + 5}".encode() for i in range(400)]
+    rows[bad_row - 2] = rows[bad_row - 2].replace(b",", b",\xff", 1)  # file line bad_row (after the header)
+    path = tmp_path / "submission.csv"
+    path.write_bytes(b"\r\n".join([b"example_id,PredictionString", *rows]) + b"\r\n")
+    said = rf"{re.escape(str(path))}, line {bad_row}: not a readable CSV file \('utf-8'"
+    with pytest.raises(DistqaError, match=said):
+        read_submission(path)

@@ -102,6 +102,17 @@ def test_a_damaged_prepared_folder_is_one_line_and_a_damaged_cache_entry_is_made
         with pytest.raises(DistqaError, match=rf"the features at {cut} are damaged"):
             load_features(cut)
         shutil.rmtree(cut)
+    # A stamp cut short or of random bytes: damage, not features of other settings or of an older distqa.
+    cfg = config(minilm_dir)
+    for text in (json.dumps(stamp)[:300], "\x00\xff garbage"):
+        shutil.copytree(prepared["train"], cut)
+        (cut / FINGERPRINT_FILE).write_text(text)
+        damaged = rf"^the features at {cut} are damaged: their stamp {FINGERPRINT_FILE} cannot be read"
+        with pytest.raises(DistqaError, match=damaged):
+            load_features(cut, verify=True)
+        with pytest.raises(DistqaError, match=damaged):
+            resolve_features(cfg, str(cut), load_tokenizer(cfg.model, required=True), training=True)
+        shutil.rmtree(cut)
     # A cache entry (a folder prepare_features made for a file) in that state is made again, then reused.
     entry = tmp_path / "entry"
     assert not prepare_features(SAMPLE, entry, tokenizer_name=str(minilm_dir), settings=settings).reused

@@ -173,8 +173,10 @@ def test_an_eval_step_error_on_one_rank_stops_both_ranks_in_one_line_after_the_s
 def test_a_save_model_that_writes_nothing_into_its_directory_is_one_line(tmp_path, monkeypatch):
     """It said "model written to .../model", exit 0, with the weights in the working directory."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(DistqaError, match=r"the task's save_model wrote no file into .*: write the model into"):
+    expected = r"the task's save_model wrote no file into .*: write the model into"
+    with pytest.raises(DistqaError, match=expected) as caught:
         run(tmp_path / "run", "task.name=toy_seam_tasks:ElsewhereSaveTask")
+    assert "free space" not in str(caught.value)  # it advised freeing space and running again (a review)
     assert not (tmp_path / "run" / "model").exists()
 
 
@@ -188,3 +190,35 @@ def test_a_collate_that_the_task_s_collate_fn_never_calls_is_refused_at_load():
     load_task(load_config(None, ["task.name=toy_seam_tasks:NQCollateUsedTask"]))  # collate_fn returns it
     load_task(load_config(None, ["task.name=toy_seam_tasks:StaticCollateTask"]))  # a static one, returned
     load_task(load_config(None, ["task.name=toy_seam_tasks:CollateFnOnlyTask"]))  # collate_fn alone: fine
+
+
+def test_a_build_model_that_returns_no_module_is_one_line(tmp_path):
+    """It was an AttributeError traceback from the trainer's `.to(device)` (a review)."""
+    with pytest.raises(ConfigError, match=r"^the task's build_model\(\) returned a tuple, not a torch.nn.Module"):
+        run(tmp_path / "run", "task.name=toy_seam_tasks:TupleModelTask")
+
+
+def test_a_task_state_that_json_cannot_hold_is_one_line_and_leaves_no_half_checkpoint(tmp_path):
+    """A TypeError traceback from the middle of the write, and a `.tmp-step-1` left behind (a review)."""
+    out = tmp_path / "run"
+    expected = r"^the task's state_dict\(\) returned what JSON cannot hold \(TypeError: .*Tensor"
+    with pytest.raises(DistqaError, match=expected):
+        run(out, "task.name=toy_seam_tasks:TensorStateTask", "train.checkpoint_every=1")
+    assert not (out / "checkpoints").exists() or list((out / "checkpoints").iterdir()) == []
+
+
+def test_a_collate_that_does_not_pickle_stops_a_run_of_one_process_as_it_would_a_launch(tmp_path):
+    """One process forks its loader's workers, which pickles nothing: the run trained, and only a
+    launch of two processes (a fork server's workers) stopped on it (a review)."""
+    expected = r"^the task's collate_fn \(function\) cannot be pickled .* data.num_workers=0"
+    with pytest.raises(ConfigError, match=expected):
+        run(tmp_path / "run", "task.name=toy_seam_tasks:LambdaCollateTask", "data.num_workers=1")
+    run(tmp_path / "no-workers", "task.name=toy_seam_tasks:LambdaCollateTask")  # TOY: data.num_workers=0
+
+
+def test_an_empty_validation_set_is_one_line_at_start(tmp_path):
+    """It reached the task's compute_metrics as [] at the first evaluation, after a step trained."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^the validation set \(data.valid=None\) has no examples"):
+        run(out, "task.name=toy_seam_tasks:EmptyValidTask", "train.eval_every=1")
+    assert not (out / "metrics.jsonl").exists()

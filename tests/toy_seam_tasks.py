@@ -229,3 +229,31 @@ class NestedBatchTask(ToyClassificationTask):
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return F.cross_entropy(model(batch["inputs"]["features"]), batch["label"])
+
+
+class TupleModelTask(ToyClassificationTask):
+    """build_model returns (model,): a trailing comma."""
+
+    def build_model(self):
+        return (super().build_model(),)
+
+
+class TensorStateTask(ToyClassificationTask):
+    """state_dict holds a tensor, which JSON cannot."""
+
+    def state_dict(self):
+        return {"threshold": torch.tensor(0.5)}
+
+
+class LambdaCollateTask(ToyClassificationTask):
+    """collate_fn returns a lambda: it cannot be pickled into a fork server's workers."""
+
+    def collate_fn(self):
+        return lambda items: self.collate(items)
+
+
+class EmptyValidTask(EvalProbeTask):
+    """A validation file with no rows."""
+
+    def build_eval_dataset(self):
+        return IndexedBlobs(0, seed=7)

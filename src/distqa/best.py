@@ -65,7 +65,14 @@ def require_evaluation(task: Task, train: TrainConfig) -> None:
     train.eval_every without one is said, not silently ignored."""
     from distqa.task import Task
 
-    if type(task).evaluate is not Task.evaluate or task.eval_dataset() is not None:
+    valid = task.eval_dataset()
+    if valid is not None and hasattr(valid, "__len__") and len(valid) == 0:
+        # Found by the task's compute_metrics, on [], after a step was trained (a review).
+        raise ConfigError(
+            f"the validation set (data.valid={task.cfg.data.valid!r}) has no examples: an evaluation would score "
+            "nothing; give it examples, or leave data.valid unset"
+        )
+    if type(task).evaluate is not Task.evaluate or valid is not None:
         return
     if train.best_metric:
         raise ConfigError(

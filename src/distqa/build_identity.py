@@ -245,6 +245,11 @@ def check_same_build(model: nn.Module, task: Task, info: DistInfo) -> tuple[dict
     built the same model (`Task.identity` adds the task's own parts: its tokenizer). Every rank
     must call it, with the model as `Task.build_model` returned it. Returns `Task.identity` and
     `model_settings`, which checkpoints keep for a resume and an export to compare (`distqa.resume`)."""
+    if not isinstance(model, nn.Module):  # the same on every rank: the same code built it
+        raise ConfigError(
+            f"the task's build_model() returned a {type(model).__name__}, not a torch.nn.Module: return the "
+            "model itself (its loss and outputs are the task's loss and eval_step's)"
+        )
     task_identity, settings = full_identity(task), model_settings(model)
     if not info.is_distributed:
         return task_identity, settings

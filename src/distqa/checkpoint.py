@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
+import re
 import shutil
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
@@ -39,7 +40,14 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from distqa import sharded as sharded_ckpt
-from distqa.checkpoint_verify import MANIFEST_FILE, STATE_FILE, list_checkpoints, manifest_entry, read_trainer_state
+from distqa.checkpoint_verify import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    folder_step,
+    list_checkpoints,
+    manifest_entry,
+    read_trainer_state,
+)
 from distqa.checkpoint_verify import REQUIRED_FILES as REQUIRED_FILES  # re-exported: resume and tests use them here
 from distqa.checkpoint_verify import step_folders as step_folders
 from distqa.checkpoint_verify import verify_checkpoint as verify_checkpoint
@@ -48,6 +56,9 @@ from distqa.durable import as_umask_allows, fsync_path
 from distqa.errors import DistqaError
 from distqa.rank0 import fix_for, raise_on_every_rank, reason, with_free_space
 from distqa.rng_state import capture_rng_state, restore_rng_state
+
+# What an interrupted save leaves: its folder before the rename, and the step it replaced.
+_LEFTOVER = re.compile(r"^\.(tmp|old)-step-\d+$")
 
 
 class _RankZeroFiles(NamedTuple):
@@ -116,7 +127,9 @@ def save_checkpoint(
     rng_states = gather_to_main(capture_rng_state(info.device, rng_replicas), info)
     # `comm_state`: this rank's part that is not the same on every rank (`Parts.comm_hook`).
     comm_states = gather_to_main(comm_state, info) if comm_state is not None else None
-    problem, created = _open_folder(tmp, final, root, still_holding) if info.is_main else (None, False)
+    problem, created = (_not_json(trainer_state), False) if info.is_main else (None, False)
+    if info.is_main and not problem:
+        problem, created = _open_folder(tmp, final, root, still_holding)
     hashed: dict[str, Any] = {}
     if sharded:  # every rank writes its shards into rank 0's folder (shared: checked at start)
         problem, hashed = _write_shards(tmp, final, root, model, optimizer, info, problem)
@@ -137,6 +150,20 @@ def save_checkpoint(
     # Replaces a barrier: nobody reads or prunes before rank 0 is done, and all learn how it went.
     raise_on_every_rank(problem)
     return final
+
+
+def _not_json(trainer_state: dict[str, Any]) -> str | None:
+    """Why the trainer state cannot be written as JSON: a task's `state_dict()` holding a tensor or
+    a NumPy number raised a TypeError traceback from the middle of the write, on rank 0 alone, and
+    left a half-written `.tmp-step-N` (a review)."""
+    try:
+        json.dumps(trainer_state)
+    except (TypeError, ValueError) as err:
+        return (
+            f"the task's state_dict() returned what JSON cannot hold ({type(err).__name__}: {err}): return plain "
+            "numbers, strings, lists and dicts (e.g. float(x) of a tensor); no checkpoint of this step was written"
+        )
+    return None
 
 
 def _open_folder(
@@ -226,6 +253,7 @@ def prune(root: Path, keep: int, protect: Collection[str] = ()) -> None:
     the best checkpoint that each one kept records. A resume that falls back to a kept one (the
     newer ones damaged) goes on with its record and points `best` at it again: pruned, the record
     named weights that were gone, and `best` stayed on the damaged step (found by a review)."""
+    _remove_leftovers(root, protect)
     if keep <= 0:
         return
     checkpoints = list_checkpoints(root)
@@ -234,6 +262,21 @@ def prune(root: Path, keep: int, protect: Collection[str] = ()) -> None:
     for old in checkpoints[:-keep]:
         if old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path, protect: Collection[str]) -> None:
+    """Rank 0, holding the run: what a kill left of a save (`.tmp-step-N`, a step a platform's
+    grace period cut short, and never saved again), of a save of the same step again
+    (`.old-step-N`), or of a removal (`step-N` without its state file). Resume never reads them,
+    and they stayed for good: a partial bert-large checkpoint is gigabytes (a review)."""
+    complete = {folder.name for folder in list_checkpoints(root)}
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        name = path.name
+        if name in protect or name in complete or not path.is_dir() or path.is_symlink():
+            continue
+        if _LEFTOVER.match(name) or folder_step(path) is not None:
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"removed {path}: what an interrupted save or removal left (never resumed from)", flush=True)
 
 
 def _recorded_best(folder: Path) -> str | None:

@@ -217,6 +217,15 @@ def _changed_by_hand(previous: Path) -> str | None:
     return "; ".join(parts) or None
 
 
+def _export_failed(err: BaseException, directory: Path, note: str) -> DistqaError:
+    """`export_atomically`'s one line for `err`. A DistqaError (a task's save_model that wrote
+    nothing) says what to change itself: "free space and run again" would not help (a review)."""
+    if isinstance(err, DistqaError):
+        return DistqaError(f"cannot write {directory}: {err}")
+    fix = note.replace("{fix}", fix_for(err, str(directory.parent)))  # (not format: a path may hold braces)
+    return DistqaError(f"cannot write {directory} ({reason(err)}): {fix}")
+
+
 def export_atomically(
     save: Callable[[Path], None],
     directory: Path,
@@ -245,11 +254,8 @@ def export_atomically(
                 waiting = f"waiting for another export to {directory}"
                 held.enter_context(held_exclusively(directory.parent, lambda: print(waiting, flush=True)))
             except OSError as err:
-                raise DistqaError(f"cannot write {directory} ({reason(err)}): {note_for(err)}") from err
+                raise _export_failed(err, directory, note) from err
             _export()
-
-    def note_for(err: BaseException) -> str:
-        return note.replace("{fix}", fix_for(err, str(directory.parent)))  # (not format: a path may hold braces)
 
     def keep_aside(folder: Path, changed: str) -> None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -294,6 +300,6 @@ def export_atomically(
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not directory.exists():
                 old.rename(directory)
-            raise DistqaError(f"cannot write {directory} ({reason(err)}): {note_for(err)}") from err
+            raise _export_failed(err, directory, note) from err
 
     on_rank0(info, export)

@@ -282,12 +282,29 @@ def training_loader_context(dataset: Dataset, collate: Callable[[list[Any]], Any
     return loader_context(loader_workers(cfg), uses=(dataset, collate), distributed=distributed)
 
 
+def check_picklable(dataset: Dataset, collate: Callable[[list[Any]], Any], cfg: Config, info: DistInfo) -> None:
+    """One process starts its loader's workers with plain fork, which pickles nothing: a dataset or
+    collate_fn that cannot be pickled trained there, and stopped only under torchrun, whose workers
+    receive both pickled from a fork server (a fork's 1-process try passed, its launch failed: a
+    review). Checked once at the start of such a run, so that it stops as a launch would."""
+    if info.world_size == 1 and not dist.is_initialized() and loader_workers(cfg):
+        if named := unpicklable(dataset, collate):
+            raise named
+
+
+class _Discard:
+    """A pickle's destination that keeps nothing: pickling a large dataset costs no memory."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
 def unpicklable(dataset: Dataset, collate: Callable[[list[Any]], Any]) -> ConfigError | None:
     """Why a loader's workers could not start, in one line: what does not pickle (they receive the
     dataset and the task's `collate_fn` pickled); None when both pickle."""
     for what, thing in (("the training dataset", dataset), ("the task's collate_fn", collate)):
         try:
-            pickle.dumps(thing)
+            pickle.Pickler(_Discard()).dump(thing)
         except Exception as failed:  # noqa: BLE001 (whatever pickling raises is the answer)
             return ConfigError(
                 f"{what} ({type(thing).__qualname__}) cannot be pickled into the DataLoader workers "

@@ -42,7 +42,7 @@ from distqa.registry import load_task
 from distqa.replicas import check_replicas
 from distqa.resume import changed_settings, check_continuation, check_resumable, choose_checkpoint
 from distqa.rounds import as_peer_loss
-from distqa.sampler import seed_everything, steps_per_epoch, training_batches
+from distqa.sampler import check_picklable, seed_everything, steps_per_epoch, training_batches
 from distqa.set_aside import set_aside_other_line
 from distqa.sharded import require_shared
 from distqa.slow_start import FirstStep
@@ -169,6 +169,7 @@ class Trainer:
         # workers) agree: before any process reads a set whole, and before a rank may refuse alone.
         named = [("data.train", dataset, cfg.data.train), ("data.valid", valid, cfg.data.valid)]
         agreed_samples(info, named, loader=(self.task.collate_fn(), cfg))
+        check_picklable(dataset, self.task.collate_fn(), cfg, info)
         self.valid_identity = agreed_valid_identity(self.task, info, cfg.data.valid)
         require_evaluation(self.task, cfg.train)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)

@@ -122,10 +122,22 @@ SETTING_KEYS = {
 }
 
 
+def stamp_of(folder: Path) -> dict[str, Any]:
+    """The stamp of a folder `distqa prepare` wrote. One it cannot read was taken for one of other
+    settings ("give the settings they were prepared with"), or of an older distqa (a review)."""
+    stamp = read_stamp(folder / FINGERPRINT_FILE)
+    if stamp is None:
+        raise DistqaError(
+            f"the features at {folder} are damaged: their stamp {FINGERPRINT_FILE} cannot be read as the "
+            f"record `distqa prepare` writes: delete {folder} and prepare the features again"
+        )
+    return stamp
+
+
 def made_otherwise(folder: Path, tokenizer: Any, settings: FeatureSettings) -> list[str]:
     """How the features in a folder `distqa prepare` wrote differ from those a run would make from
     the same input (none: the run may use them as they are)."""
-    recorded = (read_stamp(folder / FINGERPRINT_FILE) or {}).get("fingerprint")
+    recorded = stamp_of(folder).get("fingerprint")
     if not isinstance(recorded, dict):
         return ["its stamp records no settings"]
     wanted, differ = made_with(tokenizer, settings), []
@@ -181,7 +193,7 @@ def load_features(path: str | os.PathLike, *, verify: bool = False) -> datasets.
     # FileNotFoundError, a truncated Arrow file; JSON of another shape in state.json or dataset_info.json
     except (OSError, ValueError, pa.ArrowException, KeyError, TypeError, IndexError, AttributeError) as err:
         raise DistqaError(f"the features at {folder} are damaged ({reason(err)}): {fix}") from None
-    stamp = read_stamp(folder / FINGERPRINT_FILE) or {}
+    stamp = stamp_of(folder)
     counted = stamp.get("features")
     if isinstance(counted, int) and not isinstance(counted, bool) and len(dataset) != counted:
         raise DistqaError(

@@ -207,8 +207,21 @@ def read_submission(path: str | Path) -> dict[str, str]:
                 # Compared as integers, as the graders do: "01952:2019" is the span 1952:2019.
                 rows[row_id] = f"{int(match[1])}:{int(match[2])}" if match[1] is not None else value
         except (csv.Error, UnicodeDecodeError) as err:
-            raise DistqaError(f"{path}, line {reader.line_num}: not a readable CSV file ({err})") from None
+            line = _undecodable_line(path) if isinstance(err, UnicodeDecodeError) else reader.line_num
+            raise DistqaError(f"{path}, line {line}: not a readable CSV file ({err})") from None
     return rows
+
+
+def _undecodable_line(path: Path) -> int:
+    """The first line of `path` that is not UTF-8. The decoder reads ahead a block at a time, and
+    the reader's line count then named a line before the byte, line 0 once (a review)."""
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return 0  # (not reached: the text decoder failed on these bytes)
 
 
 def _f1(tp: int, fp: int, fn: int) -> float:
