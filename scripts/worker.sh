@@ -22,7 +22,8 @@
 #   SkyPilot             SKYPILOT_NUM_NODES, SKYPILOT_NODE_RANK, first of SKYPILOT_NODE_IPS
 #   Neu.ro               NEURO_JOB_INTERNAL_HOSTNAME is "this host"
 # For tests and debugging: WORKER_DRY_RUN=1 prints the torchrun command line instead of running
-# it, and TORCHRUN replaces the torchrun command (split on spaces, e.g. "python -m torch.distributed.run").
+# it, TORCHRUN replaces the torchrun command (split on spaces, e.g. "python -m torch.distributed.run"),
+# and CGROUP_ROOT the folder the CPU quota is read from (/sys/fs/cgroup).
 # Before torchrun starts: the settings are checked (`distqa train --check-config`), and node 0
 # checks that MASTER_PORT is free here and that MASTER_ADDR leads to this host (distqa.rdzv_check).
 # Exit status: 2 for a missing or contradictory setting, 3 when node 0 does not answer in time,
@@ -33,10 +34,12 @@ set -euo pipefail
 
 # die MESSAGE [STATUS]
 die() {
-  echo "worker.sh: error: $1" >&2
+  echo "worker.sh: error: $1" >&2 || true
   exit "${2:-2}"
 }
-note() { echo "worker.sh: $*" >&2; }
+# `|| true`: a terminal that hung up (EIO) or a pipe nobody reads fails the write, and `set -e` then
+# ended this script at once, torchrun's workers still checkpointing (exit 1 for 129; a review).
+note() { echo "worker.sh: $*" >&2 || true; }
 # A SIGTERM before torchrun starts (the checks, the wait for node 0) finds nothing to checkpoint: stop
 # at once. Without a trap, bash as a container's PID 1 would ignore it, and `docker stop` would end
 # in SIGKILL after its grace period. Replaced below, once torchrun runs, by the forwarding trap.
@@ -126,10 +129,16 @@ usable_cpus() {
   # nproc counts the CPUs this process may run on (taskset, cpusets); a cgroup CPU quota
   # (docker --cpus, Kubernetes limits) caps them further. (torchrun's own count, os.cpu_count(),
   # is every CPU of the host.)
-  local cpus limit quota period
+  # cgroup v2 says it in cpu.max, v1 (Docker on an older host) in cpu.cfs_quota_us (-1: none).
+  local cpus limit quota="" period="" root=${CGROUP_ROOT:-/sys/fs/cgroup}
   cpus=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-  if [[ -r /sys/fs/cgroup/cpu.max ]] && read -r quota period </sys/fs/cgroup/cpu.max && [[ $quota =~ ^[0-9]+$ ]] &&
-    ((period > 0)); then
+  if [[ -r $root/cpu.max ]]; then
+    read -r quota period <"$root/cpu.max" || true
+  elif [[ -r $root/cpu/cpu.cfs_quota_us && -r $root/cpu/cpu.cfs_period_us ]]; then
+    read -r quota <"$root/cpu/cpu.cfs_quota_us" || true
+    read -r period <"$root/cpu/cpu.cfs_period_us" || true
+  fi
+  if [[ $quota =~ ^[0-9]+$ && $period =~ ^[0-9]+$ ]] && ((period > 0)); then
     limit=$(((quota + period - 1) / period))
     if ((limit < cpus)); then cpus=$limit; fi
   fi
@@ -263,6 +272,10 @@ if [[ -z ${OMP_NUM_THREADS:-} ]] && in_range "$nproc" 1; then
   export OMP_NUM_THREADS=$threads
   threads_note="OMP_NUM_THREADS=$threads ($cpus CPU(s) / $nproc process(es))"
 elif [[ -n ${OMP_NUM_THREADS:-} ]]; then
+  # OpenMP reads a count, or a list of them (nested levels); anything else it ignores with a warning,
+  # and the run went on with every CPU's threads (a review).
+  [[ $OMP_NUM_THREADS =~ ^[1-9][0-9]*(,[1-9][0-9]*)*$ ]] ||
+    die "OMP_NUM_THREADS=$OMP_NUM_THREADS is not a thread count (e.g. 4): set it to one, or unset it for CPUs / NPROC_PER_NODE"
   threads_note="OMP_NUM_THREADS=$OMP_NUM_THREADS (set)"
 fi
 
@@ -444,6 +457,9 @@ export DISTQA_RDZV_TIMEOUT=$rdzv_timeout
 cmd=("${launcher[@]}" "${cmd[@]:${#torchrun[@]}}")
 if command -v setsid >/dev/null 2>&1; then setsid "${cmd[@]}" & else "${cmd[@]}" & fi
 child=$!
+# A pipe nobody reads any more (`worker.sh ... | tee log`, the tee ended) would kill this script at
+# its next line, torchrun then running on unwatched: the write fails instead (note's `|| true`).
+trap '' PIPE
 term_sent=0 stopped_by=TERM stop_status=143
 # forward_term SIGNAL: the first SIGTERM, SIGINT (Ctrl-C on an attached `docker run`) or SIGHUP (the
 # terminal closed; torchrun, in a session of its own, gets none) goes on to torchrun as a SIGTERM,
@@ -493,11 +509,11 @@ elif [[ -n $preempted ]]; then
   # Every rank checkpointed and said so (each writes the line; rank 0 also prints it): the run
   # stopped as asked, whatever torchrun's own status after its SIGTERM. Said here where no rank
   # of this node printed it (nodes other than 0), so that it is the last line on every node.
-  if ! grep -q -F -x "# printed: $preempted" <<<"$said"; then echo "$preempted" >&2; fi
+  if ! grep -q -F -x "# printed: $preempted" <<<"$said"; then echo "$preempted" >&2 || true; fi
   status=$stop_status
 elif [[ -n $error ]]; then
   # A rank printed it already; distqa.torchrun then leaves out torchrun's report, a stand-in may not.
-  if ((!wrapped)); then echo "$error" >&2; fi
+  if ((!wrapped)); then echo "$error" >&2 || true; fi
 elif ((status != 0 && term_sent)) && ! grep -q '^distqa: training: ' <<<"$said"; then
   # No rank had begun to train (each says so once SIGTERM means a checkpoint to it): the stop
   # came while the model and data were loading, and nothing was lost. A preemption's status, not

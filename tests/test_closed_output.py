@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from distqa.checkpoint import read_trainer_state
 from distqa.checkpoint_verify import verify_checkpoint
 from distqa.console import _OutlivesItsReader, outlive_closed_output
-from toy_task import ToyClassificationTask
+from toy_task import BlobsDataset, ToyClassificationTask
 
 TESTS = Path(__file__).resolve().parent
 
@@ -38,6 +39,22 @@ class HangUpTask(ToyClassificationTask):
         if self.calls == self.hang_up_at:
             os.kill(os.getpid(), signal.SIGHUP)
         return super().loss(model, batch)
+
+
+class TalkingBlobs(BlobsDataset):
+    """A dataset that prints as DataLoader workers read it (a fork's debugging line): in them only,
+    where nothing else wrote to the pipe before (a process's first failed write moves its
+    descriptor to /dev/null, which processes it starts later inherit)."""
+
+    def __getitem__(self, index: int):
+        if index % 16 == 0 and torch.utils.data.get_worker_info() is not None:
+            print(f"reading item {index}", flush=True)
+        return super().__getitem__(index)
+
+
+class TalkingTask(ToyClassificationTask):
+    def build_train_dataset(self):
+        return TalkingBlobs(self.cfg.task.size, self.cfg.seed)
 
 
 def test_a_write_to_a_pipe_nobody_reads_goes_to_dev_null_and_the_next_ones_too():
@@ -74,8 +91,9 @@ def test_installed_once_over_the_process_streams(monkeypatch):
     assert sys.stdout.getvalue() == "x\n"
 
 
-def _train(out: Path, hang_up_at: int) -> int:
-    """`distqa train` of the toy task, its stdout and stderr on a pipe closed at once."""
+def _train(out: Path, hang_up_at: int, *, nohup: bool = False) -> int:
+    """`distqa train` of the toy task, its stdout and stderr on a pipe closed at once (`nohup`:
+    started with SIGHUP ignored, as `nohup` starts it)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     env["DISTQA_TEST_HANG_UP_AT"] = str(hang_up_at)
     args = [
@@ -83,13 +101,14 @@ def _train(out: Path, hang_up_at: int) -> int:
         "data.num_workers=2", "train.batch_size=8", "train.max_steps=24", "train.log_every=1",
         "train.checkpoint_every=100", "train.eval_every=0", f"output_dir={out}",
     ]  # fmt: skip
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=ignore)
     assert proc.stdout is not None
     proc.stdout.close()
     return proc.wait(timeout=240)
 
 
-@pytest.mark.safety  # two launches of `distqa train` (about 15 s): make test-safety
+@pytest.mark.safety  # three launches of `distqa train` (about 20 s): make test-safety
 def test_a_run_whose_pipe_closed_goes_on_and_a_hang_up_checkpoints(tmp_path):
     assert _train(tmp_path / "whole", hang_up_at=0) == 0  # was 1: BrokenPipeError at the first line
     assert (tmp_path / "whole" / "model").is_dir()
@@ -98,3 +117,24 @@ def test_a_run_whose_pipe_closed_goes_on_and_a_hang_up_checkpoints(tmp_path):
     (step,) = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")]
     assert step == "step-10" and verify_checkpoint(out / "checkpoints" / step) is None
     assert read_trainer_state(out / "checkpoints" / step)["step"] == 10
+    # Under nohup a hang-up is ignored, as it always was: the run goes on to its end (a review saw
+    # the first version of the SIGHUP stop replace nohup's "ignore" and stop such a run).
+    assert _train(tmp_path / "nohup", hang_up_at=10, nohup=True) == 0
+    assert (tmp_path / "nohup" / "model").is_dir()
+
+
+@pytest.mark.safety  # a launch of 2 processes (about 20 s): make test-safety
+def test_loader_workers_of_a_launch_outlive_the_pipe_too(tmp_path):
+    """Under torchrun the DataLoader's workers come from a fork server, a fresh interpreter: a
+    print there to the closed pipe stopped the run, blamed on the data (a review)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    args = [
+        sys.executable, "-m", "distqa.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "distqa", "train",
+        "task.name=test_closed_output:TalkingTask", "task.size=512", "data.num_workers=1", "train.batch_size=8",
+        "train.max_steps=12", "train.log_every=1", f"output_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 0
+    assert (tmp_path / "run" / "model").is_dir()

@@ -904,3 +904,53 @@ def test_fsdp_refuses_what_it_cannot_do_in_one_line(settings, message, capsys):
         cfg.train.resolve_global_batch(1)  # batch_size 8 x 1 process: accumulates 2
     # Without accumulation the hook is FSDP's reduce-scatter dtype, as documented.
     assert load_config(None, ["model.name=tiny", *FSDP, "train.ddp_comm_hook=bf16"]).train.ddp_comm_hook == "bf16"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["train.lr=???"],
+        ["output_dir='???'"],
+        ["data.train=???"],
+        ["task.name=???"],
+        ["train.lr=0.5", "train.lr=???"],  # a later ??? kept the earlier value
+    ],
+)
+def test_a_value_still_to_fill_in_is_refused_on_the_command_line(given):
+    """OmegaConf's `???` merged as "keep what was there": the defaults trained, exit 0 (a review)."""
+    key = given[-1].partition("=")[0]
+    said = rf"^the command line leaves {re.escape(key)} as \?\?\? .*give {key} a value$"
+    with pytest.raises(ConfigError, match=said):
+        load_config(None, given)
+
+
+@pytest.mark.parametrize("text", ["data:\n  train: ???\n", 'train:\n  lr: "???"\n', "task:\n  name: ???\n"])
+def test_a_value_still_to_fill_in_is_refused_in_a_config_file(tmp_path, text):
+    path = tmp_path / "template.yaml"
+    path.write_text("output_dir: out\n" + text)
+    with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(path))} leaves \S+ as \?\?\?"):
+        load_config(str(path), [])
+
+
+def test_a_path_that_starts_with_the_home_folder_is_expanded(tmp_path, monkeypatch):
+    """`output_dir: ~/runs/x` in a file (or under sh) went into a folder named `~` in the working
+    directory, while every line printed read as the home folder (a review)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "run.yaml"
+    path.write_text("output_dir: ~/runs/x\n")
+    cfg = load_config(str(path), ["model.tokenizer=~/tok", "task.cache_dir=~/cache"])
+    assert (cfg.output_dir, cfg.model.tokenizer, cfg.task.cache_dir) == (
+        f"{tmp_path}/runs/x",
+        f"{tmp_path}/tok",
+        f"{tmp_path}/cache",
+    )
+    assert load_config(None, ["output_dir=runs/~x"]).output_dir == "runs/~x"  # only a leading ~/
+
+
+@pytest.mark.parametrize("value", ["bogus", "SDPA", "spda"])
+def test_an_attention_kernel_transformers_does_not_know_is_refused_at_load(value):
+    """Any text passed --check-config; the run then ended in transformers' traceback (a review)."""
+    with pytest.raises(ConfigError, match=rf"^model.attn_implementation='{value}' is not an attention kernel"):
+        load_config(None, [f"model.attn_implementation={value}"])
+    for known in ("sdpa", "eager", "flex_attention", "kernels-community/flash-attn"):
+        assert load_config(None, [f"model.attn_implementation={known}"]).model.attn_implementation == known

@@ -163,25 +163,39 @@ def test_damaged_checkpoint_is_reported_and_the_previous_one_used(tmp_path, caps
 @pytest.mark.parametrize("keep", [2, 0])
 def test_only_the_newest_checkpoints_are_kept_and_tmp_folders_ignored(tmp_path, capsys, keep):
     """What kills left (a save cut short, a removal cut short) is ignored by resume, and removed by
-    the next save: it stayed for good, gigabytes each at bert-large size (a review)."""
+    the next save once the run is past it: it stayed for good, gigabytes each at bert-large size (a
+    review). A `.old-step-N` goes only where step-N is whole (else it is the one whole copy)."""
     saving = ["train.checkpoint_every=1", f"train.keep_checkpoints={keep}"]
     out = in_process(tmp_path, "keep", "train.max_steps=5", *saving)
     root = out / "checkpoints"
     assert [p.name for p in list_checkpoints(root)][-2:] == ["step-4", "step-5"]
     assert len(list_checkpoints(root)) == (keep or 5)
-    leftovers = [".tmp-step-9", ".tmp-step-3", ".old-step-2", "step-9", "step-1" if keep else "step-0"]
-    for name in leftovers:
-        (root / name).mkdir(exist_ok=True)  # (step-1 with keep 2 was pruned: a removal cut short)
+    gone = [".tmp-step-3", "step-1" if keep else "step-0", ".old-step-5", *([] if keep else [".old-step-2"])]
+    kept = [".tmp-step-9", "step-9", *([".old-step-2"] if keep else [])]  # past step 6, or step-2 pruned
+    for name in gone + kept:
+        (root / name).mkdir(exist_ok=True)
         (root / name / "model.safetensors").write_bytes(b"partial")
     (root / "notes").mkdir()  # not distqa's: left alone
     assert [p.name for p in list_checkpoints(root)][-2:] == ["step-4", "step-5"]
     capsys.readouterr()
     in_process(tmp_path, "keep", "train.max_steps=6", *saving)
     assert "resumed from" in capsys.readouterr().out
-    assert not any((root / name).exists() for name in leftovers)
+    assert [name for name in gone if (root / name).exists()] == []
+    assert [name for name in kept if not (root / name).exists()] == []
     assert (root / "notes").is_dir()
     expected = ["step-5", "step-6"] if keep else [f"step-{i}" for i in range(1, 7)]
     assert [p.name for p in list_checkpoints(root)] == expected
+
+
+def test_a_leftover_the_run_resumed_from_is_kept(tmp_path):
+    """train.resume=PATH may name one (a user's copy back of a `.old-step-N`): it is theirs."""
+    from distqa.checkpoint import _remove_leftovers
+
+    for name in (".old-step-2", ".tmp-step-3", "step-2"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step-2" / "trainer_state.json").write_text("{}")
+    _remove_leftovers(tmp_path, {".old-step-2"}, upto=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".old-step-2", "step-2"]
 
 
 @pytest.fixture

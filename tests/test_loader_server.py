@@ -562,3 +562,19 @@ def test_a_worker_stalled_in_an_item_stops_the_rank_in_one_line_after_data_timeo
     assert "\n" not in said and time.monotonic() - began < 60
     with pytest.raises(ConfigError, match=r"data\.timeout_s"):
         load_config(None, [*args, "data.timeout_s=-1"])
+
+
+def test_a_stall_names_a_full_dev_shm(tmp_path, monkeypatch):
+    """A batch that does not fit in /dev/shm fails in the worker's feeder thread, and the worker
+    lives on: the run waited out data.timeout_s, blamed on the data's storage (a review)."""
+    import shutil
+
+    from distqa.loader_server import as_worker_loss
+
+    timed_out = RuntimeError("DataLoader timed out after 600 seconds")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(total=2**20, free=2**18))
+    said = str(as_worker_loss(timed_out))
+    assert "or /dev/shm is full (0.2 of 1.0 MiB free)" in said and "docker run --shm-size" in said
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(total=2**30, free=2**29 + 1))
+    assert "/dev/shm" not in str(as_worker_loss(timed_out))

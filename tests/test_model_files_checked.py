@@ -196,5 +196,5 @@ def test_a_damaged_config_json_in_the_hugging_face_cache_is_named_not_said_to_be
     assert said.stdout.strip() == (
         "cannot load tokenizer 'acme/tinybert': its config.json in the Hugging Face cache "
         f"({snapshot / 'config.json'}) holds an array, where a config is a JSON object; delete {entry} and "
-        "download it again, or set model.tokenizer to a local folder"
+        "download it again, or set model.name to a local folder"  # (the key that named it: model.tokenizer unset)
     ), said.stdout + said.stderr

@@ -497,3 +497,20 @@ def test_only_safetensors_that_only_their_owner_reads_are_opened(tmp_path):
         "serve.sh": 0o755,
         "secret.token": 0o600,
     }, {name: oct(mode) for name, mode in got.items()}
+
+
+def test_a_refused_write_names_the_folder_s_owner_and_this_uid(tmp_path, monkeypatch):
+    """`docker run -v` of a folder the engine made (root's), the container running as uid 1000:
+    "Permission denied" alone (a review)."""
+    from distqa.outdir import _owner_note
+
+    target = tmp_path / "results" / "q"
+    denied = PermissionError(13, "Permission denied", str(target))
+    owner = tmp_path.stat().st_uid
+    monkeypatch.setattr(os, "getuid", lambda: owner + 1000)
+    note = _owner_note(denied, str(target))
+    assert note.startswith(f": {tmp_path} belongs to uid {owner} and this process runs as uid {owner + 1000}")
+    assert "docker run --user" in note
+    monkeypatch.setattr(os, "getuid", lambda: owner)
+    assert _owner_note(denied, str(target)) == ""  # its own folder: something else refused it
+    assert _owner_note(OSError(28, "No space left on device", str(target)), str(target)) == ""

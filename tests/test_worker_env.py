@@ -649,6 +649,26 @@ def test_threads_share_the_cpus_this_node_may_use(tmp_path):
     assert threads(tmp_path, NPROC_PER_NODE=str(cpus + 1)).startswith("worker.sh: OMP_NUM_THREADS=1 (")
     # An explicit value wins.
     assert threads(tmp_path, NPROC_PER_NODE="1", OMP_NUM_THREADS="3") == "worker.sh: OMP_NUM_THREADS=3 (set)"
+    for bad in ("abc", "0", "4 "):  # OpenMP ignored it with a warning, and every CPU got a thread (a review)
+        proc = worker(tmp_path, NPROC_PER_NODE="1", OMP_NUM_THREADS=bad)
+        assert proc.returncode == 2 and f"OMP_NUM_THREADS={bad} is not a thread count" in proc.stderr
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_threads_follow_a_cgroup_cpu_quota(tmp_path, version):
+    """`docker run --cpus 1`: a v1 host's quota (cpu/cpu.cfs_quota_us) was not read, and every CPU
+    of the host got a thread (a review)."""
+    root = tmp_path / "cgroup"
+    (root / "cpu").mkdir(parents=True)
+    cpus = len(os.sched_getaffinity(0))
+    for quota, expected in (("100000", 1), ("max" if version == "v2" else "-1", cpus)):
+        if version == "v2":
+            (root / "cpu.max").write_text(f"{quota} 100000\n")
+        else:
+            (root / "cpu" / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (root / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+        said = threads(tmp_path, NPROC_PER_NODE="1", CGROUP_ROOT=str(root))
+        assert said == f"worker.sh: OMP_NUM_THREADS={expected} ({expected} CPU(s) / 1 process(es))"
 
 
 def test_threads_follow_the_cpu_affinity(tmp_path):
@@ -689,7 +709,13 @@ exit 1
 
 
 def sigterm_twice(
-    tmp_path: Path, preempted: str, finished: str = "0", first: signal.Signals = signal.SIGTERM, **extra: str
+    tmp_path: Path,
+    preempted: str,
+    finished: str = "0",
+    first: signal.Signals = signal.SIGTERM,
+    *,
+    close_output: bool = False,
+    **extra: str,
 ) -> tuple[subprocess.Popen, str]:
     fake = tmp_path / "torchrun"
     fake.write_text(TERM_COUNTING_TORCHRUN)
@@ -717,9 +743,15 @@ def sigterm_twice(
     while not (tmp_path / "ready").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
+    if close_output:  # what shows it is gone: a `| tee` ended, a terminal closed
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()  # type: ignore[union-attr]
     os.killpg(proc.pid, first)  # the whole group, as a supervisor, `kill -- -PGID` or a terminal's Ctrl-C does
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)  # an impatient second one, to worker.sh only
+    if close_output:
+        proc.wait(timeout=20)
+        return proc, ""
     _, stderr = proc.communicate(timeout=20)
     return proc, stderr
 
@@ -744,6 +776,14 @@ def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_and_130(tmp_path, sig, s
     assert (tmp_path / "terms").read_text().strip() == "1"  # torchrun got one SIGTERM
     assert proc.returncode == status
     assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
+
+
+def test_a_hang_up_with_nobody_reading_still_waits_for_the_checkpoint(tmp_path):
+    """The terminal closed: every line worker.sh wrote failed, and `set -e` (or SIGPIPE) ended it at
+    once, exit 1, its second signal not ignored, torchrun's workers still checkpointing (a review)."""
+    proc, _ = sigterm_twice(tmp_path, preempted="1", first=signal.SIGHUP, close_output=True)
+    assert proc.returncode == 129
+    assert (tmp_path / "terms").read_text().strip() == "1"
 
 
 def test_the_outcome_file_falls_back_to_dev_shm_where_tmpdir_cannot_be_written(tmp_path):

@@ -43,7 +43,6 @@ from distqa import sharded as sharded_ckpt
 from distqa.checkpoint_verify import (
     MANIFEST_FILE,
     STATE_FILE,
-    folder_step,
     list_checkpoints,
     manifest_entry,
     read_trainer_state,
@@ -57,8 +56,8 @@ from distqa.errors import DistqaError
 from distqa.rank0 import fix_for, raise_on_every_rank, reason, with_free_space
 from distqa.rng_state import capture_rng_state, restore_rng_state
 
-# What an interrupted save leaves: its folder before the rename, and the step it replaced.
-_LEFTOVER = re.compile(r"^\.(tmp|old)-step-\d+$")
+# A step's folder, or what an interrupted save leaves: its folder before the rename, the step it replaced.
+_LEFTOVER = re.compile(r"^(?:\.(tmp|old)-)?step-(\d+)$")
 
 
 class _RankZeroFiles(NamedTuple):
@@ -241,6 +240,7 @@ def _publish(
         fsync_path(root)
         shutil.rmtree(old, ignore_errors=True)
         prune(root, keep, {final.name, *protect})
+        _remove_leftovers(root, {final.name, *protect}, upto=int(files.trainer_state["step"]))
     except (OSError, RuntimeError, SafetensorError) as err:
         # A full disk surfaces as OSError, as torch.save's RuntimeError or as safetensors' own
         # error, depending on which file was being written.
@@ -253,7 +253,6 @@ def prune(root: Path, keep: int, protect: Collection[str] = ()) -> None:
     the best checkpoint that each one kept records. A resume that falls back to a kept one (the
     newer ones damaged) goes on with its record and points `best` at it again: pruned, the record
     named weights that were gone, and `best` stayed on the damaged step (found by a review)."""
-    _remove_leftovers(root, protect)
     if keep <= 0:
         return
     checkpoints = list_checkpoints(root)
@@ -264,17 +263,20 @@ def prune(root: Path, keep: int, protect: Collection[str] = ()) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _remove_leftovers(root: Path, protect: Collection[str]) -> None:
-    """Rank 0, holding the run: what a kill left of a save (`.tmp-step-N`, a step a platform's
-    grace period cut short, and never saved again), of a save of the same step again
-    (`.old-step-N`), or of a removal (`step-N` without its state file). Resume never reads them,
-    and they stayed for good: a partial bert-large checkpoint is gigabytes (a review)."""
+def _remove_leftovers(root: Path, protect: Collection[str], upto: int) -> None:
+    """Rank 0, holding the run, once step `upto` is saved: what kills left at or before it, which
+    resume never reads and which stayed for good (a partial bert-large checkpoint is gigabytes: a
+    review). A save cut short (`.tmp-step-N`, a step a platform's grace period ended and that was
+    not saved again), a removal cut short (`step-N` without its state file); `.old-step-N` only where
+    `step-N` is whole again (a kill between a re-save's two renames leaves the one whole copy there).
+    Never one in `protect` (the checkpoint this run resumed from), nor one past `upto`."""
     complete = {folder.name for folder in list_checkpoints(root)}
     for path in sorted(root.iterdir()) if root.is_dir() else []:
-        name = path.name
-        if name in protect or name in complete or not path.is_dir() or path.is_symlink():
+        match = _LEFTOVER.match(path.name)
+        if path.name in protect or path.name in complete or not path.is_dir() or path.is_symlink() or not match:
             continue
-        if _LEFTOVER.match(name) or folder_step(path) is not None:
+        kind, step = match[1] or "", int(match[2])
+        if step <= upto and (kind != "old" or f"step-{step}" in complete):
             shutil.rmtree(path, ignore_errors=True)
             print(f"removed {path}: what an interrupted save or removal left (never resumed from)", flush=True)
 

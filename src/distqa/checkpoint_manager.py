@@ -168,6 +168,7 @@ class CheckpointManager:
     def __init__(self, root: Path, cfg: Config, info: DistInfo, *, sharded: bool, lock: RunLock | None) -> None:
         self.root, self.cfg, self.info, self.sharded, self.lock = root, cfg, info, sharded, lock
         self.parts: Parts | None = None
+        self.resumed_from: Path | None = None  # (`restore`'s checkpoint: never removed as a leftover)
         # train.parallel=dp: the GPUs besides this process's own that run a copy of the model, each
         # drawing dropout masks from its own generator, saved and restored with this rank's RNG.
         self.replicas = parallel.dp_device_ids(info)[1:] if cfg.train.parallel == "dp" else []
@@ -189,6 +190,11 @@ class CheckpointManager:
         named = pointed(self.root) if info.is_main else None
         if named is not None:
             protect.add(named.name)
+        source = self.resumed_from
+        if source is not None and source.parent == self.root.resolve() and source.name.startswith("."):
+            # train.resume=PATH named what a kill left (.old-step-N): the user's now, never removed as
+            # a leftover. (A step-N source is pruned as any checkpoint is.)
+            protect.add(source.name)
         final = ckpt.save_checkpoint(
             self.root,
             **p.files(),
@@ -246,6 +252,7 @@ class CheckpointManager:
             seed_everything(derive_seed(cfg.seed, info.rank))
             self._seed_replicas(cfg.seed, info.rank)
             return 0
+        self.resumed_from = Path(directory).resolve()
         state = ckpt.load_checkpoint(
             directory, **p.files(), info=info, sharded=self.sharded, rng_replicas=self.replicas
         )

@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from distqa.config_checks import (
+    check_attention,
     check_choice,
     check_fraction,
     check_fsdp_run,
@@ -76,6 +77,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_fraction("model.dropout", self.dropout)
+        check_attention(self.attn_implementation)
 
 
 @dataclass

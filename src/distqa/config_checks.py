@@ -26,6 +26,22 @@ def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
 
 
+def check_attention(value: str | None) -> None:
+    """model.attn_implementation: a kernel transformers knows, or a hub kernel (`org/repo`). Any
+    text passed `--check-config`, and the run ended in a traceback from transformers' from_config
+    (a pretrained model's was blamed on model.name) (a review)."""
+    if value is None or "/" in value:
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # (only when set: a second to import)
+
+    known = ("eager", *sorted(ALL_ATTENTION_FUNCTIONS.valid_keys()))
+    if value not in known:
+        raise ConfigError(
+            f"model.attn_implementation={value!r} is not an attention kernel transformers knows: use one of "
+            f"{', '.join(known)} (or leave it unset: SDPA where the model supports it)"
+        )
+
+
 def scalars_in(key: str, value: Any) -> Iterator[tuple[str, Any]]:
     """(key, value) of every single value in a setting's value: itself, or the items of a list
     (`key[i]`) or mapping (`key.name`) setting, at any depth."""

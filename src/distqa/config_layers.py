@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ def _read_yaml(path: str) -> DictConfig:
             layer["task"] = {"name": layer["task"]}
     except OmegaConfBaseException as err:
         raise ConfigError(f"config file {path}: task: {str(err).splitlines()[0]}") from None
+    _refuse_missing(layer, f"config file {path}")
     return layer
 
 
@@ -129,11 +131,42 @@ def _command_line_layer(item: str, text: dict[str, bool]) -> DictConfig:
         ) from None
 
 
+def _expand_home(merged: DictConfig, text: dict[str, bool]) -> None:
+    """`~/` at the start of a text setting (a path) is the home folder, as a shell would make it:
+    YAML and sh leave it, and the run went into a folder named `~` in the working directory while
+    every line it printed read as the home folder (a review)."""
+    for key in text:
+        value = OmegaConf.select(merged, key, throw_on_resolution_failure=False)  # (a bad one: said below)
+        if isinstance(value, str) and value.startswith("~/"):
+            OmegaConf.update(merged, key, os.path.expanduser(value), merge=False)
+
+
+def _marked_missing(values: Any, prefix: str = "") -> Iterator[str]:
+    for name, value in values.items() if isinstance(values, dict) else ():
+        if isinstance(value, dict):
+            yield from _marked_missing(value, f"{prefix}{name}.")
+        elif value == "???":
+            yield f"{prefix}{name}"
+
+
+def _refuse_missing(layer: DictConfig, source: str) -> None:
+    """`???`, OmegaConf's mark of a value still to be filled in (a template's `data.train: ???`).
+    Merged, it left the value before it in place: the defaults trained, on the DummyDataset and into
+    results/run, exit 0 (a review)."""
+    # (Read unresolved: an interpolation resolves against the whole configuration, later.)
+    if missing := sorted(_marked_missing(OmegaConf.to_container(layer, resolve=False))):
+        raise ConfigError(
+            f"{source} leaves {missing[0]} as ??? (a value still to be filled in): give {missing[0]} a value"
+        )
+
+
 def _task_name(layer: DictConfig | None, items: list[str]) -> str:
     for item in reversed(items):
         if item.startswith("task.name="):  # read as any text key is: task.name='textcls' is textcls
             try:
-                name = OmegaConf.select(_command_line_layer(item, {"task.name": False}), "task.name")
+                given = _command_line_layer(item, {"task.name": False})
+                _refuse_missing(given, "the command line")
+                name = OmegaConf.select(given, "task.name")
             except OmegaConfBaseException as err:  # task.name=${oc.env:TASK} with TASK unset
                 raise ConfigError(f"{item} on the command line: {str(err).splitlines()[0]}") from None
             return "" if name is None else str(name)
@@ -206,6 +239,7 @@ def load_config(
                 check_yaml_numbers(key, value, "the command line", items_of)
         try:
             override = _command_line_layer(item, text)
+            _refuse_missing(override, "the command line")
             if key in text and "${" not in value:  # an interpolation resolves later
                 check_text(key, OmegaConf.select(override, key), text[key], "the command line")
             if key in switches and "${" not in value:  # an interpolation resolves later
@@ -230,6 +264,7 @@ def load_config(
         for key, kind in items_of.items():  # a switch's item that an interpolation gave
             if kind is bool:
                 check_items(key, _lookup(given, key), bool, "the configuration")
+        _expand_home(merged, text)
         cfg = OmegaConf.to_object(merged)  # instantiates the dataclasses: runs every __post_init__
     except OmegaConfBaseException as err:
         if isinstance(err.__cause__, ConfigError):

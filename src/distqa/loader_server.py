@@ -28,6 +28,7 @@ import inspect
 import multiprocessing
 import os
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -191,6 +192,23 @@ class Patient(Iterator[Any]):
             raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(dead)}) exited unexpectedly") from err
 
 
+def _shm_full(path: str = "/dev/shm") -> str:
+    """Where /dev/shm is half full or more: a batch that does not fit there fails in the worker's
+    feeder thread, the worker lives on, and the batch never comes (docker's default is 64 MB; a
+    review saw a run wait out data.timeout_s blamed on the data's storage)."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return ""
+    if usage.total == 0 or usage.free * 2 > usage.total:
+        return ""
+    free, total = usage.free / 2**20, usage.total / 2**20
+    return (
+        f", or /dev/shm is full ({free:.1f} of {total:.1f} MiB free), where a batch that does not fit stops its worker "
+        "for good: docker run --shm-size=2g (Kubernetes: a memory emptyDir at /dev/shm), or lower data.num_workers"
+    )
+
+
 def as_worker_loss(err: BaseException) -> DistqaError | None:
     """`err` said as one line when a DataLoader worker of this process died or stalled past
     data.timeout_s; None for anything else."""
@@ -198,9 +216,9 @@ def as_worker_loss(err: BaseException) -> DistqaError | None:
     if stalled is not None:
         return DistqaError(
             f"waited {float(stalled.group(1)):g} s for a batch from the DataLoader workers (data.timeout_s): a worker "
-            "is stuck reading an item (a stale network mount, a lock held elsewhere); fix the data's storage and run "
-            "the same command again to resume from the newest checkpoint, or raise data.timeout_s if a batch may take "
-            "longer"
+            f"is stuck reading an item (a stale network mount, a lock held elsewhere){_shm_full()}; fix the data's "
+            "storage and run the same command again to resume from the newest checkpoint, or raise data.timeout_s "
+            "if a batch may take longer"
         )
     found = _WORKER_GONE.search(str(err))
     if found is None:

@@ -74,6 +74,8 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
             f"cannot load {what} from the folder {name} ({reason}): it does not hold a whole {what}; "
             f"set {key} to a folder that does"
         )
+    if os.path.exists(name):  # a file: read as a path, never a hub id (it blamed the network: a review)
+        return DistqaError(f"cannot load {what} from {name}: it is a file; set {key} to a {what}'s folder or a hub id")
     cached = _cached_file(name, "config.json")
     if cached is not None and (broken := _damaged_config(cached)):  # not "download it": it is there, damaged
         # The whole entry: its snapshot links to content-named blobs, which a download would reuse.
@@ -196,7 +198,7 @@ def load_tokenizer(cfg: ModelConfig, *, required: bool = False) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, TypeError) as err:  # TypeError: its config.json is no JSON object
-        raise load_error("tokenizer", name, err, "model.tokenizer") from err
+        raise load_error("tokenizer", name, err, "model.tokenizer" if cfg.tokenizer else "model.name") from err
 
 
 def check_model_fits(

@@ -122,10 +122,24 @@ def claim(output_dir: Path, info: DistInfo) -> RunLock | None:
         # The file it failed on, when not output_dir itself (a folder named run.lock, say).
         name = getattr(err, "filename", None)
         inside = f" ({name})" if name and Path(name) != output_dir else ""
-        return f"output_dir={str(output_dir)!r} cannot be written: {reason(err)}{inside}"
+        return f"output_dir={str(output_dir)!r} cannot be written: {reason(err)}{inside}{_owner_note(err, name)}"
 
     on_rank0(info, take, failure=failure)
     return lock
+
+
+def _owner_note(err: BaseException, name: str | None) -> str:
+    """Who may write there, where permission was refused: a `docker run -v` folder the engine made
+    (root's) for a container running as uid 1000 said only "Permission denied" (a review)."""
+    if not isinstance(err, PermissionError) or not name:
+        return ""
+    folder = next((p for p in (Path(name), *Path(name).parents) if p.exists()), None)
+    if folder is None or folder.stat().st_uid == os.getuid():
+        return ""
+    return (
+        f": {folder} belongs to uid {folder.stat().st_uid} and this process runs as uid {os.getuid()}; make it "
+        "writable for this uid (chown), or run as its owner (docker run --user)"
+    )
 
 
 def write_text(path: Path, text: str, info: DistInfo) -> None:

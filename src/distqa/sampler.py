@@ -282,14 +282,22 @@ def training_loader_context(dataset: Dataset, collate: Callable[[list[Any]], Any
     return loader_context(loader_workers(cfg), uses=(dataset, collate), distributed=distributed)
 
 
-def check_picklable(dataset: Dataset, collate: Callable[[list[Any]], Any], cfg: Config, info: DistInfo) -> None:
-    """One process starts its loader's workers with plain fork, which pickles nothing: a dataset or
-    collate_fn that cannot be pickled trained there, and stopped only under torchrun, whose workers
-    receive both pickled from a fork server (a fork's 1-process try passed, its launch failed: a
-    review). Checked once at the start of such a run, so that it stops as a launch would."""
+def check_picklable(collate: Callable[[list[Any]], Any], cfg: Config, info: DistInfo) -> None:
+    """One process starts its loader's workers with plain fork, which pickles nothing: a collate_fn
+    that cannot be pickled (a lambda, a closure: a fork's usual slip) trained there, and stopped only
+    under torchrun, whose workers receive it pickled from a fork server (a fork's 1-process try
+    passed, its launch failed: a review). Checked once at the start of such a run. Not the dataset:
+    plain pickle copies a dataset's tensors (the fork server's pickler shares them) and refuses what
+    only a process start may pickle (a forkserver `Value`), so it would refuse what a launch runs."""
     if info.world_size == 1 and not dist.is_initialized() and loader_workers(cfg):
-        if named := unpicklable(dataset, collate):
-            raise named
+        try:
+            pickle.Pickler(_Discard()).dump(collate)
+        except Exception as failed:  # noqa: BLE001 (whatever pickling raises is the answer)
+            raise ConfigError(
+                f"the task's collate_fn ({type(collate).__qualname__}) cannot be pickled into the DataLoader "
+                f"workers of a launch ({type(failed).__name__}: {failed}): make it picklable (module-level "
+                "classes and functions, e.g. functools.partial), or set data.num_workers=0"
+            ) from None
 
 
 class _Discard:
@@ -304,7 +312,7 @@ def unpicklable(dataset: Dataset, collate: Callable[[list[Any]], Any]) -> Config
     dataset and the task's `collate_fn` pickled); None when both pickle."""
     for what, thing in (("the training dataset", dataset), ("the task's collate_fn", collate)):
         try:
-            pickle.Pickler(_Discard()).dump(thing)
+            pickle.dumps(thing)
         except Exception as failed:  # noqa: BLE001 (whatever pickling raises is the answer)
             return ConfigError(
                 f"{what} ({type(thing).__qualname__}) cannot be pickled into the DataLoader workers "

@@ -43,8 +43,10 @@ class StopSignal:
         # SIGINT (Ctrl-C; torchrun passes it on to the workers) stops as SIGTERM does, with a
         # checkpoint; a second one interrupts at once, as Ctrl-C twice does anywhere. SIGHUP too:
         # a terminal that closes (an ssh session lost) sends it, and torchrun passes on the signal
-        # it got; it killed every rank, the steps since the last checkpoint lost.
-        stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        # it got; it killed every rank, the steps since the last checkpoint lost. Where SIGHUP or
+        # SIGINT is ignored (`nohup`, a shell's background job), it stays ignored: a nohup run went on
+        # after a logout, and must (a review saw it stop).
+        stops = [signal.SIGTERM, *(s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN)]
         self._previous = {sig: signal.signal(sig, self._handle) for sig in stops}
         outcome.training()  # a launcher's stop from here on finds a checkpoint, or says why not
         # With NCCL, an all-reduce of a CPU flag needs a CPU-capable group, and this keeps the poll

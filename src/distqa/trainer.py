@@ -169,7 +169,7 @@ class Trainer:
         # workers) agree: before any process reads a set whole, and before a rank may refuse alone.
         named = [("data.train", dataset, cfg.data.train), ("data.valid", valid, cfg.data.valid)]
         agreed_samples(info, named, loader=(self.task.collate_fn(), cfg))
-        check_picklable(dataset, self.task.collate_fn(), cfg, info)
+        check_picklable(self.task.collate_fn(), cfg, info)
         self.valid_identity = agreed_valid_identity(self.task, info, cfg.data.valid)
         require_evaluation(self.task, cfg.train)
         self.data_identity = agreed_identity(self.task.data_fingerprint, dataset, info, cfg.data.train)

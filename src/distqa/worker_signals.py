@@ -15,6 +15,7 @@ import os
 import signal
 from collections.abc import Iterator
 
+from distqa.console import outlive_closed_output
 from distqa.worker_exit import end_with_training_process
 
 
@@ -36,6 +37,9 @@ def loader_worker_init(worker_id: int) -> None:
     signals again.
     """
     os.setpgid(0, 0)
+    # A fork server's worker is a fresh interpreter's child: without this, a print of the task's in a
+    # worker to a pipe nobody reads stopped the run (BrokenPipeError), blamed on the data (a review).
+    outlive_closed_output()
     end_with_training_process()  # PyTorch's watchdog misses a worker stuck in an item, or the server's
     if signal.SIGTERM in signal.sigpending():
         signal.sigwait({signal.SIGTERM})  # sent to the training process's group: not ours
