@@ -26,6 +26,7 @@ from distqa.config_checks import (
     check_not_a_section,
     check_sections,
     raise_config_error,
+    scalars_in,
     suggest,
     unknown_key,
 )
@@ -141,20 +142,14 @@ def _expand_home(merged: DictConfig, text: dict[str, bool]) -> None:
             OmegaConf.update(merged, key, os.path.expanduser(value), merge=False)
 
 
-def _marked_missing(values: Any, prefix: str = "") -> Iterator[str]:
-    for name, value in values.items() if isinstance(values, dict) else ():
-        if isinstance(value, dict):
-            yield from _marked_missing(value, f"{prefix}{name}.")
-        elif value == "???":
-            yield f"{prefix}{name}"
-
-
 def _refuse_missing(layer: DictConfig, source: str) -> None:
     """`???`, OmegaConf's mark of a value still to be filled in (a template's `data.train: ???`).
     Merged, it left the value before it in place: the defaults trained, on the DummyDataset and into
     results/run, exit 0 (a review)."""
     # (Read unresolved: an interpolation resolves against the whole configuration, later.)
-    if missing := sorted(_marked_missing(OmegaConf.to_container(layer, resolve=False))):
+    values = OmegaConf.to_container(layer, resolve=False)
+    found = (key for name, value in values.items() for key, item in scalars_in(str(name), value) if item == "???")
+    if missing := sorted(found):
         raise ConfigError(
             f"{source} leaves {missing[0]} as ??? (a value still to be filled in): give {missing[0]} a value"
         )

@@ -134,10 +134,11 @@ def _owner_note(err: BaseException, name: str | None) -> str:
     if not isinstance(err, PermissionError) or not name:
         return ""
     folder = next((p for p in (Path(name), *Path(name).parents) if p.exists()), None)
-    if folder is None or folder.stat().st_uid == os.getuid():
+    owner = folder.stat().st_uid if folder is not None else os.getuid()
+    if owner == os.getuid():
         return ""
     return (
-        f": {folder} belongs to uid {folder.stat().st_uid} and this process runs as uid {os.getuid()}; make it "
+        f": {folder} belongs to uid {owner} and this process runs as uid {os.getuid()}; make it "
         "writable for this uid (chown), or run as its owner (docker run --user)"
     )
 

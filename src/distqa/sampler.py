@@ -265,7 +265,8 @@ def training_batches(
         try:
             return Patient(iter(loader), cfg.data.timeout_s) if workers else iter(loader)
         except (pickle.PicklingError, AttributeError, TypeError) as err:
-            named = None if context is None or context.get_start_method() == "fork" else unpicklable(dataset, collate)
+            sent = (("the training dataset", dataset), ("the task's collate_fn", collate))
+            named = None if context is None or context.get_start_method() == "fork" else unpicklable(*sent)
             if named is None:
                 raise
             raise named from err
@@ -290,29 +291,23 @@ def check_picklable(collate: Callable[[list[Any]], Any], cfg: Config, info: Dist
     plain pickle copies a dataset's tensors (the fork server's pickler shares them) and refuses what
     only a process start may pickle (a forkserver `Value`), so it would refuse what a launch runs."""
     if info.world_size == 1 and not dist.is_initialized() and loader_workers(cfg):
-        try:
-            pickle.Pickler(_Discard()).dump(collate)
-        except Exception as failed:  # noqa: BLE001 (whatever pickling raises is the answer)
-            raise ConfigError(
-                f"the task's collate_fn ({type(collate).__qualname__}) cannot be pickled into the DataLoader "
-                f"workers of a launch ({type(failed).__name__}: {failed}): make it picklable (module-level "
-                "classes and functions, e.g. functools.partial), or set data.num_workers=0"
-            ) from None
+        if named := unpicklable(("the task's collate_fn", collate)):
+            raise named
 
 
 class _Discard:
-    """A pickle's destination that keeps nothing: pickling a large dataset costs no memory."""
+    """A pickle's destination that keeps nothing: what is checked is never held whole in memory."""
 
     def write(self, data: bytes) -> int:
         return len(data)
 
 
-def unpicklable(dataset: Dataset, collate: Callable[[list[Any]], Any]) -> ConfigError | None:
-    """Why a loader's workers could not start, in one line: what does not pickle (they receive the
-    dataset and the task's `collate_fn` pickled); None when both pickle."""
-    for what, thing in (("the training dataset", dataset), ("the task's collate_fn", collate)):
+def unpicklable(*named: tuple[str, object]) -> ConfigError | None:
+    """Why a loader's workers could not start, in one line: which of the (what, thing) pairs does
+    not pickle (they receive the dataset and the task's `collate_fn` pickled); None when all do."""
+    for what, thing in named:
         try:
-            pickle.dumps(thing)
+            pickle.Pickler(_Discard()).dump(thing)
         except Exception as failed:  # noqa: BLE001 (whatever pickling raises is the answer)
             return ConfigError(
                 f"{what} ({type(thing).__qualname__}) cannot be pickled into the DataLoader workers "
