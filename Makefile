@@ -113,11 +113,17 @@ test-comm: install-dev
 # Two hosts (network namespaces, root) on a tbf-capped veth link: samples/s and bytes on the wire per
 # train.ddp_comm_hook (scripts/bench_network.sh; about 6 minutes). Not part of `make test`.
 .PHONY: bench-network
+# .ci/run runs a smaller matrix (NETWORK_RATES, NETWORK_HOOKS, NETWORK_STEPS): the script end to end, not the figures.
 NETWORK_OUT ?= results/network
 NETWORK_REPEATS ?= 1
+NETWORK_RATES ?= none,1gbit,100mbit
+NETWORK_HOOKS ?= none,fp16,bf16,powersgd
+NETWORK_STEPS ?= 20
+NETWORK_WARMUP ?= 10
 bench-network: install
-	PYTHON=$(CURDIR)/$(BIN)/python scripts/bench_network.sh --rates none,1gbit,100mbit --hooks none,fp16,bf16,powersgd \
-		--steps 20 --warmup 10 --repeats $(NETWORK_REPEATS) --output $(NETWORK_OUT) -- model.name=tiny task.max_seq_len=64 train.batch_size=8
+	PYTHON=$(CURDIR)/$(BIN)/python scripts/bench_network.sh --rates $(NETWORK_RATES) --hooks $(NETWORK_HOOKS) \
+		--steps $(NETWORK_STEPS) --warmup $(NETWORK_WARMUP) --repeats $(NETWORK_REPEATS) --output $(NETWORK_OUT) \
+		-- model.name=tiny task.max_seq_len=64 train.batch_size=8
 
 # The GPU acceptance suite (tests/test_gpu.py, test_gpu_dp.py and test_gpu_nq.py, marker gpu): about 2 minutes on one GPU, its groups
 # of launches side by side (xdist groups). Without CUDA every test is skipped, one line each with

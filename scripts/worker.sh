@@ -26,6 +26,7 @@
 # and CGROUP_ROOT the folder the CPU quota is read from (/sys/fs/cgroup).
 # Before torchrun starts: the settings are checked (`distqa train --check-config`), and node 0
 # checks that MASTER_PORT is free here and that MASTER_ADDR leads to this host (distqa.rdzv_check).
+# A variable one letter off one of these (NNODE, MASTER_PROT, nnodes) is refused while that one is unset.
 # Exit status: 2 for a missing or contradictory setting, 3 when node 0 does not answer in time,
 # 143 after a SIGTERM that distqa answered with a checkpoint (its `distqa: preempted:` line is then
 # the last line) or one before torchrun started (nothing to checkpoint yet), 0 when every process finished its training (also when a SIGTERM came after that);
@@ -171,6 +172,25 @@ sky_master=""
 if [[ -n ${SKYPILOT_NODE_IPS:-} ]]; then sky_master=$(awk 'NF { print $1; exit }' <<<"$SKYPILOT_NODE_IPS"); fi
 # shellcheck disable=SC2034
 SKYPILOT_FIRST_IP=$sky_master
+
+# one_edit A B: A and B (not equal) differ by one letter added, dropped or changed, or two swapped.
+one_edit() {
+  local a=$1 b=$2 i=0
+  while ((i < ${#a} && i < ${#b})) && [[ ${a:i:1} == "${b:i:1}" ]]; do i=$((i + 1)); done
+  a=${a:i} b=${b:i}
+  [[ ${a:1} == "${b:1}" || ${a:1} == "$b" || $a == "${b:1}" ]] ||
+    [[ ${#a} -ge 2 && ${a:0:2} == "${b:1:1}${b:0:1}" && ${a:2} == "${b:2}" ]]
+}
+# A misspelt variable (`-e NNODE=2`, MASTER_PROT, nnodes) was ignored: each node then trained alone
+# as node 0 of 1, exit 0, or waited on a default port. Refused while the name it resembles is unset.
+for var in $(compgen -e); do
+  for known in NNODES NODE_RANK MASTER_ADDR MASTER_PORT NPROC_PER_NODE RDZV_TIMEOUT MAX_RESTARTS \
+    RDZV_LAST_CALL LOCAL_ADDR RDZV_ID OMP_NUM_THREADS; do
+    if [[ $var != "$known" && -z ${!known:-} ]] && { [[ ${var^^} == "$known" ]] || one_edit "${var^^}" "$known"; }; then
+      die "$var=${!var} is set, but worker.sh reads $known (unset): did you mean $known? (see the list at the top of scripts/worker.sh)"
+    fi
+  done
+done
 
 pick nnodes NNODES PET_NNODES KUBEFLOW_WORLD_SIZE SLURM_NNODES SLURM_JOB_NUM_NODES SKYPILOT_NUM_NODES ||
   { nnodes=1 nnodes_FROM=default; }

@@ -194,10 +194,13 @@ FAKEBIN = TESTS / "fakebin"  # stand-in docker, neuro, neuro-flow and nvidia-smi
 
 
 def sigint_default() -> None:
-    """preexec_fn for a script a test will Ctrl-C: bash cannot trap a signal that was ignored when
-    it started, and a test run started in the background of a non-interactive shell (nohup, `&` in a
-    script) ignores SIGINT; the script would then never see the test's Ctrl-C."""
+    """preexec_fn for a script a test will Ctrl-C or hang up: bash cannot trap a signal that was
+    ignored when it started, and a distqa process keeps ignoring one (as nohup asks). A test run
+    started in the background of a non-interactive shell (`&` in a script) ignores SIGINT, one
+    started under nohup SIGHUP: the process would never see the test's signal (a CI started with
+    nohup failed the SIGHUP tests so)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def bench_result(seconds: float, **extra) -> dict:

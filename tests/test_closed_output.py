@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import sigint_default
 from distqa.checkpoint import read_trainer_state
 from distqa.checkpoint_verify import verify_checkpoint
 from distqa.console import _OutlivesItsReader, outlive_closed_output
@@ -101,7 +102,7 @@ def _train(out: Path, hang_up_at: int, *, nohup: bool = False) -> int:
         "data.num_workers=2", "train.batch_size=8", "train.max_steps=24", "train.log_every=1",
         "train.checkpoint_every=100", "train.eval_every=0", f"output_dir={out}",
     ]  # fmt: skip
-    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else sigint_default
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, preexec_fn=ignore)
     assert proc.stdout is not None
     proc.stdout.close()

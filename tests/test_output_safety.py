@@ -422,6 +422,20 @@ def test_check_config_refuses_an_output_dir_outside_the_launchs_kept_folder(tmp_
     assert main(["train", "--check-config", "output_dir=results/a"]) == 0
 
 
+def test_check_config_refuses_an_output_dir_that_is_a_file_or_lies_under_one(tmp_path, capsys):
+    """--check-config passed both, and the run stopped only after torchrun had started every rank."""
+    from distqa.cli import main
+
+    (tmp_path / "notes").write_text("mine\n")
+    assert main(["train", "--check-config", f"output_dir={tmp_path / 'notes'}"]) == 2
+    said = capsys.readouterr().err
+    assert said == f"distqa: error: output_dir='{tmp_path}/notes' is a file, not a folder: name another output_dir\n"
+    assert main(["train", "--check-config", f"output_dir={tmp_path / 'notes' / 'run' / 'a'}"]) == 2
+    assert f"lies under {tmp_path}/notes, which is a file" in capsys.readouterr().err
+    assert main(["train", "--check-config", f"output_dir={tmp_path / 'new' / 'run'}"]) == 0
+    assert (tmp_path / "notes").read_text() == "mine\n" and not (tmp_path / "new").exists()
+
+
 # /proc/self/mountinfo as a container shows it: the root is the container's overlay layer, the
 # results folder a bind mount of the host's, the data a mount whose name holds a space (escaped).
 CONTAINER_MOUNTS = """\

@@ -334,6 +334,13 @@ def test_an_elastic_node_count_uses_the_c10d_rendezvous_on_node_zero(tmp_path):
         ({"NPROC_PER_NODE": "gpu"}, "NPROC_PER_NODE=gpu (from NPROC_PER_NODE), but no GPU is visible here"),
         ({"RDZV_TIMEOUT": "soon"}, "RDZV_TIMEOUT=soon"),
         ({"MAX_RESTARTS": "-3"}, "MAX_RESTARTS=-3"),
+        # A misspelt name was ignored: each node trained alone as node 0 of 1, exit 0.
+        ({"NNODE": "2"}, "NNODE=2 is set, but worker.sh reads NNODES (unset): did you mean NNODES?"),
+        ({"nnodes": "2"}, "nnodes=2 is set, but worker.sh reads NNODES (unset)"),
+        ({"NNODES": "2", "NODE_RNAK": "1", "MASTER_ADDR": "h"}, "NODE_RNAK=1 is set, but worker.sh reads NODE_RANK"),
+        ({"MASTER_PROT": "29600"}, "did you mean MASTER_PORT?"),
+        ({"MASTER_ADR": "10.0.0.1"}, "did you mean MASTER_ADDR?"),
+        ({"NPROC_PER_NODES": "2"}, "did you mean NPROC_PER_NODE?"),
     ],
 )
 def test_errors_are_one_clear_line(tmp_path, env, message):
@@ -343,6 +350,13 @@ def test_errors_are_one_clear_line(tmp_path, env, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("worker.sh: error: "), proc.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    "env", [{"NNODE": "2", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h"}, {"MASTER_HOST": "h", "RANK": "0"}]
+)
+def test_names_near_ours_pass_when_ours_is_set_or_they_are_not_one_letter_off(tmp_path, env):
+    assert resolved(tmp_path, **env)["--nnodes"] == env.get("NNODES", "1")
 
 
 # RDZV_TIMEOUT=08 waits its 8 s: make test-launch (the 2 s case stays in make test).

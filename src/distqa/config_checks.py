@@ -248,7 +248,10 @@ def check_output_root(output_dir: str | Path) -> None:
     mounts RESULTS_DIR at /app/results, .neuro/live.yml the results volume) names it in
     DISTQA_OUTPUT_ROOT: an output_dir elsewhere was written inside the container and removed with
     it, the script saying 'finished; results in ...' over an empty folder, exit 0. Checked by
-    `distqa train --check-config` too, so that a launch script refuses it before torchrun starts."""
+    `distqa train --check-config` too, so that a launch script refuses it before torchrun starts.
+    So is an output_dir that is a file or lies under one: --check-config passed it, and the run
+    stopped only after every rank had started."""
+    _refuse_a_file(Path(output_dir))
     root = os.environ.get("DISTQA_OUTPUT_ROOT")
     if not root:
         return
@@ -259,6 +262,18 @@ def check_output_root(output_dir: str | Path) -> None:
             f"that outlives it (DISTQA_OUTPUT_ROOT, set by the launch that mounts it): set output_dir to a folder in "
             f"{kept}, e.g. output_dir={kept}/{where.name}"
         )
+
+
+def _refuse_a_file(output_dir: Path) -> None:
+    try:
+        existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
+        if existing is None or existing.is_dir():
+            return
+    except OSError:  # a folder this user may not search: the run's own claim says so
+        return
+    if existing == output_dir:
+        raise ConfigError(f"output_dir={str(output_dir)!r} is a file, not a folder: name another output_dir")
+    raise ConfigError(f"output_dir={str(output_dir)!r} lies under {existing}, which is a file: name another output_dir")
 
 
 WORLD_SIZES_ENV = "DISTQA_CHECK_WORLD_SIZES"  # worker.sh: "SIZE ...|NNODES=1:2 x NPROC_PER_NODE=1"

@@ -12,6 +12,7 @@ Hugging Face id, or a local folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -245,6 +246,29 @@ def check_model_fits(
         raise DistqaError(
             f"tokenizer {name!r} has {size} tokens, more than model {cfg.name!r}'s vocabulary of {vocab_size}"
         )
+    if not exported and cfg.name not in RANDOM_MODELS and cfg.tokenizer and cfg.tokenizer != cfg.name:
+        _check_pretrained_tokenizer(cfg, tokenizer, vocab_size)
+
+
+def _check_pretrained_tokenizer(cfg: ModelConfig, tokenizer: Any, vocab_size: int) -> None:
+    """Pretrained weights with a model.tokenizer of their own: its ids must mean the words the
+    embeddings learnt. One of 2000 entries on MiniLM's 30522 trained, exit 0, every word read as
+    another, and only `predict` refused the result, asking for the tokenizer it had been trained
+    with (a review). Compared with the model folder's own tokenizer where it has one."""
+    size, own = len(tokenizer), Path(cfg.name)
+    if size < 0.95 * vocab_size:
+        raise DistqaError(
+            f"model.tokenizer={cfg.tokenizer} has {size} entries but pretrained model {cfg.name!r} has a vocabulary "
+            f"of {vocab_size}: its ids would pick other words' embeddings; leave model.tokenizer out to use the "
+            "model's own, or name the tokenizer the model was pretrained with"
+        )
+    if own.is_dir() and any((own / f).is_file() for f in TOKENIZER_FILES):
+        difference = tokenizer_difference(tokenizer, load_tokenizer(dataclasses.replace(cfg, tokenizer=None)))
+        if difference:
+            raise DistqaError(
+                f"model.tokenizer={cfg.tokenizer} is not the tokenizer saved with model {cfg.name!r} ({difference}): "
+                "leave model.tokenizer out to use the saved one"
+            )
 
 
 def tokenizer_difference(given: Any, saved: Any) -> str | None:
@@ -254,12 +278,25 @@ def tokenizer_difference(given: Any, saved: Any) -> str | None:
     truncation, model_max_length) are not compared."""
     vocab, saved_vocab = given.get_vocab(), saved.get_vocab()
     if vocab != saved_vocab:
+        # (a token in one only, or at another id: counted once each, so it can pass either size)
         differ = sum(1 for token, index in vocab.items() if saved_vocab.get(token) != index)
         differ += len(saved_vocab.keys() - vocab.keys())
-        return f"{differ} of {max(len(vocab), len(saved_vocab))} vocabulary entries differ"
+        return f"{differ} vocabulary entries differ (of {len(vocab)} and {len(saved_vocab)})"
+    # The ids a task places itself ([CLS] question [SEP] ...): an edited tokenizer_config.json that
+    # swapped two roles kept the vocabulary and gave every window another first token (a review).
+    for role in SPECIAL_ROLES:
+        mine, theirs = getattr(given, f"{role}_token_id", None), getattr(saved, f"{role}_token_id", None)
+        if mine != theirs:
+            return f"same vocabulary, another {role} token: id {mine} against {theirs}"
     if _text_pipeline(given) != _text_pipeline(saved):
         return "same vocabulary, other normalization or splitting (lower-casing, accents, punctuation)"
     return None
+
+
+SPECIAL_ROLES = ("cls", "sep", "pad", "unk", "mask", "bos", "eos")
+# Files a saved tokenizer consists of (any one will do): without them, AutoTokenizer would build a
+# BERT tokenizer with only its 5 special tokens from config.json, and every word would become [UNK].
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spiece.model", "vocab.json")
 
 
 def _text_pipeline(tokenizer: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from distqa.errors import DistqaError
 from distqa.nq.reader import NQExample
 
 UNKNOWN, YES, NO, SHORT, LONG = range(5)
@@ -102,12 +103,27 @@ def _stable_seed(seed: int, example_id: str) -> list[int]:
     return [seed, int.from_bytes(digest, "little")]
 
 
+def require_cls_and_sep(tokenizer: Any) -> None:
+    """Every window is [CLS] question [SEP] passage [SEP]: a tokenizer that names no [CLS] or [SEP]
+    (one trained with `tokenizers` and saved without its special tokens) gave None for their ids,
+    prepared with exit 0, and training ended in a TypeError from the collate (a review)."""
+    missing = [role for role in ("cls", "sep") if getattr(tokenizer, f"{role}_token_id", None) is None]
+    if missing:
+        names = " and ".join(f"{role}_token" for role in missing)
+        raise DistqaError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no {names}: its windows are "
+            f"[CLS] question [SEP] passage [SEP]; use a BERT-style tokenizer, or set {names} in its "
+            "tokenizer_config.json to tokens of its vocabulary"
+        )
+
+
 class FeatureBuilder:
     """Turns NQExamples into feature dicts. One per worker process: it owns a word cache."""
 
     def __init__(self, tokenizer: Any, settings: FeatureSettings) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("FeatureBuilder needs a fast (Rust) tokenizer")
+        require_cls_and_sep(tokenizer)
         self.tokenizer = tokenizer
         self.settings = settings
         self.cls_id, self.sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id

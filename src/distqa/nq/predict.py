@@ -14,7 +14,7 @@ from distqa.config import Config, ModelConfig
 from distqa.console import quiet_libraries
 from distqa.dist import autocast_dtype
 from distqa.errors import DistqaError
-from distqa.models import check_model_fits, load_tokenizer, tokenizer_difference
+from distqa.models import TOKENIZER_FILES, check_model_fits, load_tokenizer, tokenizer_difference
 from distqa.nq.data import check_feature_ids, resolve_features
 from distqa.nq.evaluate import final_answers, window_bests
 from distqa.nq.features import TOKEN_TYPES
@@ -69,11 +69,6 @@ def predict_commands(task: str) -> list[str]:
     except DistqaError:  # a fork that cannot be imported here: no command to name
         return []
     return sorted(name for name in commands.choices if "predict" in name)
-
-
-# Files a saved tokenizer consists of (any one will do): without them, AutoTokenizer would build a
-# BERT tokenizer with only its 5 special tokens from config.json, and every word would become [UNK].
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spiece.model", "vocab.json")
 
 
 def read_examples(input_path: str, *, skip_bad_lines: bool) -> tuple[dict[str, NQExample], list[tuple[int, str]]]:

@@ -46,7 +46,7 @@ from distqa.nq.feature_stamp import (
     load_features,
     same_input,
 )
-from distqa.nq.features import FeatureBuilder, FeatureSettings
+from distqa.nq.features import FeatureBuilder, FeatureSettings, require_cls_and_sep
 from distqa.nq.reader import NQReader, byte_ranges, refuse_unreadable_start
 from distqa.parent_watch import children_die_with_me
 from distqa.rank0 import reason
@@ -106,6 +106,7 @@ def _fast_tokenizer(name: str) -> Any:
         raise load_error("tokenizer", name, err, "model.tokenizer") from None
     if not getattr(tokenizer, "is_fast", False):
         raise DistqaError(f"tokenizer {name!r} has no fast (Rust) version, which prepare needs")
+    require_cls_and_sep(tokenizer)  # here, not in the workers: theirs read as a crash
     return tokenizer
 
 
