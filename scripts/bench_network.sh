@@ -8,7 +8,8 @@
 # qdisc on both ends at each rate (`none`: no cap), and for each hook runs a 2-node run with
 # scripts/worker.sh on each host (1 process per node), timed as `distqa bench` times (the warm-up
 # steps excluded). The bytes on the wire are the veths' tx counters over the measured steps. Writes
-# DIR/network.json, DIR/network.png and DIR/runs/RATE-HOOK/ (logs, results). With --repeats N, every
+# DIR/network.json, DIR/network.png and DIR/runs/RATE-HOOK/ (logs, results); an earlier call's
+# files there are first moved to DIR/earlier/<time>-XXXX/. With --repeats N, every
 # rate and hook runs N times, the rounds one after the other (RATE-HOOK-rK/), and each figure is the
 # median of its N runs: both hosts share the machine's CPUs, and one run varies by about 10 %. Needs root, `ip` and
 # `tc`; exits 2 with one line without them. The namespaces go on exit, on Ctrl-C and on failure.
@@ -77,6 +78,15 @@ for i in 0 1; do
   ip -n "${ns[i]}" link set lo up
 done
 
+# The report reads every run under DIR/runs: an earlier call's (other rates, hooks or steps) were
+# reported beside this one's as if measured now. They are moved aside, not deleted.
+if [[ -d $output/runs ]] && [[ -n $(ls -A "$output/runs") ]]; then
+  mkdir -p "$output/earlier"
+  earlier=$(mktemp -d "$output/earlier/$(date +%Y%m%d-%H%M%S)-XXXX")
+  mv "$output/runs" "$earlier/runs"
+  for file in network.json network.png; do if [[ -e $output/$file ]]; then mv "$output/$file" "$earlier/"; fi; done
+  echo "bench_network.sh: $output held an earlier benchmark's runs: moved to $earlier" >&2
+fi
 mkdir -p "$output/runs"
 port=29561
 for ((round = 1; round <= repeats; round++)); do

@@ -4,6 +4,7 @@ after a failed run or a Ctrl-C. Its figures are `make bench-network`'s (docs/ben
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -85,3 +86,22 @@ def test_ctrl_c_mid_run_removes_namespaces_and_processes(tmp_path):
     assert proc.returncode == 130
     time.sleep(1)
     assert namespaces() == set() and leftovers() == []
+
+
+def test_an_earlier_call_s_runs_are_moved_aside_not_reported_as_this_one_s(tmp_path):
+    """The report reads every run under DIR/runs: a second call into one folder (CI's, a user's
+    `make bench-network` again with other rates) reported the first call's rows as its own."""
+    needs_root("network namespaces", "ip", "tc")
+    old = tmp_path / "runs" / "1gbit-bf16"
+    old.mkdir(parents=True)
+    (old / "result.json").write_text('{"stale": true}')
+    (tmp_path / "network.json").write_text("{}")
+    proc = bench(*QUICK, "--output", str(tmp_path), *SETTINGS)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["none-fp16"]
+    runs = json.loads((tmp_path / "network.json").read_text())["runs"]
+    assert [(run["rate"], run["hook"]) for run in runs] == [("none", "fp16")]
+    (earlier,) = (tmp_path / "earlier").iterdir()
+    assert (earlier / "runs" / "1gbit-bf16" / "result.json").read_text() == '{"stale": true}'
+    assert (earlier / "network.json").read_text() == "{}"
+    assert f"held an earlier benchmark's runs: moved to {earlier}" in proc.stderr
