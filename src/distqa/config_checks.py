@@ -265,15 +265,14 @@ def check_output_root(output_dir: str | Path) -> None:
 
 
 def _refuse_a_file(output_dir: Path) -> None:
+    # (durable.file_in_the_way's walk, written here: the configuration imports nothing above it)
     try:
-        existing = next((p for p in (output_dir, *output_dir.parents) if p.exists()), None)
-        if existing is None or existing.is_dir():
-            return
+        blocker = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
     except OSError:  # a folder this user may not search: the run's own claim says so
         return
-    if existing == output_dir:
-        raise ConfigError(f"output_dir={str(output_dir)!r} is a file, not a folder: name another output_dir")
-    raise ConfigError(f"output_dir={str(output_dir)!r} lies under {existing}, which is a file: name another output_dir")
+    if blocker is not None:
+        where = "is a file, not a folder" if blocker == output_dir else f"lies under {blocker}, which is a file"
+        raise ConfigError(f"output_dir={str(output_dir)!r} {where}: name another output_dir")
 
 
 WORLD_SIZES_ENV = "DISTQA_CHECK_WORLD_SIZES"  # worker.sh: "SIZE ...|NNODES=1:2 x NPROC_PER_NODE=1"

@@ -255,20 +255,32 @@ def _check_pretrained_tokenizer(cfg: ModelConfig, tokenizer: Any, vocab_size: in
     embeddings learnt. One of 2000 entries on MiniLM's 30522 trained, exit 0, every word read as
     another, and only `predict` refused the result, asking for the tokenizer it had been trained
     with (a review). Compared with the model folder's own tokenizer where it has one."""
-    size, own = len(tokenizer), Path(cfg.name)
+    size = len(tokenizer)
     if size < 0.95 * vocab_size:
         raise DistqaError(
             f"model.tokenizer={cfg.tokenizer} has {size} entries but pretrained model {cfg.name!r} has a vocabulary "
             f"of {vocab_size}: its ids would pick other words' embeddings; leave model.tokenizer out to use the "
             "model's own, or name the tokenizer the model was pretrained with"
         )
-    if own.is_dir() and any((own / f).is_file() for f in TOKENIZER_FILES):
-        difference = tokenizer_difference(tokenizer, load_tokenizer(dataclasses.replace(cfg, tokenizer=None)))
-        if difference:
-            raise DistqaError(
-                f"model.tokenizer={cfg.tokenizer} is not the tokenizer saved with model {cfg.name!r} ({difference}): "
-                "leave model.tokenizer out to use the saved one"
-            )
+    if difference := saved_tokenizer_difference(tokenizer, cfg):
+        raise DistqaError(
+            f"model.tokenizer={cfg.tokenizer} is not the tokenizer saved with model {cfg.name!r} ({difference}): "
+            "leave model.tokenizer out to use the saved one"
+        )
+
+
+def holds_tokenizer(folder: Path) -> bool:
+    """Whether `folder` holds a saved tokenizer (one of TOKENIZER_FILES)."""
+    return folder.is_dir() and any((folder / f).is_file() for f in TOKENIZER_FILES)
+
+
+def saved_tokenizer_difference(tokenizer: Any, cfg: ModelConfig) -> str | None:
+    """How `tokenizer` would turn text into other ids than the one saved in the model folder
+    `cfg.name` (`tokenizer_difference`); None when they agree, or when cfg.name holds none (a hub
+    id: nothing to compare without a download)."""
+    if not holds_tokenizer(Path(cfg.name)):
+        return None
+    return tokenizer_difference(tokenizer, load_tokenizer(dataclasses.replace(cfg, tokenizer=None)))
 
 
 def tokenizer_difference(given: Any, saved: Any) -> str | None:

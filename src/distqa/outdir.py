@@ -100,15 +100,13 @@ def layer_warning(output_dir: Path) -> str | None:
 def claim(output_dir: Path, info: DistInfo) -> RunLock | None:
     """Create output_dir and take its run lock (rank 0; None elsewhere). Raises on every rank if
     the folder cannot be written, one of its run files is a symbolic link (checked before the
-    lock is taken: run.lock itself may be one), another run holds it, or it lies outside the
-    launch's DISTQA_OUTPUT_ROOT (the same verdict on every rank: no file is read)."""
+    lock is taken: run.lock itself may be one), another run holds it, or (check_output_root, the
+    same verdict on every rank) it is or lies under a file or outside the launch's DISTQA_OUTPUT_ROOT."""
     check_output_root(output_dir)
     lock: RunLock | None = None
 
     def take() -> None:
         nonlocal lock  # rank 0's alone: a lock does not travel to the other ranks
-        if output_dir.exists() and not output_dir.is_dir():
-            raise DistqaError(f"output_dir={str(output_dir)!r} is a file, not a folder: name another output_dir")
         output_dir.mkdir(parents=True, exist_ok=True)
         linked = linked_run_path(output_dir)
         if linked is not None:

@@ -14,7 +14,7 @@ from distqa.config import Config, ModelConfig
 from distqa.console import quiet_libraries
 from distqa.dist import autocast_dtype
 from distqa.errors import DistqaError
-from distqa.models import TOKENIZER_FILES, check_model_fits, load_tokenizer, tokenizer_difference
+from distqa.models import check_model_fits, holds_tokenizer, load_tokenizer, saved_tokenizer_difference
 from distqa.nq.data import check_feature_ids, resolve_features
 from distqa.nq.evaluate import final_answers, window_bests
 from distqa.nq.features import TOKEN_TYPES
@@ -88,7 +88,7 @@ def model_tokenizer(cfg: Config, folder: Path) -> Any:
     cfg.model). One given for a model that has its own must turn text into the same ids: any other
     feeds the model the wrong words, and the submission is plausible and wrong."""
     given = cfg.model.tokenizer
-    saved_files = any((folder / f).is_file() for f in TOKENIZER_FILES)
+    saved_files = holds_tokenizer(folder)
     if given is None and not saved_files:
         raise DistqaError(
             f"{folder} has no tokenizer files (a model trained without a tokenizer, e.g. on dummy data): "
@@ -98,10 +98,8 @@ def model_tokenizer(cfg: Config, folder: Path) -> Any:
     tokenizer = load_tokenizer(cfg.model)
     if tokenizer is None:
         raise DistqaError(f"{folder} has no tokenizer files: set model.tokenizer")
-    if given is not None and saved_files and Path(given).resolve() != folder.resolve():
-        saved = load_tokenizer(ModelConfig(name=str(folder), tokenizer=str(folder)))
-        difference = tokenizer_difference(tokenizer, saved)
-        if difference:
+    if given is not None and Path(given).resolve() != folder.resolve():
+        if difference := saved_tokenizer_difference(tokenizer, cfg.model):
             raise DistqaError(
                 f"model.tokenizer={given} is not the tokenizer saved with the model in {folder} ({difference}): "
                 "leave model.tokenizer out to use the saved one"

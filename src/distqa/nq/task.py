@@ -26,7 +26,7 @@ from distqa.nq.data import (
 )
 from distqa.nq.dummy import DummyDataset
 from distqa.nq.evaluate import EVAL_COLUMNS, GoldIndex, score_predictions, window_best_spans
-from distqa.nq.features import TOKEN_TYPES, require_cls_and_sep
+from distqa.nq.features import TOKEN_TYPES
 from distqa.nq.model import BertJointQA, bert_joint_loss
 from distqa.nq.postprocess import WindowBest, group_by_example
 from distqa.nq.settings import NQSettings
@@ -42,8 +42,6 @@ class NQTask(Task):
         super().__init__(cfg)
         # None for a random model ('tiny'): the DummyDataset needs no tokenizer.
         self.tokenizer = load_tokenizer(cfg.model)
-        if self.tokenizer is not None and (cfg.data.train != "dummy" or cfg.data.valid is not None):
-            require_cls_and_sep(self.tokenizer)  # text to read: said before any rank prepares it
         if cfg.data.valid is not None and cfg.data.valid == "dummy":
             raise DistqaError("data.valid=dummy: validation needs Natural Questions data (a JSONL file)")
         if cfg.data.valid is not None and Path(cfg.data.valid).is_dir():
