@@ -6,6 +6,7 @@
 # base's torch kept, the package installed, the unprivileged user, the entrypoint.
 #
 #   scripts/build_image_local.sh TAG          e.g. scripts/build_image_local.sh distqa:local
+#   scripts/build_image_local.sh --base-only  the stand-in base alone (CI makes it beside other work)
 #   docker run --rm -v "$PWD/results:/app/results" TAG    trains the tiny model on the CPU
 #
 # The stand-in base is tagged after requirements.txt's torch pin (distqa-stand-in-base:torch-2.13.0)
@@ -25,7 +26,7 @@ die() {
   exit "${2:-2}"
 }
 
-[[ $# -eq 1 && -n $1 && $1 != -* ]] || { echo "usage: build_image_local.sh TAG" >&2; exit 2; }
+[[ $# -eq 1 && -n $1 && ($1 != -* || $1 == --base-only) ]] || { echo "usage: build_image_local.sh TAG | --base-only" >&2; exit 2; }
 tag=$1
 root=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -87,6 +88,11 @@ if docker image inspect "$base" >/dev/null 2>&1; then
   say "stand-in base $base: reusing it"
 else
   make_base
+fi
+
+if [[ $tag == --base-only ]]; then
+  say "stand-in base $base ready; no image built (--base-only)"
+  exit 0
 fi
 
 say "building $root/Dockerfile as $tag"

@@ -164,6 +164,7 @@ print(fingerprint([{**item, "tree": root}]))
 """
 
 
+@pytest.mark.safety  # about 9 s: make test-safety, for make test's 5 minutes
 def test_items_are_fingerprinted_alike_in_every_process():
     """What differs between processes is no content: a set of strings iterates in the order its
     process's hash seed sets; a pickle, read instead of a repr for a while, holds a tensor's storage

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import FAKEBIN, fakebin_env, sigint_default, wait_for_call
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +200,7 @@ def test_usage_errors(tmp_path):
 BUILD = ROOT / "scripts" / "build_image_local.sh"
 
 
-def build_without(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+def build_without(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """build_image_local.sh with the stand-in docker (no image exists) and only the commands it needs
     before the check that fails: no debootstrap, wherever the real one is installed."""
     bare = tmp_path / "bin"
@@ -207,7 +209,7 @@ def build_without(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     for tool in ("bash", "env", "dirname", "grep", "awk", "sort", "rm"):
         (bare / tool).symlink_to(shutil.which(tool))
     env = {**fakebin_env(tmp_path, **env), "PATH": f"{FAKEBIN}{os.pathsep}{bare}"}
-    return subprocess.run([str(BUILD), "distqa:x"], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([str(BUILD), *(args or ["distqa:x"])], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_build_image_local_without_an_engine_is_one_line(tmp_path):
@@ -230,9 +232,24 @@ def test_build_image_local_without_debootstrap_for_the_base_is_one_line(tmp_path
     assert "build" not in [c[0] for c in calls(tmp_path)]
 
 
-def test_build_image_local_usage():
-    proc = subprocess.run([str(BUILD)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip() == "usage: build_image_local.sh TAG"
+def test_build_image_local_base_only_makes_the_base_and_builds_no_image(tmp_path):
+    base = "distqa-stand-in-base:torch-2.13.0"
+    proc = build_without(tmp_path, "--base-only", FAKE_DOCKER_IMAGES=base)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"build_image_local.sh: stand-in base {base} ready; no image built (--base-only)"
+    )
+    assert [c[0] for c in calls(tmp_path)] == ["info", "image"]  # the base looked up, nothing built
+    # Without the base, --base-only makes it, and needs what that needs.
+    (tmp_path / "again").mkdir()
+    proc = build_without(tmp_path / "again", "--base-only")
+    assert proc.returncode == 2 and "needs debootstrap" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["--base"], ["a", "b"], [""]])
+def test_build_image_local_usage(args):
+    proc = subprocess.run([str(BUILD), *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "usage: build_image_local.sh TAG | --base-only"
 
 
 # ---- the Dockerfile and the linters --------------------------------------------------------------

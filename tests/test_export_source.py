@@ -20,6 +20,7 @@ TOY = [arg for arg in SMALL if not arg.startswith("task.")]
 TOY += ["task.name=toy_task:ToyClassificationTask", "train.checkpoint_every=2"]
 
 
+@pytest.mark.safety  # about 4 s: make test-safety, for make test's 5 minutes
 def test_a_stale_model_folder_is_written_again_not_taken_for_the_finished_run(tmp_path, capsys):
     out = tmp_path / "run"
     train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=4"]))
@@ -46,6 +47,7 @@ def test_a_stale_model_folder_is_written_again_not_taken_for_the_finished_run(tm
     assert "already finished at step 6: nothing to train, nothing written" in capsys.readouterr().out
 
 
+@pytest.mark.safety  # about 5 s: make test-safety, for make test's 5 minutes
 def test_a_rerun_that_only_exports_draws_a_plot_missing_or_older_than_the_metrics(tmp_path, capsys):
     """A kill between the final checkpoint and the plot left metrics.png missing (or an earlier,
     shorter run's) and the rerun, which only exports, left it so with exit 0."""
@@ -113,6 +115,7 @@ def test_an_export_replaces_only_an_earlier_export_never_a_run_or_a_file(tmp_pat
     assert (tmp_path / "empty" / SOURCE_FILE).is_file()
 
 
+@pytest.mark.safety  # about 4 s: make test-safety, for make test's 5 minutes
 def test_a_damaged_model_folder_is_written_again_not_taken_for_the_finished_run(tmp_path, capsys):
     out = tmp_path / "run"
     settings = [*TOY, f"output_dir={out}", "train.max_steps=2"]
@@ -232,6 +235,7 @@ def test_a_checkpoint_pruned_during_the_export_is_one_line_naming_it(tmp_path, m
     assert not (tmp_path / "model").exists()
 
 
+@pytest.mark.safety  # about 6 s: make test-safety, for make test's 5 minutes
 @pytest.mark.parametrize("then", ["set-aside", "written-again"])
 def test_a_checkpoint_gone_or_replaced_once_the_export_is_written_is_not_renamed_in(tmp_path, monkeypatch, then):
     """`distqa export` (default target OUT/model-step-N) went on while `train.resume=never` set its

@@ -142,6 +142,7 @@ def in_process(tmp_path: Path, name: str, *extra: str) -> Path:
     return out
 
 
+@pytest.mark.safety  # about 7 s: make test-safety, for make test's 5 minutes
 def test_damaged_checkpoint_is_reported_and_the_previous_one_used(tmp_path, capsys):
     ref = in_process(tmp_path, "ref", "train.max_steps=6", "train.checkpoint_every=2")
     out = in_process(tmp_path, "run", "train.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=0")
@@ -160,6 +161,7 @@ def test_damaged_checkpoint_is_reported_and_the_previous_one_used(tmp_path, caps
         in_process(tmp_path, "run", "train.max_steps=8", f"train.resume={newest.parent}")
 
 
+@pytest.mark.safety  # about 8 s: make test-safety, for make test's 5 minutes
 @pytest.mark.parametrize("keep", [2, 0])
 def test_only_the_newest_checkpoints_are_kept_and_tmp_folders_ignored(tmp_path, capsys, keep):
     """What kills left (a save cut short, a removal cut short) is ignored by resume, and removed by
@@ -221,6 +223,7 @@ def test_full_disk_keeps_the_previous_checkpoint(small_disk, parallel):
     assert not list((disk / "run" / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.safety  # about 13 s: make test-safety, for make test's 5 minutes
 @pytest.mark.slow
 def test_replica_check_catches_ranks_that_drift_apart(tmp_path):
     args = [

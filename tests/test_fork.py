@@ -78,6 +78,7 @@ def distqa(tmp_path, *args: str, torchrun: bool = False) -> subprocess.Completed
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.launch  # about 22 s: make test-launch, for make test's 5 minutes
 @pytest.mark.slow
 def test_a_fork_with_its_own_settings_trains_and_evaluates_through_the_trainer(tmp_path, monkeypatch):
     (tmp_path / "fork").mkdir()

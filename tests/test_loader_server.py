@@ -114,6 +114,7 @@ def _nothing_left_once_killed(script: str, *args: str, processes: int) -> None:
     assert not alive, f"still running after the training process was killed: {alive}"
 
 
+@pytest.mark.safety  # about 9 s: make test-safety, for make test's 5 minutes
 def test_a_killed_training_process_leaves_no_worker_or_server_behind(tmp_path):
     """The workers' parent is the fork server, which lives as long as any worker: without
     `end_with_training_process` both outlived a SIGKILLed training process for good, holding its
@@ -150,6 +151,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.safety  # about 6 s: make test-safety, for make test's 5 minutes
 def test_a_worker_stuck_in_an_item_ends_with_its_killed_training_process(tmp_path):
     """PyTorch's watchdog looks for the parent only between two items: a worker stuck in one
     outlived the SIGKILLed training process, holding its output pipe open (found by a review)."""
@@ -370,6 +372,7 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
+@pytest.mark.safety  # about 7 s: make test-safety, for make test's 5 minutes
 def test_workers_that_read_other_items_than_their_process_stop_the_run_in_one_line(monkeypatch):
     """A module-level value the task set at run time never reached the fork server's workers: they
     trained on scale-1 features while the run recorded scale 10 (config, fingerprint), exit 0."""
@@ -546,6 +549,7 @@ def test_a_task_whose_workers_read_other_data_is_refused_before_any_step(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.safety  # about 7 s: make test-safety, for make test's 5 minutes
 def test_a_worker_stalled_in_an_item_stops_the_rank_in_one_line_after_data_timeout_s(tmp_path):
     """No timeout: the rank waited for the stuck worker for good (SIGTERM unanswered), its peers
     until the process group's timeout, then a gloo traceback (found by a review)."""

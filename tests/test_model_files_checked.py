@@ -24,6 +24,11 @@ SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+# Refusals of damaged model files, most of them on one NQ training run (13 s): make test-safety
+# (about 40 s in all), for make test's 5 minutes.
+pytestmark = pytest.mark.safety
+
+
 @pytest.fixture(scope="module")
 def nq_run(tmp_path_factory, minilm_dir):
     """4 steps of the tiny model with a copy of MiniLM's tokenizer, evaluated at the end: a model/

@@ -7,6 +7,7 @@ another way (1 process at batch 2, 2 processes at batch 1, train.grad_accum=2) t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import TESTS, load_weights, max_abs_diff
@@ -53,6 +54,7 @@ def test_a_label_on_padding_is_an_infinite_loss_not_a_quiet_one():
         assert _loss(model, [short, long]).item() == float("inf")
 
 
+@pytest.mark.launch  # about 9 s: make test-launch, for make test's 5 minutes
 def test_batch_2_and_batch_1_with_grad_accum_2_train_equal_weights_on_real_windows(tmp_path, minilm_dir):
     """On the NQ fixture at 128 tokens some windows are short (a document's last); the step that
     first put one beside a full window was where the two runs parted (2e-3 apart after an epoch)."""

@@ -97,6 +97,7 @@ def evaluated(tmp_path, minilm_dir, source, length, stride, query, *extra: str):
     return answers, expected, metrics
 
 
+@pytest.mark.launch  # about 18 s: make test-launch, for make test's 5 minutes
 @pytest.mark.parametrize(
     "length, stride, query",
     [(384, 128, 64), (128, 32, 32)],
@@ -140,6 +141,7 @@ def with_a_long_short_answer(path) -> tuple[object, str]:
     return path, str(obj["example_id"])
 
 
+@pytest.mark.launch  # about 10 s: make test-launch, for make test's 5 minutes
 def test_a_short_answer_longer_than_30_sub_words_is_given_with_task_max_answer_len(tmp_path, minilm_dir):
     """Evaluation and predict gave spans of at most 30 sub-words, fixed: a longer gold short answer
     was never given (found by a review). task.max_answer_len sets the limit."""

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import distqa.nq.predict as predict_module
 from conftest import ROOT, SMALL, TESTS, run_train, subprocess_env
@@ -208,3 +210,55 @@ def test_best_spans_respects_document_and_length():
     # start 9.0 sits outside the document; best inside: start at 3 (4.0) + end at 4 (7.0), length 2.
     assert (best.start_token, best.end_token, best.answer_type) == (11, 13, SHORT)
     assert best.score == pytest.approx(4.0 + 7.0 - (5.0 + 5.0))
+
+
+def pair_by_pair(start, end, types, tmap, ids, max_answer_len, top_k=20):
+    """best_spans as it was written first: every top-k pair in turn, the first best kept."""
+    doc = tmap >= 0
+    ms, me = start.float().masked_fill(~doc, -math.inf), end.float().masked_fill(~doc, -math.inf)
+    k = min(top_k, start.shape[1])
+    starts, ends = ms.topk(k, dim=1).indices, me.topk(k, dim=1).indices
+    null = start[:, 0].float() + end[:, 0].float()
+    out = []
+    for row, example_id in enumerate(ids):
+        best = None
+        for s in starts[row].tolist():
+            for e in ends[row].tolist():
+                if doc[row, s] and doc[row, e] and s <= e and e - s + 1 <= max_answer_len:
+                    score = float(ms[row, s] + me[row, e] - null[row])
+                    if best is None or score > best[0]:
+                        best = (score, s, e)
+        if best is not None:
+            score, s, e = best
+            out.append(
+                WindowBest(example_id, score, int(tmap[row, s]), int(tmap[row, e]) + 1, int(types[row].argmax()))
+            )
+    return out
+
+
+# Few distinct logits, so that equal best scores are common; now and then -inf, inf or NaN (as a
+# model in fp16 may give them), which the batched search leaves to the pair-by-pair one.
+LOGIT = st.sampled_from([0.0, 1.0, 2.0, -3.0, 7.25] * 12 + [-math.inf, math.inf, math.nan])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    batch=st.integers(1, 4),
+    seq=st.integers(1, 30),
+    max_answer_len=st.integers(1, 6),
+    top_k=st.integers(1, 25),
+)
+def test_best_spans_pick_what_pair_by_pair_picks(data, batch, seq, max_answer_len, top_k):
+    """The batched search gives every window the span, score (bit for bit) and type the first
+    pair-by-pair search gave, ties and non-finite logits included."""
+    logits = st.lists(st.lists(LOGIT, min_size=seq, max_size=seq), min_size=batch, max_size=batch)
+    start, end = torch.tensor(data.draw(logits)), torch.tensor(data.draw(logits))
+    doc = data.draw(st.lists(st.lists(st.booleans(), min_size=seq, max_size=seq), min_size=batch, max_size=batch))
+    tmap = torch.tensor([[10 + i if d else -1 for i, d in enumerate(row)] for row in doc])
+    types = torch.tensor(data.draw(st.lists(st.lists(LOGIT, min_size=5, max_size=5), min_size=batch, max_size=batch)))
+    ids = [str(i) for i in range(batch)]
+    got = best_spans(start, end, types, tmap, ids, max_answer_len=max_answer_len, top_k=top_k)
+    want = pair_by_pair(start, end, types, tmap, ids, max_answer_len, top_k)
+    key = lambda w: (w.example_id, w.start_token, w.end_token, w.answer_type, repr(w.score))  # noqa: E731
+    assert [key(w) for w in got] == [key(w) for w in want]

@@ -75,6 +75,7 @@ def test_a_tokenizer_of_another_size_is_refused(tmp_path, tiny_run, capsys):
     assert not (tmp_path / "sub.csv").exists()
 
 
+@pytest.mark.launch  # about 13 s: make test-launch, for make test's 5 minutes
 def test_the_right_tokenizer_predicts_and_says_no_thresholds_were_saved(tmp_path, tiny_run, minilm_dir):
     # The features validation during training prepares from this file (training's keep_unknown and
     # seed, which evaluation features do not depend on): predict must reuse them, not prepare again.

@@ -170,6 +170,7 @@ def commands_in_one_process(
     return [tuple(result) for result in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
+@pytest.mark.safety  # about 7 s: make test-safety, for make test's 5 minutes
 def test_unwritable_output_is_one_line_and_a_writable_folder_is_enough(shared_tmp, minilm_dir):
     hf_home = shared_tmp / "hf"
     hf_home.mkdir(mode=0o777)
@@ -295,6 +296,7 @@ def test_a_damaged_fingerprint_file_means_rebuild(tmp_path, minilm_dir):
         assert prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS).reused
 
 
+@pytest.mark.safety  # about 11 s: make test-safety, for make test's 5 minutes
 def test_a_second_prepare_into_the_same_folder_waits_for_the_first_and_reuses_its_features(tmp_path, minilm_dir):
     """Two writers of one folder (two runs sharing a feature cache, `prepare` beside a training run)
     used to delete each other's staging folder: both failed, one with a false "no features". The

@@ -282,6 +282,7 @@ def edit_label_in_place(source: Path) -> None:
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
+@pytest.mark.safety  # about 6 s: make test-safety, for make test's 5 minutes
 def test_an_edit_while_the_input_is_hashed_or_prepared_is_never_blessed(tmp_path, minilm_dir, monkeypatch):
     """The stamp once took the change time read after the hash (an edit during it was reused for
     good), and the digest read before a preparation beside features of an edit made during it (a

@@ -140,6 +140,7 @@ def test_existing_outputs_need_overwrite_and_a_failed_split_keeps_them(tmp_path,
     assert len((out / "valid.jsonl").read_bytes().splitlines()) == 4
 
 
+@pytest.mark.safety  # about 5 s: make test-safety, for make test's 5 minutes
 def test_two_splits_into_one_folder_move_their_files_in_one_after_the_other(tmp_path, capsys):
     """Their renames interleaved: one split's train.jsonl beside the other's valid.jsonl, both exit 0
     (27 of 30 validation examples were also in training). Each moves its files in holding the

@@ -248,6 +248,7 @@ def test_predict_refuses_thresholds_copied_beside_other_weights(evaluated_run, t
     )
 
 
+@pytest.mark.launch  # about 7 s: make test-launch, for make test's 5 minutes
 def test_predict_says_never_for_a_kind_that_is_never_answered(evaluated_run, tmp_path, capsys, minilm_dir):
     """The file says null ("never") for the short threshold here; the console said `inf`."""
     from conftest import TESTS

@@ -274,6 +274,7 @@ def test_distqa_torchrun_after_a_sigterm(tmp_path, monkeypatch, lines, sigval, r
     assert torchrun.main([]) == result
 
 
+@pytest.mark.launch  # about 20 s: make test-launch, for make test's 5 minutes
 @pytest.mark.parametrize("sigval", [15, 2])
 @pytest.mark.parametrize("launcher", [True, False])
 def test_a_signal_before_any_rank_trained_is_a_stop_not_torchrun_s_traceback(

@@ -59,6 +59,7 @@ def test_the_blocks_are_the_encoder_layers_and_nothing_inside_them():
     assert transformer_blocks(nn.Sequential(nn.Linear(2, 2))) == []
 
 
+@pytest.mark.fsdp  # about 10 s: make perf-fsdp, for make test's 5 minutes
 def test_activation_checkpointing_and_one_process_fsdp_give_the_same_weights(tmp_path):
     plain_run = run(tmp_path, "plain", "train.checkpoint_every=2")  # saving reads the RNGs, draws nothing
     plain = load_weights(plain_run)
@@ -89,6 +90,7 @@ def test_the_replica_check_is_refused_with_fsdp():
         load_config(None, ["train.parallel=zero"])
 
 
+@pytest.mark.fsdp  # about 5 s: make perf-fsdp, for make test's 5 minutes
 def test_a_sharded_checkpoint_is_verified_and_refused_by_a_ddp_run(tmp_path):
     stale = tmp_path / "sharded" / ".distqa-shared-check-0123"  # as a run killed during its start leaves
     stale.parent.mkdir()
@@ -161,6 +163,7 @@ def _class_build_payload() -> bytes:
     return b"\x80\x04" + target + attrs + b"\x86b."  # TUPLE2, BUILD, STOP
 
 
+@pytest.mark.safety  # about 5 s: make test-safety, for make test's 5 minutes
 def test_a_checkpoint_index_naming_other_code_is_not_unpickled(tmp_path):
     from distqa.sharded import read_shards
 

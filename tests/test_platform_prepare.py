@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import subprocess_env
@@ -33,6 +34,7 @@ def flow_command(job: str, values: dict[str, str]) -> list[str]:
     return [doc["jobs"][job]["entrypoint"], *shlex.split(cmd)]
 
 
+@pytest.mark.launch  # about 14 s: make test-launch, for make test's 5 minutes
 def test_the_prepare_job_writes_what_training_reads(tmp_path, monkeypatch, capsys, minilm_dir):
     # The image's layout: the working directory holds data/ (the data volume) and configs/; HF_HOME
     # is on the cache volume. bert-base.yaml's data, with a small local model for the test.

@@ -83,6 +83,7 @@ def test_one_process_matches_torch_hook(group):
     _check(_both(0))
 
 
+@pytest.mark.comm  # about 7 s: make test-comm, for make test's 5 minutes
 def test_two_processes_match_torch_hook():
     """The mean over ranks, the Ps summed and the Qs averaged, as torch's hook does."""
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:

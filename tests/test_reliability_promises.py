@@ -130,6 +130,7 @@ class WorkerReport(Dataset):
         return os.getpid(), os.getppid(), os.getpgid(0), _WORKER["born_in_group"], _WORKER["held_after_init"]
 
 
+@pytest.mark.safety  # about 6 s: make test-safety, for make test's 5 minutes
 @pytest.mark.parametrize("world_size", [2, 1])
 def test_the_trainers_loader_workers_are_never_in_the_training_process_group(monkeypatch, world_size):
     """`training_batches` as the trainer calls it, workers on. Across processes the workers come

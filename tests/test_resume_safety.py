@@ -72,6 +72,7 @@ def good_step4(four_steps) -> Path:
     return folder
 
 
+@pytest.mark.safety  # about 3 s: make test-safety, for make test's 5 minutes
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(CHECKPOINT_FILES), data=st.binary(max_size=300))
 def test_any_bytes_in_any_checkpoint_file_are_reported_never_raised(good_step4, tmp_path, name, data):
@@ -275,6 +276,7 @@ def test_a_changed_setting_that_changes_the_state_is_refused_in_one_line(four_st
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-2", "step-4"]  # nothing written
 
 
+@pytest.mark.safety  # about 27 s: make test-safety, for make test's 5 minutes
 @pytest.mark.parametrize("key", APPLIED)
 def test_a_changed_setting_that_applies_from_the_resume_step_names_itself(
     four_steps, tmp_path, key, minilm_dir, capsys

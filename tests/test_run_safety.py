@@ -64,6 +64,7 @@ def test_ranks_that_see_different_data_stop_at_start_instead_of_hanging(tmp_path
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.safety  # about 7 s: make test-safety, for make test's 5 minutes
 def test_resume_on_changed_training_data_is_refused(tmp_path, minilm_dir, capsys):
     """rel-data-changed: the JSONL named by data.train lost lines between the runs."""
     data = tmp_path / "train.jsonl"

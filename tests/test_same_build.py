@@ -144,10 +144,8 @@ def identities_in(folder: Path, module: str, *, site: bool = False) -> dict[str,
     return json.loads(done.stdout)
 
 
-# Each layout about 6 s: the package and installed ones in make test-safety, for make test's 5 minutes.
-@pytest.mark.parametrize(
-    "layout", ["flat", *(pytest.param(x, marks=pytest.mark.safety) for x in ("package", "installed"))]
-)
+@pytest.mark.safety  # each layout about 6 s: make test-safety, for make test's 5 minutes
+@pytest.mark.parametrize("layout", ["flat", "package", "installed"])
 def test_code_a_fork_s_task_imports_from_beside_it_is_part_of_its_identity(tmp_path, layout):
     """A review trained two nodes whose task module was the same and whose loss differed, in a
     module it imports: flatloss.py beside a flat task module, or a package one level above the

@@ -85,6 +85,7 @@ def test_a_part_used_for_some_batches_under_a_static_graph_is_one_line_on_two_pr
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.safety  # about 6 s: make test-safety, for make test's 5 minutes
 @pytest.mark.parametrize(
     "kind,expected",
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from transformers import AutoTokenizer
 
 from distqa.models import tokenizer_difference
@@ -52,6 +53,7 @@ def test_two_swapped_words_and_another_casing_are_named(minilm_dir, tmp_path):
     )
 
 
+@pytest.mark.safety  # about 8 s: make test-safety, for make test's 5 minutes
 def test_predict_refuses_a_given_tokenizer_that_is_not_the_saved_one(tmp_path, capsys, minilm_dir):
     from conftest import SMALL, TESTS
     from distqa.cli import main

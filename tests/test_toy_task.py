@@ -52,6 +52,7 @@ def test_toy_classifier_trains_through_the_generic_trainer(tmp_path):
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-20", "step-40"]
 
 
+@pytest.mark.launch  # about 8 s: make test-launch, for make test's 5 minutes
 def test_core_never_imports_the_nq_task():
     code = (
         "import sys, distqa.trainer, distqa.checkpoint, distqa.metrics, distqa.cli; "
@@ -136,6 +137,7 @@ def probe_run(tmp_path_factory):
     return proc, out
 
 
+@pytest.mark.launch  # about 12 s: make test-launch, for make test's 5 minutes
 @pytest.mark.slow
 def test_a_model_with_an_unused_head_needs_find_unused_parameters(tmp_path, probe_run):
     args = ["task=toy_task:UnusedHeadTask", "data.num_workers=0", "train.batch_size=4", "train.grad_accum=2"]

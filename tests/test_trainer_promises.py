@@ -195,6 +195,7 @@ def test_distqa_debug_shows_the_traceback_of_an_error(tmp_path, debug):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.launch  # about 9 s: make test-launch, for make test's 5 minutes
 def test_the_quick_start_loss_falls(tmp_path):
     """The README's quick start (configs/quickstart.yaml, global batch 2 x 8) shortened to 30 steps,
     in one process with the same global batch: the README's loss goes from 3.8 to 2.3 by step 30."""

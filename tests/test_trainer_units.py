@@ -50,6 +50,7 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path, capsys):
     ]
 
 
+@pytest.mark.launch  # about 5 s: make test-launch, for make test's 5 minutes
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs_under_autocast(tmp_path, precision):
     fp32 = run(tmp_path, "fp32", "train.max_steps=3", "model.dropout=0.0", "train.lr=1e-3")
@@ -210,6 +211,7 @@ print(len(list(batches)), "batches; training process got SIGTERM:", bool(got), f
 """
 
 
+@pytest.mark.safety  # about 6 s: make test-safety, for make test's 5 minutes
 @pytest.mark.parametrize("held", ["held", "not held"])
 def test_a_sigterm_while_loader_workers_start_reaches_only_the_training_process(held):
     import subprocess
@@ -244,6 +246,7 @@ def test_the_replica_checksum_is_exact_whatever_the_thread_count():
     assert not torch.equal(_checksum(changed), one)
 
 
+@pytest.mark.launch  # about 6 s: make test-launch, for make test's 5 minutes
 def test_samples_per_s_leaves_out_the_time_a_checkpoint_takes_to_save(tmp_path, monkeypatch):
     """A save inside a log window (checkpoint_every=2, log_every=2: step 2's save is in the window
     that ends at step 4) counted as training time, as evaluation does not: each window after a save

@@ -28,6 +28,7 @@ def final_state(out: Path, step: int) -> dict:
     return json.loads((out / "checkpoints" / f"step-{step}" / "trainer_state.json").read_text())
 
 
+@pytest.mark.safety  # about 6 s: make test-safety, for make test's 5 minutes
 def test_a_resume_onto_other_validation_data_says_so_and_starts_the_best_record_again(tmp_path, capsys):
     a = valid_file(tmp_path, "a", score=100.0)
     b = valid_file(tmp_path, "b", seed=2, score=1.0)
@@ -116,6 +117,7 @@ def test_a_refusal_of_rank_0_s_scoring_stops_every_rank_with_its_line(tmp_path, 
     assert outcome.read(said).error_ranks == {0, 1} and "lost a peer" not in said.read_text(), lines
 
 
+@pytest.mark.safety  # about 5 s: make test-safety, for make test's 5 minutes
 def test_nq_validation_data_is_identified_by_its_gold_answers_too(tmp_path, minilm_dir):
     """The identity hashed the validation windows alone: a data.valid whose answers alone changed
     kept it, and the best record measured on the old answers stayed (a step scoring 0.0 on the

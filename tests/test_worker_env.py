@@ -781,6 +781,7 @@ def test_sigterm_reaches_torchrun_once_and_143_needs_distqa_preempted_line(tmp_p
     assert stderr.strip().splitlines()[-1] == "distqa: preempted: stopped by SIGTERM at step 7 of 9; ..."
 
 
+@pytest.mark.launch  # about 4 s: make test-launch, for make test's 5 minutes
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)], ids=["SIGINT", "SIGHUP"])
 def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_and_130(tmp_path, sig, status):
     """SIGINT (Ctrl-C on an attached `docker run`) was passed on as SIGINT: a KeyboardInterrupt
@@ -835,6 +836,7 @@ def test_sigterm_while_the_ranks_load_is_a_preemption_that_lost_nothing(tmp_path
     )
 
 
+@pytest.mark.launch  # about 4 s: make test-launch, for make test's 5 minutes
 def test_sigterm_after_every_rank_finished_is_a_success(tmp_path):
     """Must-work 7: both local ranks wrote `distqa: finished:` before the SIGTERM: exit 0 and no line
     of worker.sh's own, whatever torchrun's status; one rank short of that is still a failure."""
