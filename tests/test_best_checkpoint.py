@@ -351,6 +351,7 @@ def _damage(folder):
 KEEP_TWO = ["train.checkpoint_every=2", "train.keep_checkpoints=2"]
 
 
+@pytest.mark.safety  # about 3 s: make test-safety, for make test's 5 minutes
 def test_a_fall_back_from_a_damaged_newest_checkpoint_finds_the_best_its_record_names(tmp_path, monkeypatch):
     """keep_checkpoints=2: step 12's new best pruned step 4, the best before it, while step 10, still
     kept, recorded step 4 as its best. With step 12 damaged the resume fell back to step 10, whose

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -117,6 +118,7 @@ def test_a_last_line_without_its_newline_is_kept_and_ended(tmp_path, capsys):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
 
 
+@pytest.mark.safety  # about 4 s: make test-safety, for make test's 5 minutes
 @settings(max_examples=12, deadline=None)
 @given(
     steps=st.lists(st.integers(0, 12), max_size=5),
@@ -144,6 +146,7 @@ def in_process(out: Path, *extra: str) -> None:
     train(load_config(None, [*settings, f"output_dir={out}", *extra]))
 
 
+@pytest.mark.safety  # about 4 s: make test-safety, for make test's 5 minutes
 def test_resume_over_garbage_in_metrics_completes_with_every_step_once(tmp_path, capsys):
     out = tmp_path / "run"
     in_process(out, "train.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=0")

@@ -40,6 +40,7 @@ def edit(folder, **values) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+@pytest.mark.safety  # about 3 s: make test-safety, for make test's 5 minutes
 def test_a_resume_refuses_a_model_config_edited_since_the_checkpoint(folder_run):
     folder, args = folder_run
     edit(folder, hidden_act="relu", layer_norm_eps=1e-5)
@@ -48,6 +49,7 @@ def test_a_resume_refuses_a_model_config_edited_since_the_checkpoint(folder_run)
     assert "hidden_act: 'gelu' then, 'relu' now; layer_norm_eps: 1e-12 then, 1e-05 now" in str(caught.value)
 
 
+@pytest.mark.safety  # about 3 s: make test-safety, for make test's 5 minutes
 def test_an_export_refuses_a_model_config_edited_since_the_checkpoint(folder_run, tmp_path):
     folder, _ = folder_run
     step = tmp_path / "run" / "checkpoints" / "step-2"
@@ -59,6 +61,7 @@ def test_an_export_refuses_a_model_config_edited_since_the_checkpoint(folder_run
     assert not (tmp_path / "after").exists()
 
 
+@pytest.mark.safety  # about 3 s: make test-safety, for make test's 5 minutes
 def test_dropout_and_the_transformers_version_may_change_on_resume(folder_run, tmp_path):
     folder, args = folder_run
     edit(folder, hidden_dropout_prob=0.2, transformers_version="4.0.0")
@@ -66,6 +69,7 @@ def test_dropout_and_the_transformers_version_may_change_on_resume(folder_run, t
     assert (tmp_path / "run" / "checkpoints" / "step-4").is_dir()
 
 
+@pytest.mark.safety  # about 3 s: make test-safety, for make test's 5 minutes
 def test_edits_that_change_nothing_computed_are_no_refusal(folder_run, tmp_path):
     """Class names (unused by a question-answering head) and the feed-forward's chunking (the same
     numbers, computed in pieces) were refused as another model config (found by a review)."""

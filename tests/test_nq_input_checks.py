@@ -146,6 +146,7 @@ def test_training_features_refuse_a_repeated_id_in_one_shard_or_across_two(tmp_p
     assert done.docs == 3
 
 
+@pytest.mark.safety  # about 4 s: make test-safety, for make test's 5 minutes
 @pytest.mark.parametrize("num_proc", [1, 2])
 def test_training_on_lines_without_annotations_is_refused_even_when_skipping_bad_lines(tmp_path, minilm_dir, num_proc):
     """The test set as data.train: every window's target was 'no answer' (answer_type 0 for all),

@@ -241,7 +241,7 @@ def pair_by_pair(start, end, types, tmap, ids, max_answer_len, top_k=20):
 LOGIT = st.sampled_from([0.0, 1.0, 2.0, -3.0, 7.25] * 12 + [-math.inf, math.inf, math.nan])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     data=st.data(),
     batch=st.integers(1, 4),

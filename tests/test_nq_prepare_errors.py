@@ -225,6 +225,7 @@ def test_a_run_killed_mid_build_leaves_a_folder_that_is_rebuilt_not_used(tmp_pat
     assert not (out / STAGING_DIR).exists()
 
 
+@pytest.mark.safety  # about 3 s: make test-safety, for make test's 5 minutes
 @pytest.mark.parametrize("when", ["removing the old files", "before the new stamp"])
 def test_a_crash_while_swapping_in_is_never_taken_as_complete(tmp_path, monkeypatch, minilm_dir, when):
     out = tmp_path / "features"
