@@ -299,6 +299,8 @@ def test_a_signal_before_any_rank_trained_is_a_stop_not_torchrun_s_traceback(
 
     monkeypatch.setattr("torch.distributed.run.main", stopped)
     assert torchrun.main([]) == 128 + sigval
+    # Its own file was this call's: later launches of this process must not inherit it.
+    assert os.environ.get("DISTQA_ERROR_FILE") == (str(tmp_path / "node.txt") if launcher else None)
     name = signal.Signals(sigval).name
     said = [] if launcher else [f"distqa: stopped by {name} before training started: nothing to checkpoint"]
     assert capfd.readouterr().err.splitlines() == said

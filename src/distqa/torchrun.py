@@ -181,6 +181,9 @@ def main(argv: list[str]) -> int:
     from torch.distributed.run import main as torchrun_main
 
     sys.argv[0] = "torchrun"  # its usage and error messages name the command users know
+    # Given back at the end: an in-process caller's later launches must not inherit this run's file
+    # (a test's did: the next run_local.sh took it for a launcher's and printed no line of its own).
+    saved = {name: os.environ.get(name) for name in ("DISTQA_ERROR_FILE", AGENT_ENV)}
     made = None
     if not os.environ.get("DISTQA_ERROR_FILE"):
         try:
@@ -234,6 +237,11 @@ def main(argv: list[str]) -> int:
         if made is not None:
             with contextlib.suppress(OSError):
                 os.unlink(made)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 if __name__ == "__main__":
