@@ -63,20 +63,25 @@ def best_spans(
     scores = masked_start.gather(1, starts)[:, :, None] + masked_end.gather(1, ends)[:, None, :] - null[:, None, None]
     valid = doc.gather(1, starts)[:, :, None] & doc.gather(1, ends)[:, None, :]
     valid &= (pair_ends >= pair_starts) & (pair_ends - pair_starts + 1 <= max_answer_len)
-    flat = scores.masked_fill(~valid, -math.inf).flatten(1)
-    firsts = flat.argmax(dim=1).tolist()  # the first of equal maxima
-    for row, example_id in enumerate(example_ids):
-        if not valid[row].any():
+    best_scores, firsts = scores.masked_fill(~valid, -math.inf).flatten(1).max(dim=1)  # the first of equal maxima
+    best_starts, best_ends = starts.gather(1, firsts[:, None] // k), ends.gather(1, firsts[:, None] % k)
+    per_row = zip(
+        example_ids,
+        valid.flatten(1).any(dim=1).tolist(),
+        best_scores.tolist(),
+        best_starts[:, 0].tolist(),
+        best_ends[:, 0].tolist(),
+        type_logits.argmax(dim=1).tolist(),
+    )
+    for row, (example_id, any_pair, score, s, e, answer_type) in enumerate(per_row):
+        if not any_pair:
             continue  # a window without document tokens (an empty document)
-        score = float(flat[row, firsts[row]])
-        if math.isfinite(score):
-            s, e = int(starts[row, firsts[row] // k]), int(ends[row, firsts[row] % k])
-        else:
+        if not math.isfinite(score):
             score, s, e = _best_pair(
                 masked_start[row], masked_end[row], null[row], doc[row], starts[row], ends[row], max_answer_len
             )
         tmap = token_maps[row]
-        out.append(WindowBest(example_id, score, int(tmap[s]), int(tmap[e]) + 1, int(type_logits[row].argmax())))
+        out.append(WindowBest(example_id, score, int(tmap[s]), int(tmap[e]) + 1, answer_type))
     return out
 
 
