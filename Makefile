@@ -23,6 +23,7 @@ help:
 	@echo "make perf-fsdp  train.parallel=fsdp against ddp at two processes, sharded resumes, bench memory (minutes)"
 	@echo "make test-launch  distqa bench end to end, worker.sh under signals, MiniLM under torchrun (minutes)"
 	@echo "make test-comm  gradient compression hooks (fp16, bf16, powersgd) at two processes, PowerSGD's exact resume (minutes)"
+	@echo "make test-suites  test-launch, test-safety, test-comm and perf-fsdp in one pytest (CI's step; about 25 minutes)"
 	@echo "make bench-network  two hosts on a capped link (root): speed and bytes per step of each gradient hook (minutes)"
 	@echo "make test-torch-floor  make test's torch-facing files again on torch 2.11, the oldest supported (own venv; GBs)"
 	@echo "make test-gpu   the GPU acceptance suite (CUDA, NCCL, bf16/fp16, compile, FSDP2, peak memory); skipped without a GPU"
@@ -109,6 +110,13 @@ test-launch: install-dev
 .PHONY: test-comm
 test-comm: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m comm
+
+# The four suites above in one pytest (.ci/run's step): one session's two workers take the next
+# file of any suite, where four sessions one after the other each ended on one worker's last long
+# file with the other core idle (1462 s against 1708 s for the four, docs/testing.md).
+.PHONY: test-suites
+test-suites: install-dev
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "launch or safety or comm or fsdp"
 
 # Two hosts (network namespaces, root) on a tbf-capped veth link: samples/s and bytes on the wire per
 # train.ddp_comm_hook (scripts/bench_network.sh; about 6 minutes). Not part of `make test`.

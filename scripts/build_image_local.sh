@@ -6,7 +6,7 @@
 # base's torch kept, the package installed, the unprivileged user, the entrypoint.
 #
 #   scripts/build_image_local.sh TAG          e.g. scripts/build_image_local.sh distqa:local
-#   scripts/build_image_local.sh --base-only  the stand-in base alone (CI makes it beside other work)
+#   scripts/build_image_local.sh --base-only  the stand-in base alone (CI makes it beside make test)
 #   docker run --rm -v "$PWD/results:/app/results" TAG    trains the tiny model on the CPU
 #
 # The stand-in base is tagged after requirements.txt's torch pin (distqa-stand-in-base:torch-2.13.0)
