@@ -100,7 +100,7 @@ test-safety: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m safety
 
 # The heavier launches beside make test's core proofs (marker launch): distqa bench end to end,
-# worker.sh under signals, MiniLM fine-tuned under torchrun. A CI step of its own.
+# worker.sh under signals, MiniLM fine-tuned under torchrun. In CI, part of make test-suites.
 .PHONY: test-launch
 test-launch: install-dev
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m launch

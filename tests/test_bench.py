@@ -27,7 +27,7 @@ from distqa.flops import ModelShape, model_shape, peak_tflops
 from distqa.nq.model import BertJointQA
 from distqa.steptimer import PHASES, StepTimer
 
-# Not in `make test` (its 5-minute budget): `make test-launch`, a CI step of its own.
+# Not in `make test` (its 5-minute budget): `make test-launch` (in CI, part of `make test-suites`).
 pytestmark = pytest.mark.launch
 
 BENCH_SMALL = ["model.name=tiny", "task.max_seq_len=64", "task.dummy_size=256", "data.num_workers=0"]

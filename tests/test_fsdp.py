@@ -3,7 +3,7 @@ sharded checkpoint resumed on one process, an export Hugging Face loads, an eval
 run different numbers of batches, and nodes without a shared output_dir. test_fsdp_resume.py has
 the resumes and the bench figure.
 
-`make perf-fsdp` (marker fsdp; its own step in .ci/run): about 2 minutes of torchrun launches.
+`make perf-fsdp` (marker fsdp; in CI, part of make test-suites): about 2 minutes of torchrun launches.
 """
 
 from __future__ import annotations

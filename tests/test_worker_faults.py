@@ -22,7 +22,7 @@ from test_multinode import two_hosts  # noqa: F401  (a fixture)
 
 WORKER = ROOT / "scripts" / "worker.sh"
 
-# Not in `make test` (its 5-minute budget): `make test-launch`, a CI step of its own.
+# Not in `make test` (its 5-minute budget): `make test-launch` (in CI, part of `make test-suites`).
 pytestmark = [pytest.mark.slow, pytest.mark.launch]
 
 
