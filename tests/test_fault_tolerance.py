@@ -298,9 +298,9 @@ def fast_peer_watch(monkeypatch) -> torch_dist.TCPStore:
     return store
 
 
-def watching(rank: int, prefix: str) -> tuple[PeerWatch, list[list[int]]]:
-    """Rank `rank` of 2 watching the other, giving up after 0.5 s; what it would call lost, kept."""
-    watch, lost = PeerWatch(rank, 2, timeout_s=0.5, prefix=prefix), []
+def watching(rank: int, prefix: str, timeout_s: float = 0.5) -> tuple[PeerWatch, list[list[int]]]:
+    """Rank `rank` of 2 watching the other, giving up after `timeout_s`; what it would call lost, kept."""
+    watch, lost = PeerWatch(rank, 2, timeout_s=timeout_s, prefix=prefix), []
     watch._lost = lambda silent, **_: (lost.append(silent), watch.stopped.set())  # type: ignore[method-assign]
     threading.Thread(target=watch._run, daemon=True).start()
     return watch, lost
@@ -317,10 +317,11 @@ def test_peer_watch_ends_a_rank_whose_peer_is_gone_and_spares_live_and_finished_
         time.sleep(0.02)
     assert lost == [[1]]
 
-    (zero, lost_by_zero), (one, lost_by_one) = watching(0, "live/"), watching(1, "live/")
-    time.sleep(1.0)  # two timeouts: both count
+    # A timeout of 1 s: a loaded machine may hold a thread a few hundred ms (see the test below).
+    (zero, lost_by_zero), (one, lost_by_one) = watching(0, "live/", 1.0), watching(1, "live/", 1.0)
+    time.sleep(2.1)  # two timeouts: both count
     one.stop()  # rank 1 ends on purpose
-    time.sleep(1.0)
+    time.sleep(2.1)
     zero.stop()
     assert lost_by_zero == [] and lost_by_one == []
 
@@ -334,20 +335,38 @@ def test_peer_watch_ends_a_rank_whose_peer_is_gone_and_spares_live_and_finished_
     assert (tmp_path / "error").read_text().strip() == line
 
 
-def test_peer_watch_after_the_whole_process_was_paused_reports_nobody(fast_peer_watch, monkeypatch):
-    """A job paused as a whole (SIGSTOP, `docker pause`) for longer than the timeout, then resumed:
-    the first thread to wake must not take its neighbour, not yet awake, for lost."""
-    offset, awake = [0.0], threading.Event()
+@pytest.mark.parametrize("where", ["between-ticks", "mid-read"])
+def test_peer_watch_after_the_whole_process_was_paused_reports_nobody(fast_peer_watch, monkeypatch, where):
+    """A job paused as a whole (SIGSTOP, `docker pause`) for longer than the timeout, then resumed,
+    wherever the watch thread was (asleep between ticks, or inside a read of the store): the first
+    thread to wake must not take its neighbour, not yet awake, for lost."""
+    offset, awake, reads_after = [0.0], threading.Event(), [0]
     awake.set()
     real = time.monotonic
     monkeypatch.setattr(peer_watch.time, "monotonic", lambda: real() + offset[0])
-    (zero, lost_by_zero), (one, lost_by_one) = watching(0, "paused/"), watching(1, "paused/")
-    count = one._add
-    one._add = lambda rank, amount: (awake.wait(), count(rank, amount))[1]  # type: ignore[method-assign]
+    # Rank 1 is held by events, not sleeps, and the timeout is 4 s against a pause of 30: a loaded
+    # machine (CI runs this at the lowest priority beside other tests) that delays a thread by a few
+    # hundred ms must not fail it (it did with a 0.5 s timeout and sleeps).
+    (zero, lost_by_zero), (one, lost_by_one) = watching(0, "paused/", 4.0), watching(1, "paused/", 4.0)
+    count_zero, count_one = zero._add, one._add
+
+    def zero_reads(rank: int, amount: int) -> int:
+        if rank == 1 and where == "mid-read" and not awake.is_set():
+            offset[0] = 30.0  # the pause lands inside this read of rank 1's counter
+        value = count_zero(rank, amount)
+        reads_after[0] += rank == 1 and offset[0] == 30.0
+        return value
+
+    zero._add = zero_reads  # type: ignore[method-assign]
+    one._add = lambda rank, amount: (awake.wait(), count_one(rank, amount))[1]  # type: ignore[method-assign]
     time.sleep(0.3)
     awake.clear()  # rank 1 wakes later than rank 0 ...
-    offset[0] = 30.0  # ... from a pause of 30 s of every thread
-    time.sleep(0.3)
+    if where == "between-ticks":
+        offset[0] = 30.0  # ... from a pause of 30 s of every thread
+    deadline = real() + 10
+    while reads_after[0] < 3 and real() < deadline:  # rank 0 looks at rank 1 three times after it
+        time.sleep(0.01)
+    assert reads_after[0] >= 3 and not lost_by_zero
     awake.set()
     time.sleep(0.3)
     zero.stop()

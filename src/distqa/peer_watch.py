@@ -90,15 +90,8 @@ class PeerWatch:
     def _run(self) -> None:
         start = time.monotonic()
         seen = {peer: (-1, start) for peer in self.peers}
-        answered = last_tick = start  # when the store last answered; when this thread last ran
+        answered = looked = start  # when the store last answered; when this thread last looked
         while not self.stopped.wait(self.INTERVAL_S):
-            now = time.monotonic()
-            if now - last_tick > self.timeout_s / 2:
-                # This process itself did not run (the whole job paused: SIGSTOP, `docker pause`):
-                # its neighbours did not either, and a counter read now would look long silent.
-                seen = {peer: (value, now) for peer, (value, _) in seen.items()}
-                answered = now
-            last_tick = now
             try:
                 self._add(self.rank, 1)
                 values = {peer: self._add(peer, 0) for peer in list(seen)}
@@ -109,6 +102,13 @@ class PeerWatch:
             if later is not None and not self.stopped.is_set():
                 self._round_over(*later)
             now = time.monotonic()
+            if now - looked > self.timeout_s / 2:
+                # This thread did not look for that long: the process did not run (the whole job
+                # paused, SIGSTOP or `docker pause`, wherever this loop was, even mid-read), so its
+                # neighbours did not either, and their counters would look long silent.
+                seen = {peer: (value, now) for peer, (value, _) in seen.items()}
+                answered = now
+            looked = now
             for peer, value in values.items():
                 if value >= self.DONE:
                     del seen[peer]  # it stopped on purpose
