@@ -335,6 +335,35 @@ def test_peer_watch_ends_a_rank_whose_peer_is_gone_and_spares_live_and_finished_
     assert (tmp_path / "error").read_text().strip() == line
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("", 60.0), ("0", 0.0), ("6", 6.0), ("90.5", 90.5), ("abc", "is not a number"), ("2", "at least 6 s"),
+     ("-1", "at least 6 s"), ("nan", "at least 6 s"), ("inf", "at least 6 s")],
+)  # fmt: skip
+def test_the_peer_timeout_is_off_or_long_enough_to_fire(monkeypatch, value, expected):
+    monkeypatch.setenv("DISTQA_PEER_TIMEOUT_S", value)
+    if isinstance(expected, float):
+        assert PeerWatch.timeout_from_env() == expected
+        return
+    with pytest.raises(DistqaError) as refused:
+        PeerWatch.timeout_from_env()
+    message = str(refused.value)
+    assert message.startswith("DISTQA_PEER_TIMEOUT_S=") and value in message and expected in message, message
+
+
+def test_a_peer_timeout_under_the_least_would_never_report_a_gone_peer(fast_peer_watch, monkeypatch):
+    """Why timeout_from_env refuses one under 3 intervals: under 2, every tick looks like a pause."""
+    monkeypatch.setattr(PeerWatch, "INTERVAL_S", 0.2)  # a tick late by 0.1 s still counts at 3 intervals
+    short, lost_by_short = watching(0, "short/", timeout_s=1.5 * PeerWatch.INTERVAL_S)  # rank 1 never counts
+    least, lost_by_least = watching(0, "least/", timeout_s=3 * PeerWatch.INTERVAL_S)
+    deadline = time.monotonic() + 10
+    while not lost_by_least and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    short.stop(), least.stop()
+    assert lost_by_least == [[1]] and lost_by_short == []
+
+
 @pytest.mark.parametrize("where", ["between-ticks", "mid-read"])
 def test_peer_watch_after_the_whole_process_was_paused_reports_nobody(fast_peer_watch, monkeypatch, where):
     """A job paused as a whole (SIGSTOP, `docker pause`) for longer than the timeout, then resumed,

@@ -174,8 +174,8 @@ class _Finalized:
 def test_the_prepare_pool_s_workers_collect_none_of_what_they_inherited(tmp_path, minilm_dir, monkeypatch):
     """Garbage this process had not collected yet when the pool forked (here a cycle whose finalizer
     writes its pid; under pytest, an earlier in-process run's objects) is not finalized in the
-    workers, even by a collection there: the collection that ran such finalizers in both workers of
-    a test process ended them with a segfault."""
+    workers, even by a collection there (seen once: both workers of a test process died of a
+    segfault during a collection)."""
     from distqa.nq import prepare
 
     real = prepare._generate

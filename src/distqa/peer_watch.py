@@ -4,6 +4,7 @@ peer under gloo can otherwise leave it waiting the process group's whole timeout
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -11,6 +12,8 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from distqa.errors import DistqaError
 
 
 class PeerWatch:
@@ -53,9 +56,27 @@ class PeerWatch:
         self.thread: threading.Thread | None = None
 
     @classmethod
+    def timeout_from_env(cls) -> float:
+        """DISTQA_PEER_TIMEOUT_S, checked: 0 (off), or long enough that one tick (INTERVAL_S and
+        the reads) stays under the pause check's half timeout; shorter, every tick would look like
+        a pause and no peer would ever be reported lost."""
+        raw = os.environ.get("DISTQA_PEER_TIMEOUT_S") or "60"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise DistqaError(f"DISTQA_PEER_TIMEOUT_S={raw!r} is not a number of seconds (0: off)") from None
+        least = 3 * cls.INTERVAL_S
+        if not math.isfinite(value) or value < 0 or 0 < value < least:
+            raise DistqaError(
+                f"DISTQA_PEER_TIMEOUT_S={raw} must be 0 (off) or at least {least:g} s: each rank counts "
+                f"every {cls.INTERVAL_S:g} s, and a shorter silence would never be told from a paused job"
+            )
+        return value
+
+    @classmethod
     def start(cls, rank: int, world_size: int) -> None:
-        timeout_s = float(os.environ.get("DISTQA_PEER_TIMEOUT_S") or 60)
-        if timeout_s <= 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        timeout_s = cls.timeout_from_env()
+        if timeout_s == 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             return  # off, or a process group made without a TCP store to count in
         from distqa import rounds
 
