@@ -102,13 +102,13 @@ def init_distributed() -> DistInfo:
         timeout_s = _env_int("DISTQA_PG_TIMEOUT_S", 1800)
         if timeout_s <= 0:
             raise DistqaError(f"DISTQA_PG_TIMEOUT_S={timeout_s} must be a positive number of seconds")
-        PeerWatch.timeout_from_env()  # a bad value stops the run here, before the rendezvous
+        peer_timeout_s = PeerWatch.timeout_from_env()  # a bad value stops the run here, before the rendezvous
         kwargs["timeout"] = timedelta(seconds=timeout_s)
         store = _restart_scoped_store()
         if store is not None:
             kwargs["store"] = store
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
-        PeerWatch.start(rank, world_size)
+        PeerWatch.start(rank, world_size, peer_timeout_s)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 

@@ -74,8 +74,8 @@ class PeerWatch:
         return value
 
     @classmethod
-    def start(cls, rank: int, world_size: int) -> None:
-        timeout_s = cls.timeout_from_env()
+    def start(cls, rank: int, world_size: int, timeout_s: float) -> None:
+        """Watch this rank's neighbours for `timeout_s` of silence (`timeout_from_env`; 0: off)."""
         if timeout_s == 0 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
             return  # off, or a process group made without a TCP store to count in
         from distqa import rounds
