@@ -1,10 +1,12 @@
 """A torchrun worker that outlives its agent stops itself (`watch_parent`); a pool's processes die
-with the process that forked them (`die_with_parent`, `children_die_with_me`)."""
+with the process that forked them (`die_with_parent`, `children_die_with_me`) and never finalize
+what they inherited from it (`inherited_objects_frozen`)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -136,3 +138,21 @@ def children_die_with_me() -> Iterator[None]:
         yield
     finally:
         _watching.pop()
+
+
+@contextlib.contextmanager
+def inherited_objects_frozen() -> Iterator[None]:
+    """Processes forked without exec in the block (a `datasets` pool, a one-process run's DataLoader
+    workers) never run the finalizers of what they inherited, which a garbage collection there would
+    do for the unreachable objects this process had not collected yet, whose state may belong to
+    threads or processes that are only this one's: an earlier DataLoader iterator's shutdown of its
+    workers, a temporary folder's removal. Seen once in a test process that had trained before: both
+    workers of prepare's pool died of a segfault during a collection (faulthandler: "Garbage-
+    collecting"). Objects frozen before the fork (gc.freeze, as Python's gc docs advise for fork
+    without exec) are never collected there: the children collect only their own, the inherited
+    pages stay shared, and this process unfreezes them as the block ends."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from distqa.dist import DistInfo, default_num_workers
 from distqa.errors import ConfigError, DistqaError
 from distqa.loader_server import Patient, loader_context, loader_timeout
+from distqa.parent_watch import inherited_objects_frozen
 from distqa.worker_signals import loader_worker_init, sigterm_held
 
 if TYPE_CHECKING:  # for hints only
@@ -262,8 +263,12 @@ def training_batches(
             # until the process group's timeout, with a gloo traceback: `as_worker_loss` says it.
             timeout=loader_timeout(workers, cfg.data.timeout_s),
         )
+        # Workers forked from this process (one process: plain fork) must not finalize what they
+        # inherit, such as an earlier epoch's iterator, whose finalizer shuts down its workers.
+        forked = context is not None and context.get_start_method() == "fork"
         try:
-            return Patient(iter(loader), cfg.data.timeout_s) if workers else iter(loader)
+            with inherited_objects_frozen() if forked else contextlib.nullcontext():
+                return Patient(iter(loader), cfg.data.timeout_s) if workers else iter(loader)
         except (pickle.PicklingError, AttributeError, TypeError) as err:
             sent = (("the training dataset", dataset), ("the task's collate_fn", collate))
             named = None if context is None or context.get_start_method() == "fork" else unpicklable(*sent)

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +48,7 @@ from distqa.nq.feature_stamp import (
 )
 from distqa.nq.features import FeatureBuilder, FeatureSettings, require_cls_and_sep
 from distqa.nq.reader import NQReader, byte_ranges, refuse_unreadable_start
-from distqa.parent_watch import children_die_with_me
+from distqa.parent_watch import children_die_with_me, inherited_objects_frozen
 from distqa.rank0 import reason
 
 FEATURES = datasets.Features(
@@ -117,28 +115,10 @@ def _shard_stats(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [json.loads(Path(s["stats"]).read_text()) for s in shards if Path(s["stats"]).is_file()]
 
 
-@contextlib.contextmanager
-def _inherited_objects_frozen() -> Iterator[None]:
-    """The pool forks this process without exec: its workers must not run the finalizers of what
-    they inherited, which a garbage collection there would do for the unreachable objects this
-    process had not collected yet (an earlier run's in the same process), whose C/C++ state may
-    belong to threads that exist only here. Seen once in a test process that had trained before:
-    both workers died of a segfault during a collection (faulthandler: "Garbage-collecting") and
-    prepare stopped in one line. Objects frozen before the fork (gc.freeze, as Python's gc docs
-    advise for fork without exec) are never collected there: the workers collect only their own
-    (tests/test_nq_features.py shows an inherited finalizer no longer runs in them), the inherited
-    pages stay shared, and this process unfreezes them once the pool is gone."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def _generate_all(source: Path, shards: list[dict[str, Any]], num_proc: int, staging: Path) -> datasets.Dataset:
     """Every shard's features in one dataset, built by up to `num_proc` processes."""
     try:
-        with children_die_with_me(), _inherited_objects_frozen():
+        with children_die_with_me(), inherited_objects_frozen():
             dataset = datasets.Dataset.from_generator(
                 _generate,
                 features=FEATURES,
