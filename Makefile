@@ -18,7 +18,7 @@ help:
 	@echo "make test-docker  build the image with the local Docker engine and run containers (minutes)"
 	@echo "make test-download  the tests that pip-install neuro-flow on first use (about 40 s, needs pip's index)"
 	@echo "make check-flow parse .neuro/live.yml offline with neuro-flow, print its jobs and volumes, fail on a bad reference"
-	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 2 minutes)"
+	@echo "make test-nodes  lose and restart nodes of a two-host run (network namespaces, root; about 7 minutes)"
 	@echo "make test-safety  no silent wrong result: refusals at two processes, planted files, lock takeovers (minutes)"
 	@echo "make perf-fsdp  train.parallel=fsdp against ddp at two processes, sharded resumes, bench memory (minutes)"
 	@echo "make test-launch  distqa bench end to end, worker.sh under signals, MiniLM under torchrun (minutes)"
@@ -85,7 +85,7 @@ test-download: install-dev
 check-flow: install
 	$(BIN)/python scripts/check_flow.py
 
-# Nodes lost and started again in a two-host run (network namespaces, root): about 2 minutes, most
+# Nodes lost and started again in a two-host run (network namespaces, root): about 7 minutes, most
 # of it rendezvous timeouts. Not part of `make test`.
 test-nodes: install-dev
 	$(BIN)/python -m pytest -m nodes
