@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import shutil
@@ -402,3 +403,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Finalized:
+    """Writes the pid of the process that finalizes it (`only_this_process_finalizes`)."""
+
+    def __init__(self, record: Path) -> None:
+        self.record, self.me = record, self  # a cycle: only a garbage collection frees it
+
+    def __del__(self) -> None:
+        with open(self.record, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+@contextlib.contextmanager
+def only_this_process_finalizes(record: Path) -> Iterator[None]:
+    """The block runs while this process holds garbage it has not collected (a cycle whose finalizer
+    writes the pid of the process that runs it; collection off until then, so it is there at any
+    fork): no process forked in the block may have finalized it, and this process's own collection
+    does, afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _Finalized(record)
+        yield
+        assert not record.exists(), f"finalized in a forked process: pid {record.read_text().split()}"
+        gc.collect()
+        assert record.read_text().split() == [str(os.getpid())]
+    finally:
+        if enabled:
+            gc.enable()

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from conftest import subprocess_env
+from conftest import only_this_process_finalizes, subprocess_env
 from distqa import sampler
 from distqa.dist import DistInfo
 from distqa.errors import ConfigError
@@ -68,17 +68,6 @@ def test_without_workers_nothing_is_pickled():
     assert len(sum(batches, [])) == 4  # rank 0's half, in the workers-off loader
 
 
-class _Finalized:
-    """An unreachable cycle whose finalizer writes the pid of the process that ran it."""
-
-    def __init__(self, record: Path) -> None:
-        self.record, self.cycle = record, self
-
-    def __del__(self) -> None:
-        with open(self.record, "a") as f:
-            f.write(f"{os.getpid()}\n")
-
-
 class _CollectsFirst(Dataset):
     """Items whose reading starts with a garbage collection, as a worker's allocations may start one."""
 
@@ -94,22 +83,12 @@ def test_a_one_process_run_s_forked_workers_finalize_nothing_they_inherited(tmp_
     """One process forks its loader's workers without exec: garbage it had not collected at the fork
     (an earlier epoch's loader iterator, whose finalizer shuts down that epoch's workers) must not be
     finalized in them, even by a collection there (prepare's pool died of that once)."""
-    record = tmp_path / "finalized-by"
     cfg = load_config(None, [*TOY, "data.num_workers=2"])
     one = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    enabled = gc.isenabled()
-    gc.disable()  # the cycle stays uncollected until the fork
-    try:
-        _Finalized(record)
+    with only_this_process_finalizes(tmp_path / "finalized-by"):
         batches = sampler.training_batches(_CollectsFirst(), list, cfg, one, 0, 0)
         assert batches.iterator._workers[0]._start_method == "fork"  # (the case: a fork server execs)
         assert sorted(sum(batches, [])) == list(range(8))
-        assert not record.exists(), f"finalized in a worker: pid {record.read_text().split()}"
-        gc.collect()  # unfrozen again: this process frees it
-        assert record.read_text().split() == [str(os.getpid())]
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def test_the_server_preloads_the_modules_a_worker_unpickles():

@@ -5,14 +5,12 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TESTS
+from conftest import TESTS, only_this_process_finalizes
 from distqa.errors import DistqaError
 from distqa.nq.features import LONG, SHORT, UNKNOWN, FeatureBuilder, FeatureSettings, is_html_tag, select_target
 from distqa.nq.prepare import load_features, prepare_features
@@ -160,17 +158,6 @@ def test_prepare_caches_and_reuses(tmp_path, minilm_dir):
     assert not prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=other).reused
 
 
-class _Finalized:
-    """Writes the pid of the process that finalizes it: the pool's workers must never be one."""
-
-    def __init__(self, record: Path) -> None:
-        self.record, self.me = record, self  # a cycle: only a garbage collection frees it
-
-    def __del__(self) -> None:
-        with open(self.record, "a") as f:
-            f.write(f"{os.getpid()}\n")
-
-
 def test_the_prepare_pool_s_workers_collect_none_of_what_they_inherited(tmp_path, minilm_dir, monkeypatch):
     """Garbage this process had not collected yet when the pool forked (here a cycle whose finalizer
     writes its pid; under pytest, an earlier in-process run's objects) is not finalized in the
@@ -185,20 +172,10 @@ def test_the_prepare_pool_s_workers_collect_none_of_what_they_inherited(tmp_path
         yield from real(shards)
 
     monkeypatch.setattr(prepare, "_generate", collecting_first)
-    record = tmp_path / "finalized-by"
-    enabled = gc.isenabled()
-    gc.disable()  # the cycle stays uncollected until the fork
-    try:
-        _Finalized(record)
-        settings = FeatureSettings(max_seq_len=256, doc_stride=128, keep_unknown=0.05)
+    settings = FeatureSettings(max_seq_len=256, doc_stride=128, keep_unknown=0.05)
+    with only_this_process_finalizes(tmp_path / "finalized-by"):
         result = prepare_features(SAMPLE, tmp_path / "f", tokenizer_name=str(minilm_dir), settings=settings, num_proc=2)
         assert result.features > 0
-        assert not record.exists(), f"finalized in a worker: pid {record.read_text().split()}"
-        gc.collect()  # unfrozen again: this process frees it
-        assert record.read_text().split() == [str(os.getpid())]
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def test_dev_format_with_five_annotations_reads_and_targets(tmp_path, tokenizer):
