@@ -271,7 +271,7 @@ def training_batches(
                 return Patient(iter(loader), cfg.data.timeout_s) if workers else iter(loader)
         except (pickle.PicklingError, AttributeError, TypeError) as err:
             sent = (("the training dataset", dataset), ("the task's collate_fn", collate))
-            named = None if context is None or context.get_start_method() == "fork" else unpicklable(*sent)
+            named = None if context is None or forked else unpicklable(*sent)
             if named is None:
                 raise
             raise named from err
