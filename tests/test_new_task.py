@@ -98,6 +98,12 @@ def test_the_generated_task_is_clean_trains_evaluates_and_predicts(tmp_path, mon
         task.save_settings(tmp_path / "model")
         capsys.readouterr()
         command = ["nt-probe-predict", "--config", "configs/nt_probe.yaml", "--model", "model", "--text", "a good book"]
+        # The training config's task.max_words: 16 is not what this model was trained with (3, on
+        # the command line): the file's value is refused, not used to cut texts otherwise.
+        assert main(command) != 0
+        said = capsys.readouterr().err
+        assert "task.max_words=16 in configs/nt_probe.yaml is not the task.max_words=3 the model" in said, said
+        command.append("task.max_words=3")
         assert main(command) == 0
         label, text = capsys.readouterr().out.strip().splitlines()[-1].split("\t")
         assert label in ("negative", "positive") and text == "a good book"

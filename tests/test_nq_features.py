@@ -68,6 +68,12 @@ def test_malformed_line_names_file_and_line(tmp_path):
     assert [e.example_id for e in reader] == [json.loads(lines[i])["example_id"].__str__() for i in (0, 2)]
     assert [n for n, _ in reader.bad_lines] == [2, 4]
     assert "missing field" in reader.bad_lines[1][1]
+    # The column is the line's own, at its cut-off end (json counted it from after the newline: 1).
+    cut = '{"example_id": 7, "question_text": "x"'
+    path.write_text(lines[0] + "\n" + cut + "\n")
+    said = rf"line 2: not valid JSON \(Expecting ',' delimiter at column {len(cut) + 1}\)"
+    with pytest.raises(DistqaError, match=said):
+        list(NQReader(path))
 
 
 def test_span_outside_document_is_reported(tmp_path):

@@ -58,6 +58,25 @@ def test_a_model_without_tokenizer_files_is_refused_and_no_file_written(tmp_path
     assert not (tmp_path / "sub.csv").exists()
 
 
+def test_a_config_file_s_window_length_other_than_training_s_is_refused(tmp_path, tiny_run, capsys):
+    """The training run's YAML given to predict without that run's `task.max_seq_len=64` override
+    would build 128-token windows: refused before the model loads, naming the file and both values."""
+    config = tmp_path / "train.yaml"
+    config.write_text("task:\n  max_seq_len: 128\n")
+    argv = ["predict", "--config", str(config), "--input", str(SAMPLE), "--checkpoint", str(tiny_run)]
+    argv += ["--output", str(tmp_path / "sub.csv"), f"task.cache_dir={tmp_path / 'cache'}"]
+    capsys.readouterr()
+    assert main(argv) != 0
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"task.max_seq_len=128 in {config} is not the task.max_seq_len=64 the model" in last, last
+    assert not (tmp_path / "sub.csv").exists() and not (tmp_path / "cache").exists()
+    # The same value on the command line is a deliberate choice: used with a warning, and the run
+    # goes on to the next check (this export has no tokenizer).
+    assert main([*argv, "task.max_seq_len=128"]) != 0
+    err = capsys.readouterr().err
+    assert "task.max_seq_len=128 was given but" in err and "has no tokenizer files" in err.strip().splitlines()[-1]
+
+
 def test_a_tokenizer_of_another_size_is_refused(tmp_path, tiny_run, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

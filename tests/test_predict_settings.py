@@ -1,6 +1,7 @@
 """`distqa predict` runs a model with the task settings it was trained with: the export carries them
 (model/distqa_task.json), so leaving out `task.max_seq_len=...` cannot give a plausible, wrong
-submission; a key given that differs is used, with one warning line naming both values."""
+submission; a key given on the command line that differs is used, with one warning line naming
+both values, and one from a --config file is refused."""
 
 from __future__ import annotations
 
@@ -115,8 +116,27 @@ def test_given_keys_come_from_the_overrides_and_the_config_file(tmp_path):
     config.write_text("task:\n  max_query_len: 32\ndata:\n  train: dummy\n")
     overrides = ["task.max_seq_len=128", "task.doc_stride=64", "task=nq", "train.lr=1e-4"]
     given = given_task_keys(str(config), overrides)
-    assert given == {"max_seq_len", "doc_stride", "name", "max_query_len"}
-    assert given_task_keys(None, []) == set()
+    line = "the command line"
+    assert given == {"max_seq_len": line, "doc_stride": line, "name": line, "max_query_len": str(config)}
+    # A key in both: the command line's value is the one used.
+    assert given_task_keys(str(config), ["task.max_query_len=16"])["max_query_len"] == line
+    assert given_task_keys(None, []) == {}
+
+
+def test_a_file_s_value_other_than_the_trained_one_is_refused_naming_the_file(tmp_path, capsys):
+    """The training run's --config file without that run's command-line overrides builds other
+    windows than training's: refused; the same value typed on the command line is a choice."""
+    write_task_settings(load_config(None, TRAINED).task, tmp_path)
+    config = tmp_path / "train.yaml"
+    with pytest.raises(DistqaError) as caught:
+        with_trained_settings(load_config(None, ["task.doc_stride=32"]), tmp_path, {"doc_stride": str(config)})
+    message = str(caught.value)
+    assert f"task.doc_stride=32 in {config} is not the task.doc_stride=64 the model in {tmp_path}" in message, message
+    assert "give task.doc_stride=32 on the command line" in message and "\n" not in message
+    # The trained value in the file: taken without a word.
+    capsys.readouterr()
+    with_trained_settings(load_config(None, ["task.doc_stride=64"]), tmp_path, {"doc_stride": str(config)})
+    assert warnings(capsys.readouterr().err) == []
 
 
 @pytest.mark.parametrize(

@@ -96,24 +96,47 @@ def read_task_settings(directory: Path) -> dict[str, Any] | None:
     return record["task"]
 
 
-def given_task_keys(config_path: str | None, overrides: Collection[str]) -> set[str]:
+COMMAND_LINE = "the command line"
+
+
+def given_task_keys(config_path: str | None, overrides: Collection[str]) -> dict[str, str]:
     """The `task.*` keys (without the prefix) that a command's --config file and KEY=VALUE overrides
-    set, `task=NAME` included. Call it after `load_config` has accepted both."""
-    given: set[str] = set()
+    set, `task=NAME` included, each with where its value comes from: COMMAND_LINE, or the file's
+    path (a key in both takes the command line's value). Call it after `load_config` has accepted
+    both."""
+    given: dict[str, str] = {}
     layer = OmegaConf.load(config_path) if config_path is not None else None
     if isinstance(layer, DictConfig):
         task = layer.get("task")
         if isinstance(task, str):  # the shorthand `task: NAME`
-            given.add("name")
+            given["name"] = str(config_path)
         elif isinstance(task, DictConfig):
-            given.update(str(key) for key in task)
+            given.update((str(key), str(config_path)) for key in task)
     for item in overrides:
         key = item.partition("=")[0]
         if key == "task":
-            given.add("name")
+            given["name"] = COMMAND_LINE
         elif key.startswith("task."):
-            given.add(key[5:].split(".")[0])
+            given[key[5:].split(".")[0]] = COMMAND_LINE
     return given
+
+
+def _differs(key: str, mine: str, trained: str, directory: Path, given: Collection[str]) -> None:
+    """A given `task.{key}` that is not the trained value: used, with one warning line, when typed
+    on the command line (a deliberate choice); refused when it comes from a --config file. Such a
+    file is most often the training run's, without the command line's overrides of that run: its
+    value would build other windows than training's for a plausible, wrong submission."""
+    where = given.get(key, COMMAND_LINE) if isinstance(given, Mapping) else COMMAND_LINE
+    if where != COMMAND_LINE:
+        raise DistqaError(
+            f"task.{key}={mine} in {where} is not the task.{key}={trained} the model in {directory} was "
+            f"trained with: leave task.{key} out of the file to use the trained value, or give "
+            f"task.{key}={mine} on the command line to use this one"
+        )
+    _warn(
+        f"task.{key}={mine} was given but the model in {directory} was trained with "
+        f"task.{key}={trained}: using {mine} (leave task.{key} out to use the trained value)"
+    )
 
 
 def _check_float(key: str, value: Any, field: dataclasses.Field) -> None:
@@ -128,7 +151,8 @@ def _check_float(key: str, value: Any, field: dataclasses.Field) -> None:
 def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str] = ()) -> RunConfig:
     """`cfg` (changed in place) with the `task.*` settings the model in `directory` was trained with,
     for a command that runs an exported model. A key in `given` (set by the user: `given_task_keys`)
-    keeps its value, with one warning line when it differs from the trained one. Settings that may
+    keeps its value, with one warning line when it differs from the trained one, or is refused
+    when that value comes from a --config file (`_differs`). Settings that may
     change on resume (field metadata `resume`: a cache folder, skipping bad lines) are choices of
     this run, not properties of the model: never taken from the file. Without the file (an export
     of an older distqa) `cfg` stays as it is, and one line says so."""
@@ -151,7 +175,7 @@ def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str
                 f"{path}: the model was trained with task.name={trained_name}, not {cfg.task.name}: "
                 f"give task.name={trained_name}"
             )
-        _warn(f"task.name={cfg.task.name} was given but the model was trained with task.name={trained_name}")
+        _differs("name", cfg.task.name, trained_name, directory, given)
     taken: dict[str, Any] = {}
     for key, value in saved.items():
         if key == "name":
@@ -163,11 +187,7 @@ def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str
         elif key not in given:
             taken[key] = value
         elif _plain(getattr(cfg.task, key)) != value:
-            mine = _shown(getattr(cfg.task, key))
-            _warn(
-                f"task.{key}={mine} was given but the model in {directory} was trained with "
-                f"task.{key}={_shown(value)}: using {mine} (leave task.{key} out to use the trained value)"
-            )
+            _differs(key, _shown(getattr(cfg.task, key)), _shown(value), directory, given)
     before = cfg.task
     cfg.task = _merged(cfg.task, taken, path)
     changed = [key for key in taken if getattr(cfg.task, key) != getattr(before, key)]

@@ -94,7 +94,10 @@ def load_object(line: str) -> dict[str, Any]:
     try:
         raw = json.loads(line)
     except json.JSONDecodeError as err:
-        raise BadLine(f"not valid JSON ({err.msg} at column {err.colno})") from None
+        # The column within the line: a cut-off line's error lands past its newline, where json's
+        # colno counts from 1 again; past the last character is said as one after it.
+        column = min(err.pos, len(line.rstrip("\r\n"))) + 1
+        raise BadLine(f"not valid JSON ({err.msg} at column {column})") from None
     except (RecursionError, ValueError) as err:  # nesting too deep, an integer of thousands of digits
         raise BadLine(f"not usable JSON ({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
     if not isinstance(raw, dict):
