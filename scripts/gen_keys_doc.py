@@ -43,7 +43,8 @@ distqa: error: unknown config key 'model.nam' in the command line (did you mean 
 distqa: error: bad value for 'train.lr' in the command line: Value 'abc' of type 'str' could not be converted to Float
 ```
 
-`distqa train --check-config ...` only loads and checks the settings (no torch import). The global
+`distqa train --check-config ...` only loads and checks the settings (no torch import for the built-in
+tasks; a fork's task module is imported to find its settings). The global
 batch is `train.batch_size x train.grad_accum x processes` (or `train.global_batch`, which sets
 `train.grad_accum` for the process count; one that the processes cannot divide is one line). An
 epoch is `len(dataset) // global batch` optimizer steps (the incomplete last global batch is dropped).

@@ -79,6 +79,11 @@ def test_the_generated_task_is_clean_trains_evaluates_and_predicts(tmp_path, mon
         # A tokenizer the task would not use is refused (it was ignored without a word).
         with pytest.raises(DistqaError, match=r"model.tokenizer=bert-base-uncased: the nt_probe task encodes"):
             load_task(load_config("configs/nt_probe.yaml", ["model.tokenizer=bert-base-uncased"]))
+        # Inputs past the model's 512 positions: one line when the model is built (it was an
+        # index error at the first text that long, any step of the run).
+        with pytest.raises(DistqaError, match=r"task.max_words=600 \(601 tokens with \[CLS\]\) exceeds the 512"):
+            load_task(load_config("configs/nt_probe.yaml", ["task.max_words=600"])).build_model()
+        load_task(load_config("configs/nt_probe.yaml", ["task.max_words=511"])).build_model()
         cfg = load_config("configs/nt_probe.yaml", ["train.max_steps=1", "task.max_words=3"])
         task = load_task(cfg)
         model = task.build_model()
@@ -111,6 +116,8 @@ def test_the_generated_task_is_clean_trains_evaluates_and_predicts(tmp_path, mon
         assert main([*command, "task.max_words=1"]) == 0
         said = capsys.readouterr().err
         assert "task.max_words=1 was given but the model in model was trained with task.max_words=3" in said
+        assert main([*command, "task.max_words=600"]) != 0
+        assert "task.max_words=600 (601 tokens with [CLS]) exceeds" in capsys.readouterr().err
         # A fork reorders its classes after training: the export's own names still say what the
         # model predicts (printing LABELS[index] renamed every prediction).
         task_module = sys.modules["nt_probe.task"]

@@ -133,6 +133,10 @@ def test_a_file_s_value_other_than_the_trained_one_is_refused_naming_the_file(tm
     message = str(caught.value)
     assert f"task.doc_stride=32 in {config} is not the task.doc_stride=64 the model in {tmp_path}" in message, message
     assert "give task.doc_stride=32 on the command line" in message and "\n" not in message
+    # A fork's own command, its task named by its config file, on another task's model: refused
+    # (it was one warning, and a head with random weights predicted, exit 0).
+    with pytest.raises(DistqaError, match=rf"task.name=fork:Task in {config} is not the task.name=nq the model"):
+        with_trained_settings(fork_config(), tmp_path, {"name": str(config)})
     # The trained value in the file: taken without a word.
     capsys.readouterr()
     with_trained_settings(load_config(None, ["task.doc_stride=64"]), tmp_path, {"doc_stride": str(config)})

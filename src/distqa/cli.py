@@ -182,8 +182,8 @@ def build_parser(task: str | None = None, config_note: str = "") -> argparse.Arg
     train.add_argument(
         "--check-config",
         action="store_true",
-        help="only load and check the settings, then exit (0, or 2 with the error); imports no torch, "
-        "so launch scripts run it once before starting torchrun",
+        help="only load and check the settings, then exit (0, or 2 with the error); imports no torch for "
+        "the built-in tasks, so launch scripts run it once before starting torchrun",
     )
 
     _add_bench(commands)

@@ -210,6 +210,7 @@ def check_model_fits(
     tokenizer: Any | None,
     exported: bool = False,
     token_types: int = 1,
+    length_said: str | None = None,
 ) -> None:
     """Refuse a model that cannot take the task's inputs when it is built, not with an index error
     in the middle of a run: `task.max_seq_len` past its position embeddings, `token_types` (the
@@ -218,13 +219,13 @@ def check_model_fits(
     tokenizer whose ids run past its embedding table. For an `exported` model (a command that runs
     it) the tokenizer must be the one it was trained with, so its vocabulary must also be about as
     large (models round theirs up a little for fast kernels); a much smaller one turns words into
-    the wrong ids."""
+    the wrong ids. `length_said` names the setting that makes the `max_seq_len` tokens, for a task
+    whose length is another key (default: task.max_seq_len)."""
     config = getattr(model, "config", None)
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and max_seq_len > max_positions:
-        raise DistqaError(
-            f"task.max_seq_len={max_seq_len} exceeds the {max_positions} positions model {cfg.name!r} was built for"
-        )
+        said = length_said or f"task.max_seq_len={max_seq_len}"
+        raise DistqaError(f"{said} exceeds the {max_positions} positions model {cfg.name!r} was built for")
     types = getattr(config, "type_vocab_size", None)
     # (0: no token-type table at all, as DeBERTa-v3's: the model ignores segment ids.)
     if isinstance(types, int) and 0 < types < token_types:
