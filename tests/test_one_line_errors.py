@@ -62,6 +62,19 @@ def test_prepare_with_the_hub_offline_and_no_cache_is_one_line(tmp_path):
     assert message.endswith("or set model.tokenizer to a local folder")
 
 
+def test_a_model_folder_that_is_not_there_is_named_as_a_missing_folder_not_a_network_fault(tmp_path):
+    """A path (absolute, ./, ../, ~) is never a hub id: a folder moved since, or a volume not mounted."""
+    from distqa.config import ModelConfig
+    from distqa.models import load_tokenizer
+
+    for name in (str(tmp_path / "moved"), "./moved-model"):
+        with pytest.raises(DistqaError) as info:
+            load_tokenizer(ModelConfig(name=name))
+        message = str(info.value)
+        assert message.startswith(f"cannot load tokenizer from the folder {name}: there is no such folder"), message
+        assert "network" not in message and "set model.name to the folder that holds it now" in message
+
+
 # The hub's client retries a refused connection with a back-off (about 45 s in all): skipped here,
 # what the user finally reads is the same.
 UNREACHABLE = (

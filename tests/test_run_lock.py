@@ -59,6 +59,28 @@ def test_a_live_holder_on_this_machine_is_refused_at_once(tmp_path):
     second.release()
 
 
+def test_a_copy_of_a_live_run_s_folder_is_refused_and_told_where_its_lock_was_taken(tmp_path):
+    """`cp -r` of a live run's output_dir copies its run.lock: still refused (another node may mount
+    the same folder at another path, which a path cannot tell from a copy), with the way out."""
+    live, copy = tmp_path / "live", tmp_path / "copy"
+    live.mkdir()
+    first = RunLock(live)
+    first.acquire()
+    try:
+        copy.mkdir()
+        (copy / LOCK_NAME).write_bytes((live / LOCK_NAME).read_bytes())
+        with pytest.raises(DistqaError) as raised:
+            RunLock(copy).acquire()
+        message = str(raised.value)
+        assert f"it took the lock in {live}: if this folder is a copy of that one" in message, message
+        assert message.endswith(f"delete {copy / LOCK_NAME})"), message
+        with pytest.raises(DistqaError) as raised:  # the folder itself: no such advice
+            RunLock(live).acquire()
+        assert "took the lock in" not in str(raised.value)
+    finally:
+        first.release()
+
+
 def test_the_lock_of_a_killed_process_on_this_machine_is_taken_over_at_once(tmp_path, capsys):
     holder = subprocess.run(
         [

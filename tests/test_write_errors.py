@@ -73,6 +73,26 @@ def test_a_checkpoint_that_cannot_be_written_for_a_file_in_the_way_is_no_space_p
     assert "free space in output_dir" not in message
 
 
+def test_a_full_disk_s_advice_names_the_checkpoints_that_may_go(tmp_path):
+    """Not "lower train.keep_checkpoints": it prunes only after a save, so a rerun with it lowered
+    trained the same steps again and failed at the same save."""
+    from distqa.checkpoint import _cannot_write
+
+    root = tmp_path / "checkpoints"
+    save(root, 2)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert _cannot_write(root / "step-4", root, full).endswith(
+        "the previous checkpoint step-2 is intact: free space in output_dir and run again to resume"
+    )
+    save(root, 4)
+    message = _cannot_write(root / "step-6", root, full)
+    assert message.endswith(
+        "the previous checkpoint step-4 is intact: free space in output_dir (the checkpoints before step-4 may be "
+        "removed) and run again to resume"
+    ), message
+    assert "keep_checkpoints" not in message
+
+
 @pytest.mark.parametrize("case", ERRORS)
 def test_the_advice_is_chosen_by_errno_also_through_a_wrapping_error(case):
     err, kind = ERRORS[case]

@@ -299,8 +299,9 @@ def _cannot_write(final: Path, root: Path, err: BaseException) -> str:
     previous = [p.name for p in list_checkpoints(root)]
     why = with_free_space(reason(err), root)
     fix = fix_for(err)
-    if fix.startswith("free space"):
-        fix += " (or lower train.keep_checkpoints)"
+    if fix.startswith("free space") and len(previous) > 1:
+        # Not "lower train.keep_checkpoints": it prunes only after a save, so the same save fails again.
+        fix += f" (the checkpoints before {previous[-1]} may be removed)"
     return (
         f"cannot write checkpoint {final} ({why[:300]}); "
         + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")

@@ -202,6 +202,13 @@ def build_parser(task: str | None = None, config_note: str = "") -> argparse.Arg
         help="OUTPUT/checkpoints/step-N, or OUTPUT/checkpoints/best (train.best_metric)",
     )
     export.add_argument("--output", metavar="DIR", help="where to write it (default: OUTPUT/model-step-N)")
+    export.add_argument(
+        "moved",
+        nargs="*",
+        metavar="model.name=DIR",
+        help="the model's files at another place than training's (model.name=DIR, model.tokenizer=DIR): the "
+        "checkpoint holds every weight, and its records of their config and tokenizer must match",
+    )
 
     from distqa.newtask import add_command as add_new_task  # imports no torch: --help stays quick
 
@@ -234,7 +241,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "export":
         from distqa.export import export_checkpoint
 
-        export_checkpoint(args.checkpoint, args.output)
+        export_checkpoint(args.checkpoint, args.output, args.moved)
     elif args.command == "bench":
         from distqa.bench.launch import print_table, run_bench
 

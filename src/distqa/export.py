@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,24 +31,38 @@ from distqa.console import no_load_report, quiet_libraries
 from distqa.dist import DistInfo
 from distqa.errors import DistqaError
 from distqa.finish import save_task_model
+from distqa.moved_model import MOVABLE, check_vouched
 from distqa.outdir import export_atomically
 from distqa.rank0 import reason
 from distqa.registry import load_config, load_task
 from distqa.resume import check_model_settings, check_task_identity, read_recorded
 from distqa.task_settings import SETTINGS_FILE
 
+_FIX = "put back the files it was trained with (or give model.name=DIR where they are now), then export again"
 # What the checkpoint's settings name that an export does not need, and may no longer exist.
 _NOT_NEEDED = ("data.train=dummy", "data.valid=null", "train.resume=auto")
 
 
-def checkpoint_config(saved: dict[str, Any], directory: Path) -> Config:
-    """The run's settings as the checkpoint recorded them, checked as `distqa train` checks them."""
+def checkpoint_config(saved: dict[str, Any], directory: Path, moved: Sequence[str] = ()) -> Config:
+    """The run's settings as the checkpoint recorded them, checked as `distqa train` checks them;
+    `moved`: `model.name=DIR` and `model.tokenizer=DIR`, the model's files at another place now."""
     saved = read_recorded(saved)
+    for item in moved:
+        key, _, value = item.partition("=")
+        if key not in MOVABLE:
+            raise DistqaError(
+                f"distqa export takes {' and '.join(f'{k}=DIR' for k in MOVABLE)} alone (given: {item}): every other "
+                f"setting is the checkpoint's"
+            )
+        if not os.path.isdir(value):
+            raise DistqaError(
+                f"{key}={value}: there is no such folder; give the folder that holds the model's files now"
+            )
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.yaml"
         OmegaConf.save(OmegaConf.create(escaped(saved)), path)
         try:
-            return load_config(str(path), _NOT_NEEDED)
+            return load_config(str(path), [*_NOT_NEEDED, *moved])
         except DistqaError as err:
             raise DistqaError(f"cannot read the settings of checkpoint {directory}: {err}") from err
 
@@ -104,19 +119,9 @@ def checkpoint_unreadable(directory: Path, err: Exception) -> DistqaError:
     return DistqaError(f"cannot read checkpoint {directory} ({reason(err)}): name another step-N folder")
 
 
-def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
-    """Write the model of `checkpoint` (a step-N folder or a `best` pointer) to `output` (default:
-    `model-step-N` beside the run's checkpoints/ folder); returns where it went."""
-    quiet_libraries(is_main=True)  # as in training: no library progress bars in a log
-    directory = resolve_checkpoint(Path(checkpoint))
-    try:
-        state = read_trainer_state(directory)
-    except OSError as err:  # verified a moment ago: pruned since
-        raise checkpoint_unreadable(directory, err) from err
-    cfg = checkpoint_config(state["config"], directory)
-    # Absolute, links kept (one is replaced, not followed): `--output .` has a name to write beside.
-    target = Path(os.path.abspath(output)) if output else directory.parent.parent / f"model-{directory.name}"
-    check_replaceable(target)
+def _task_and_model(cfg: Config, state: dict[str, Any], directory: Path, moved: Sequence[str]) -> tuple[Any, nn.Module]:
+    """The task with its state, and its model as built from the files the settings name now (its
+    weights are loaded after): those files must still be the ones the checkpoint was trained with."""
     task = load_task(cfg)
     # The settings are the checkpoint's, but the files they name may have changed since (a tokenizer
     # folder replaced): its ids would be exported beside weights trained on others.
@@ -125,21 +130,42 @@ def export_checkpoint(checkpoint: str, output: str | None = None) -> Path:
         state.get("task_identity"),
         full_identity(task),
         f"than model.tokenizer={cfg.model.tokenizer or cfg.model.name!r} holds now",
-        "put back the files it was trained with, then export again",
+        _FIX,
     )
     task.load_state_dict(state.get("task") or {})
     # What a task chose at an evaluation (NQ's thresholds) belongs to that step's weights only: the
     # task compares. (An attribute a task without such state ignores.)
     task.weights_step = state["step"]
-    with no_load_report():  # every weight comes from the checkpoint below
+    with no_load_report():  # every weight comes from the checkpoint
         model = task.build_model()
+    if moved:
+        keys = [item.partition("=")[0] for item in moved]
+        check_vouched(directory, state, full_identity(task), model_settings(model), keys, _FIX)
     check_model_settings(
         directory,
         state.get("model_settings"),
         model_settings(model),
         f"than model.name={cfg.model.name!r} holds now",
-        "put back the files it was trained with, then export again",
+        _FIX,
     )
+    return task, model
+
+
+def export_checkpoint(checkpoint: str, output: str | None = None, moved: Sequence[str] = ()) -> Path:
+    """Write the model of `checkpoint` (a step-N folder or a `best` pointer) to `output` (default:
+    `model-step-N` beside the run's checkpoints/ folder); returns where it went. `moved`: where
+    the model's files are now (`checkpoint_config`), vouched for by the checkpoint's records."""
+    quiet_libraries(is_main=True)  # as in training: no library progress bars in a log
+    directory = resolve_checkpoint(Path(checkpoint))
+    try:
+        state = read_trainer_state(directory)
+    except OSError as err:  # verified a moment ago: pruned since
+        raise checkpoint_unreadable(directory, err) from err
+    cfg = checkpoint_config(state["config"], directory, moved)
+    # Absolute, links kept (one is replaced, not followed): `--output .` has a name to write beside.
+    target = Path(os.path.abspath(output)) if output else directory.parent.parent / f"model-{directory.name}"
+    check_replaceable(target)
+    task, model = _task_and_model(cfg, state, directory, moved)
     try:
         if (directory / sharded.METADATA_FILE).is_file():
             load_sharded_weights(directory, model)

@@ -77,6 +77,11 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
         )
     if os.path.exists(name):  # a file: read as a path, never a hub id (it blamed the network: a review)
         return DistqaError(f"cannot load {what} from {name}: it is a file; set {key} to a {what}'s folder or a hub id")
+    if os.path.isabs(name) or name.startswith(("./", "../", "~")):  # a path, never a hub id: no network advice
+        return DistqaError(
+            f"cannot load {what} from the folder {name}: there is no such folder (moved, or on a volume not "
+            f"mounted here); set {key} to the folder that holds it now"
+        )
     cached = _cached_file(name, "config.json")
     if cached is not None and (broken := _damaged_config(cached)):  # not "download it": it is there, damaged
         # The whole entry: its snapshot links to content-named blobs, which a download would reuse.

@@ -29,6 +29,7 @@ from distqa.config_layers import setting_field
 from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
+from distqa.moved_model import check_vouched, moved_keys
 from distqa.optim import SCHEDULES, rate_after, warmup_steps
 from distqa.rank0 import on_rank0, reason
 from distqa.set_aside import set_aside_earlier_run, undo_killed_move
@@ -141,6 +142,13 @@ def check_resumable(directory: Path, cfg: Config, *, global_batch: int) -> dict[
             "in another output_dir"
         )
     refused, saved, now = _changed_of_kind("refused", state, cfg)
+    moved = moved_keys(state, saved, now)
+    if moved:  # its records are compared with the files once the model is built (check_continuation)
+        refused = [key for key in refused if key not in moved]
+        print0(
+            f"resuming {directory} with the model's files at another place: {_shown(moved, saved, now)}; every "
+            "weight comes from the checkpoint, and their config and tokenizer must be the ones it records"
+        )
     if "train.parallel" in refused:
         raise ConfigError(
             f"cannot resume {directory} with changed train.parallel ({saved['train.parallel']!r} -> "
@@ -219,6 +227,11 @@ def _shown(keys: list[str], saved: dict[str, Any], now: dict[str, Any]) -> str:
     return ", ".join(f"{k} ({saved[k]!r} -> {now[k]!r})" for k in keys)
 
 
+_FILES_FIX = (
+    "give model.name and model.tokenizer the files it was trained with, or start afresh with train.resume=never"
+)
+
+
 def check_continuation(
     directory: Path,
     state: dict[str, Any],
@@ -237,6 +250,9 @@ def check_continuation(
             f"checkpoint {directory} is at step {state['step']}, past this run's {total_steps} steps: raise "
             "train.max_steps (or train.epochs), or start afresh with train.resume=never"
         )
+    moved = moved_keys(state, *changed_settings(state, cfg))
+    if moved:
+        check_vouched(directory, state, task_identity or {}, model_settings, moved, _FILES_FIX)
     # The tokenizer first: NQ's features, made by it, would show as other data.
     check_task_identity(directory, state.get("task_identity"), task_identity or {}, "than this run builds")
     check_model_settings(directory, state.get("model_settings"), model_settings, "than this run builds")
@@ -294,8 +310,7 @@ def check_task_identity(
     saved: Any,
     now: dict[str, str],
     builder: str,
-    fix: str = "give model.name and model.tokenizer the files it was trained with, or start afresh with "
-    "train.resume=never",
+    fix: str = _FILES_FIX,
 ) -> None:
     """The same setting may name other files on resume or export (a hub id's newer snapshot, a
     folder replaced): a tokenizer that gives other ids would train on, or be exported beside the

@@ -120,6 +120,8 @@ class RunLock:
             "token": self.token,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "command": " ".join(sys.argv)[:500],
+            # Where it was taken: a copy of a live run's folder holds this file too (`_held`).
+            "output_dir": os.path.abspath(self.output_dir),
         }
         while True:
             try:
@@ -208,9 +210,17 @@ class RunLock:
             time.sleep(min(1.0, HEARTBEAT_S / 2))
 
     def _held(self, holder: dict[str, Any] | None) -> DistqaError:
+        taken_in = holder.get("output_dir") if holder else None
+        copied = ""
+        if isinstance(taken_in, str) and taken_in != os.path.abspath(self.output_dir):
+            # Never broken for it: another node may mount the very same folder at another path.
+            copied = (
+                f" (it took the lock in {taken_in}: if this folder is a copy of that one, not the same folder "
+                f"mounted at another path, delete {self.path})"
+            )
         return DistqaError(
             f"output_dir {self.output_dir} is in use by another run ({describe(holder)}): wait for it "
-            "to end or stop it, or use another output_dir"
+            f"to end or stop it, or use another output_dir{copied}"
         )
 
     def _remove_stale(self, raw: str, holder: dict[str, Any] | None, why: str) -> None:
