@@ -301,7 +301,8 @@ fi
 
 read -ra torchrun <<<"${TORCHRUN:-torchrun}"
 # The Python that runs torchrun (TORCHRUN's first word, or torchrun's #! line), so that the checks
-# import the same distqa. Neither imports torch: together they take well under a second.
+# import the same distqa. Neither imports torch: together they take well under a second. (The
+# other nodes' store probe, below, does: a few seconds, once.)
 python=python3
 if [[ ${torchrun[0]##*/} == python* ]]; then
   python=${torchrun[0]}
@@ -413,7 +414,7 @@ done
 if ((node_rank == 0)); then
   rank_from=$node_rank_FROM
   if [[ $nnodes == 1 ]]; then rank_from=NODE_RANK; fi
-  "$python" -m distqa.rdzv_check --prog worker.sh --addr "$master_addr" --addr-from "$master_addr_FROM" \
+  "$python" -m distqa.rdzv_check --prog worker.sh --knows-self --addr "$master_addr" --addr-from "$master_addr_FROM" \
     --rank-from "$rank_from" --port "$master_port" --timeout "$((rdzv_timeout < 10 ? rdzv_timeout : 10))" || exit
 fi
 
@@ -441,6 +442,13 @@ if ((node_rank > 0)); then
     fi
     sleep 1
   done
+  # Something accepts there; it must also answer as node 0's store (distqa.store_probe): a program
+  # that accepts and never replies held torchrun's rendezvous here for ever, RDZV_TIMEOUT or not.
+  left=$((deadline - SECONDS))
+  ((left >= 10)) || left=10 # the probe's own start (torch's import) takes a few seconds
+  if ! timeout "$left" "$python" -m distqa.store_probe "$master_addr" "$master_port" "$left" 2>/dev/null; then
+    die "master $master_addr:$master_port (from $master_addr_FROM) accepts connections but did not answer as node 0's rendezvous store within ${left}s: is that node 0's address and port, and does another program hold that port there?" 3
+  fi
 fi
 
 assemble "$@"

@@ -390,6 +390,30 @@ def test_the_launch_scripts_end_with_distqa_s_one_line_and_no_torchrun_report(tm
     assert not list(tmp_path.glob("distqa-*")), list(tmp_path.iterdir())  # the node's file is removed
 
 
+def test_torchrun_s_failure_lines_are_left_out_after_the_preempted_line_unless_another_code_says_a_crash(tmp_path):
+    """A node whose workers checkpointed for another node's SIGTERM: its torchrun saw them end with
+    143 and logged `failed (exitcode: 143)` after distqa's preempted line, the last line a user read."""
+    import logging
+
+    from distqa.torchrun import _QuietOnceExplained
+
+    path = tmp_path / "node.txt"
+    path.write_text("")
+    quiet = _QuietOnceExplained(path)
+
+    def shown(message: str, *args: object) -> bool:
+        return quiet.filter(logging.LogRecord("torchrun", logging.ERROR, __file__, 1, message, args, None))
+
+    failed = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    assert shown(failed, 143, 0, 99, "python")  # nothing said by distqa: torchrun's report stays
+    path.write_text("distqa: preempted: stopped by SIGTERM at step 21 of 60; ...\n")
+    assert not shown(failed, 143, 0, 99, "python")
+    assert not shown("Sending process %s closing signal %s", 99, "SIGTERM")
+    assert shown(failed, -11, 1, 98, "python")  # a crash beside the preemption
+    path.write_text("distqa [rank 1]: error: something\n")
+    assert not shown(failed, 1, 1, 98, "python")
+
+
 @pytest.mark.safety  # (about 5 s: make test keeps its 5 minutes)
 def test_a_node_that_never_joins_the_rendezvous_is_one_line(tmp_path):
     """Node 0 of 2 alone: torchrun's static rendezvous gave up with a 45-line traceback of its

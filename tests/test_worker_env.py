@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -397,27 +398,83 @@ def test_numbers_with_a_leading_zero_are_decimal(tmp_path):
 
 
 def test_worker_starts_torchrun_once_the_master_answers(tmp_path):
+    """Node 0's store (torch's TCPStore, as torchrun's rendezvous hosts it) answers: torchrun starts."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
     fake = tmp_path / "torchrun"
     fake.write_text('#!/bin/sh\necho "torchrun $*"\n')
     fake.chmod(0o755)
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    proc = worker(
+        tmp_path,
+        "train.lr=1e-4",
+        WORKER_DRY_RUN="0",
+        TORCHRUN=str(fake),
+        NNODES="2",
+        NODE_RANK="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RDZV_TIMEOUT="20",
+    )
+    del store
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("torchrun --nnodes 2 --node-rank 1 ")
+    assert proc.stdout.split()[-3:] == ["distqa", "train", "train.lr=1e-4"]
+
+
+def silent(connection: socket.socket) -> None:
+    """Accept and never reply (a program that holds the port on node 0's host)."""
+
+
+def http(connection: socket.socket) -> None:
+    """Reply in another protocol and close (a proxy on the address)."""
+    connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    connection.close()
+
+
+# The other protocol's case: make test-launch (about 12 s; the one that hung stays in make test).
+@pytest.mark.parametrize("answer", [silent, pytest.param(http, marks=pytest.mark.launch)])
+def test_a_port_that_accepts_but_is_not_node_0_s_store_fails_in_time_with_one_line(tmp_path, answer):
+    """The silent one held torchrun's rendezvous for ever (RDZV_TIMEOUT does not bound the store's
+    handshake); the other ended in a DistNetworkError traceback (`Ping failed ... Got: 1347703880`)."""
+    held: list[socket.socket] = []
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
+
+        def serve() -> None:
+            while True:
+                try:
+                    connection, _ = server.accept()
+                except OSError:  # closed at the end of the test
+                    return
+                held.append(connection)
+                answer(connection)
+
+        threading.Thread(target=serve, daemon=True).start()
+        start = time.monotonic()
         proc = worker(
             tmp_path,
-            "train.lr=1e-4",
             WORKER_DRY_RUN="0",
-            TORCHRUN=str(fake),
+            TORCHRUN=str(tmp_path / "must-not-run"),
             NNODES="2",
             NODE_RANK="1",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
-            RDZV_TIMEOUT="20",
+            RDZV_TIMEOUT="10",
         )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("torchrun --nnodes 2 --node-rank 1 ")
-    assert proc.stdout.split()[-3:] == ["distqa", "train", "train.lr=1e-4"]
+        elapsed = time.monotonic() - start
+    for connection in held:
+        connection.close()
+    assert proc.returncode == 3, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"worker.sh: error: master 127.0.0.1:{port} (from MASTER_ADDR) accepts connections but did")
+    assert "did not answer as node 0's rendezvous store within 10s" in last and "Traceback" not in proc.stderr
+    assert elapsed < 30
 
 
 # ---- the deploy/ examples, each as its scheduler would run it --------------------------------
@@ -571,8 +628,19 @@ def test_node_zero_says_when_its_master_addr_does_not_resolve(tmp_path):
     assert proc.returncode == 2
     line = one_error_line(proc)
     assert "MASTER_ADDR=no-such-host.invalid (from MASTER_ADDR) does not resolve" in line, line
+    assert line.endswith("set it to this host's name or address, or to `self`"), line
     assert not (tmp_path / "torchrun-started").exists()
     assert time.monotonic() - start < 3 + 10
+
+
+def test_the_check_offers_self_only_to_a_caller_that_reads_it(capsys):
+    """run_local.sh's check (no --knows-self) advised MASTER_ADDR=self, which only worker.sh reads."""
+    from distqa import rdzv_check
+
+    args = ["--prog", "run_local.sh", "--addr", "no-such-host.invalid", "--port", str(free_port()), "--timeout", "1"]
+    assert rdzv_check.main(args) == 2
+    line = capsys.readouterr().err.strip()
+    assert "does not resolve" in line and line.endswith("set it to this host's name or address"), line
 
 
 def test_node_zero_with_its_own_address_starts_torchrun(tmp_path):
@@ -609,7 +677,12 @@ def test_a_bad_setting_is_one_line_before_torchrun(tmp_path):
 
 
 def test_worker_waits_for_a_master_that_starts_late(tmp_path):
-    """Node 0 opens its port 2 s after the worker started: the worker waits, then starts torchrun."""
+    """Node 0's store opens its port 2 s after the worker started: the worker waits, then starts
+    torchrun."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
     port = free_port()
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -630,10 +703,9 @@ def test_worker_waits_for_a_master_that_starts_late(tmp_path):
     )
     time.sleep(2)
     assert proc.poll() is None and not (tmp_path / "torchrun-started").exists(), proc.communicate()
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", port))
-        server.listen()
-        stdout, stderr = proc.communicate(timeout=20)
+    store = TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    stdout, stderr = proc.communicate(timeout=30)
+    del store
     assert proc.returncode == 0, stderr
     assert "waiting up to 20s for the master" in stderr
     assert stdout.startswith("torchrun --nnodes 2 --node-rank 1 ") and time.monotonic() - start >= 2

@@ -137,7 +137,12 @@ def probe(family: int, sockaddr: tuple, nonce: bytes, timeout: float) -> str | N
 FOREIGN = "another host answers there (is a node 0 already running at that address?)"
 
 
-def check(addr: str, port: int, addr_from: str, timeout: float, rank_from: str = "NODE_RANK") -> None:
+def check(
+    addr: str, port: int, addr_from: str, timeout: float, rank_from: str = "NODE_RANK", knows_self: bool = False
+) -> None:
+    """`knows_self`: the caller reads MASTER_ADDR=self as this host (worker.sh does, run_local.sh
+    does not): only then do the messages offer it."""
+    also = ", or to `self`" if knows_self else ""
     listener = listen_everywhere(port)
     nonce = secrets.token_bytes(NONCE_BYTES)
     stop = threading.Event()
@@ -150,7 +155,7 @@ def check(addr: str, port: int, addr_from: str, timeout: float, rank_from: str =
         except CheckFailed as err:
             raise CheckFailed(
                 f"MASTER_ADDR={addr} (from {addr_from}) does not resolve to an address ({err}): on node 0 "
-                f"set it to this host's name or address, or to `self`"
+                f"set it to this host's name or address{also}"
             ) from None
         while True:
             findings = []
@@ -166,7 +171,7 @@ def check(addr: str, port: int, addr_from: str, timeout: float, rank_from: str =
                 shown = addr if ip == addr else f"{addr} ({ip})"
                 raise CheckFailed(
                     f"this is node 0, but MASTER_ADDR={shown} (from {addr_from}) does not lead to this host: "
-                    f"{found.replace('there', f'at port {port}', 1)}. " + _remedy(rank_from)
+                    f"{found.replace('there', f'at port {port}', 1)}. " + _remedy(rank_from, knows_self)
                 )
             time.sleep(0.5)
     finally:
@@ -175,14 +180,13 @@ def check(addr: str, port: int, addr_from: str, timeout: float, rank_from: str =
         server.join(timeout=2)
 
 
-def _remedy(rank_from: str) -> str:
+def _remedy(rank_from: str, knows_self: bool) -> str:
     if rank_from == "default":
         # The likeliest cause on a multi-node run: a worker node started without its NODE_RANK
         # took the default 0 and so believes it is node 0.
         return "NODE_RANK is not set on this node, so it took 0: set NODE_RANK (1 to NNODES-1) on every node but node 0"
-    return (
-        f"On node 0, MASTER_ADDR must be this host's own address (or `self`), and only one node may have {rank_from}=0"
-    )
+    also = " (or `self`)" if knows_self else ""
+    return f"On node 0, MASTER_ADDR must be this host's own address{also}, and only one node may have {rank_from}=0"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for DNS and the network")
     parser.add_argument("--prog", default="distqa.rdzv_check", help="name to start error lines with")
+    parser.add_argument("--knows-self", action="store_true", help="the caller reads MASTER_ADDR=self (worker.sh)")
     args = parser.parse_args(argv)
     try:
-        check(args.addr, args.port, args.addr_from, args.timeout, args.rank_from)
+        check(args.addr, args.port, args.addr_from, args.timeout, args.rank_from, args.knows_self)
     except CheckFailed as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -34,6 +34,7 @@ import gc
 import itertools
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -49,8 +50,10 @@ _REPORT_RECORDS = ("failed (exitcode", "Sending process")
 
 
 class _QuietOnceExplained(logging.Filter):
-    """Drops torchrun's failure log lines while the node's file holds an error line: they would
-    come after distqa's own line and say only which exit codes the workers had."""
+    """Drops torchrun's failure log lines while the node's file holds an error line, or the
+    preempted line for a worker that ended with its status (143): they would come after distqa's
+    own line and say only which exit codes the workers had. (The preempted case shows on a node
+    whose workers stopped for another node's SIGTERM: its torchrun saw them fail, not a signal.)"""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -59,7 +62,14 @@ class _QuietOnceExplained(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(_REPORT_RECORDS):
             return True
-        return not outcome.read(self.path).error_ranks
+        said = outcome.read(self.path)
+        if said.error_ranks:
+            return False
+        if not said.preempted:
+            return True
+        # Another exit code beside the preemption is a crash of its own: its line stays.
+        code = re.match(r"failed \(exitcode: (-?\d+)\)", record.getMessage())
+        return code is not None and int(code.group(1)) != 143
 
 
 class _ExitBarrierNote(logging.Filter):
