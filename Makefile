@@ -169,7 +169,7 @@ $(FLOOR_VENV)/.floor-installed: requirements.txt requirements-dev.txt pyproject.
 FLOOR_TESTS = $(addprefix tests/test_,$(addsuffix .py,resume_safety toy_task fault_tolerance ddp_training \
 	loader_server trainer_units trainer_promises parallel one_line_errors rounds reliability_promises export dp \
 	nq_loss_padding powersgd model_and_optim run_local launch_start after_step output_safety rng_restore \
-	optim_resume comm_hooks dummy_and_sampler item_seeds closed_output))
+	optim_resume comm_hooks dummy_and_sampler item_seeds closed_output worker_env moved_model))
 # The floor's venv alone (.ci/run installs it beside make test: pip's download of GBs, not the cores).
 .PHONY: floor-venv
 floor-venv: $(FLOOR_VENV)/.floor-installed

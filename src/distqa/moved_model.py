@@ -36,7 +36,10 @@ def moved_keys(state: dict[str, Any], saved: dict[str, Any], now: dict[str, Any]
     return [
         key
         for key in MOVABLE
-        if key in now and isinstance(now[key], str) and os.path.isdir(now[key]) and saved.get(key) not in RANDOM_MODELS
+        if key in now
+        and isinstance(now[key], str)
+        and os.path.isdir(now[key])
+        and not {now[key], saved.get(key)} & set(RANDOM_MODELS)  # ('tiny' is built, even beside a folder 'tiny')
     ]
 
 
