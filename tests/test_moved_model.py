@@ -48,6 +48,7 @@ def moved(tmp_path_factory, minilm_dir):
     return run, new
 
 
+@pytest.mark.safety  # with the module's 2-step run, about 30 s: make test-safety, for make test's 5 minutes
 def test_an_export_names_the_moved_folder_and_writes_the_same_model(moved, tmp_path, capsys):
     run, new = moved
     step2 = str(run / "checkpoints" / "step-2")
@@ -78,6 +79,7 @@ def other_activation(folder) -> None:
     (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu_new"}))
 
 
+@pytest.mark.safety  # about 15 s: make test-safety
 def test_an_export_refuses_other_files_and_other_settings(moved, tmp_path, capsys):
     run, new = moved
     export = ["export", "--checkpoint", str(run / "checkpoints" / "step-2"), "--output", str(tmp_path / "out")]
