@@ -302,8 +302,19 @@ def watching(rank: int, prefix: str, timeout_s: float = 0.5) -> tuple[PeerWatch,
     """Rank `rank` of 2 watching the other, giving up after `timeout_s`; what it would call lost, kept."""
     watch, lost = PeerWatch(rank, 2, timeout_s=timeout_s, prefix=prefix), []
     watch._lost = lambda silent, **_: (lost.append(silent), watch.stopped.set())  # type: ignore[method-assign]
-    threading.Thread(target=watch._run, daemon=True).start()
+    # As `start` does: `stop` then lets the loop end before its last write (one client, one thread).
+    watch.thread = threading.Thread(target=watch._run, daemon=True)
+    watch.thread.start()
     return watch, lost
+
+
+def counting(store: torch_dist.TCPStore, key: str) -> None:
+    """Until the watch has counted once: its store client is connected. (At the fixture's 50 ms
+    interval a connect on a loaded machine may time out; the next tick connects again.)"""
+    deadline = time.monotonic() + 10
+    while store.add(key, 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.add(key, 0) > 0, f"{key} never counted"
 
 
 def test_peer_watch_ends_a_rank_whose_peer_is_gone_and_spares_live_and_finished_ones(
@@ -406,11 +417,11 @@ def test_peer_watch_after_the_whole_process_was_paused_reports_nobody(fast_peer_
 def test_a_rank_that_failed_alone_is_not_taken_for_one_that_stopped_on_purpose(fast_peer_watch):
     """cleanup(ended_well=False): the neighbours keep watching it, and its silence ends their wait."""
     failed, _ = watching(0, "failed/")
-    time.sleep(0.2)
+    counting(fast_peer_watch, "failed/alive/0")
     failed.stop(done=False)
     assert fast_peer_watch.add("failed/alive/0", 0) < PeerWatch.DONE
     finished, _ = watching(0, "finished/")
-    time.sleep(0.2)
+    counting(fast_peer_watch, "finished/alive/0")
     finished.stop()
     assert fast_peer_watch.add("finished/alive/0", 0) >= PeerWatch.DONE
 
