@@ -123,12 +123,13 @@ def _task_and_model(cfg: Config, state: dict[str, Any], directory: Path, moved: 
     """The task with its state, and its model as built from the files the settings name now (its
     weights are loaded after): those files must still be the ones the checkpoint was trained with."""
     task = load_task(cfg)
+    identity = full_identity(task)  # (the tokenizer's hash: once)
     # The settings are the checkpoint's, but the files they name may have changed since (a tokenizer
     # folder replaced): its ids would be exported beside weights trained on others.
     check_task_identity(
         directory,
         state.get("task_identity"),
-        full_identity(task),
+        identity,
         f"than model.tokenizer={cfg.model.tokenizer or cfg.model.name!r} holds now",
         _FIX,
     )
@@ -138,13 +139,14 @@ def _task_and_model(cfg: Config, state: dict[str, Any], directory: Path, moved: 
     task.weights_step = state["step"]
     with no_load_report():  # every weight comes from the checkpoint
         model = task.build_model()
+    settings = model_settings(model)
     if moved:
         keys = [item.partition("=")[0] for item in moved]
-        check_vouched(directory, state, full_identity(task), model_settings(model), keys, _FIX)
+        check_vouched(directory, state, identity, settings, keys, _FIX)
     check_model_settings(
         directory,
         state.get("model_settings"),
-        model_settings(model),
+        settings,
         f"than model.name={cfg.model.name!r} holds now",
         _FIX,
     )
