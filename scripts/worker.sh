@@ -444,9 +444,11 @@ if ((node_rank > 0)); then
   done
   # Something accepts there; it must also answer as node 0's store (distqa.store_probe): a program
   # that accepts and never replies held torchrun's rendezvous here for ever, RDZV_TIMEOUT or not.
+  # Its seconds count from after torch's import (the probe's own alarm), which a busy CPU can make
+  # take minutes; at least 10 of them: node 0's checks answer the first tries while it starts.
   left=$((deadline - SECONDS))
-  ((left >= 10)) || left=10 # the probe's own start (torch's import) takes a few seconds
-  if ! timeout "$left" "$python" -m distqa.store_probe "$master_addr" "$master_port" "$left" 2>/dev/null; then
+  ((left >= 10)) || left=10
+  if ! "$python" -m distqa.store_probe "$master_addr" "$master_port" "$left" 2>/dev/null; then
     die "master $master_addr:$master_port (from $master_addr_FROM) accepts connections but did not answer as node 0's rendezvous store within ${left}s: is that node 0's address and port, and does another program hold that port there?" 3
   fi
 fi

@@ -7,16 +7,23 @@ Accepting is not answering: a program that accepts and never replies (the port t
 host by another program, which node 0's own check refuses at once) held torchrun's rendezvous on
 the other nodes for ever, RDZV_TIMEOUT or not, since the store's handshake waits for its reply
 without a limit; one that replies in another protocol (a proxy) ended it in a DistNetworkError
-traceback. So worker.sh runs this under `timeout` and says which in one line.
+traceback. So the probe bounds itself, and worker.sh says which in one line.
+
+SECONDS count from after torch's import, by the probe's own alarm: on a busy CPU the import alone
+can take minutes (118 s at the lowest priority beside three busy processes on two cores, as CI runs
+its torch-floor step), and an outer `timeout` that counted it called a store that answered late
+"not node 0's store".
 
 A client of torch's own TCPStore does the handshake (its wire format is torch's to change); it
 connects without counting itself among the workers the store waits for (`wait_for_workers=False`),
 and retries within SECONDS while node 0 is still starting: its checks' listener answers the first
-tries with bytes of its own. Exit status 0 when the store answered, 1 when it did not.
+tries with bytes of its own. Exit status 0 when the store answered, 1 when it did not, 142 when the alarm ended a wait.
 """
 
 from __future__ import annotations
 
+import math
+import signal
 import sys
 from datetime import timedelta
 
@@ -35,6 +42,12 @@ def answers(addr: str, port: int, seconds: float) -> bool:
 
 def main(argv: list[str]) -> int:
     addr, port, seconds = argv[0], int(argv[1]), float(argv[2])
+    import torch.distributed  # noqa: F401  (imported before the clock starts: its time is not the store's)
+
+    # The store's handshake waits for a reply without a limit: the alarm's default action ends the
+    # process (exit status 142) however it waits. Set here, not inherited: a parent may ignore it.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, math.ceil(seconds)))
     return 0 if answers(addr, port, seconds) else 1
 
 
