@@ -41,9 +41,11 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DISTQA_GPU_FIGURES=$RAW/figures.json
 
 # What the suite runs on, first in the log: a failure further down often reads differently
-# once the versions are known.
+# once the versions are known. Written to a file, not stdout: a library that prints on import
+# (huggingface_hub's "Error importing ..." without httpx) made stdout no JSON, and the summary below
+# then lost the figures (a review).
 : > "$LOG"
-"$PYTHON" - > "$RAW/env.json" 2>> "$LOG" <<'EOF' || { cat "$LOG"; exit 1; }
+"$PYTHON" - "$RAW/env.json" >> "$LOG" 2>&1 <<'EOF' || { cat "$LOG"; exit 1; }
 import importlib, json, platform, sys
 import torch
 env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -54,10 +56,14 @@ for name in ("transformers", "tokenizers", "datasets", "omegaconf", "pyarrow", "
         env[name] = getattr(module, "__version__", "?") + f" ({module.__file__})"
     except Exception as err:  # a missing wheel shows here, before forty tracebacks below
         env[name] = f"cannot import: {type(err).__name__}: {err}"
-print(json.dumps(env, indent=2))
+with open(sys.argv[1], "w") as out:
+    json.dump(env, out, indent=2)
 EOF
 tee -a "$LOG" < "$RAW/env.json"
-gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
+echo >> "$LOG"
+# The count is the last line: anything a library printed on import comes before it.
+gpus=$("$PYTHON" -c 'import torch; print(); print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>> "$LOG" | tail -n 1)
+[[ $gpus =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: torch gave no GPU count ('$gpus'; the log: $LOG)" >&2; exit 1; }
 if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG" || true
 fi
@@ -82,6 +88,16 @@ import json, re, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 raw, figures, status, log = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+
+
+def environment(path):
+    """The versions, or why they are missing: the tests' outcomes and figures are written either way."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return {"unreadable": f"{path.name}: {type(err).__name__}: {err}"}
+
+
 outcomes = {}
 if (raw / "junit.xml").is_file():
     for case in ET.parse(raw / "junit.xml").iter("testcase"):
@@ -108,7 +124,7 @@ result = {
     "expected": expected,
     "collection_errors": int(collecting.group(1)) if collecting else 0,
     "cut_short": not collecting and (status == 2 or (expected is not None and len(outcomes) < expected)),
-    "environment": json.loads((raw / "env.json").read_text()),
+    "environment": environment(raw / "env.json"),
     "tests": outcomes,
     "figures": json.loads((raw / "figures.json").read_text()) if (raw / "figures.json").is_file() else {},
 }

@@ -435,6 +435,29 @@ def test_a_suite_its_box_stops_is_reported_cut_short_with_the_tests_that_never_r
     assert "Cut short (its box ran out, or it was stopped): " in (day / "gpu_day.md").read_text()
 
 
+@pytest.mark.launch  # the suite's collection imports torch and transformers: seconds
+def test_a_library_that_prints_on_import_loses_neither_the_versions_nor_the_figures(tmp_path):
+    """huggingface_hub without httpx prints "Error importing ..." on stdout at import: the versions'
+    JSON, read from stdout, was then no JSON, the summary failed and gpu_figures.json was never
+    written; and the GPU count read the same noise and stopped the script under `set -u` before
+    pytest (found by a review)."""
+    import torch
+
+    noisy = tmp_path / "noisy"
+    noisy.mkdir()
+    (noisy / "sitecustomize.py").write_text("print('Error importing something: a library talking on stdout')\n")
+    extra = tmp_path / "test_quick.py"
+    extra.write_text(SLEEPY)
+    out = tmp_path / "tests"
+    env = {**os.environ, "OUT": str(out), "WHEELS": "", "PYTHON": sys.executable, "PYTHONPATH": str(noisy)}
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    proc = subprocess.run(["bash", script, str(extra), "-k", "first_quick"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads((out / "gpu_figures.json").read_text())
+    assert figures["environment"]["torch"] == torch.__version__ and figures["environment"]["gpus"] == []
+    assert figures["tests"]["test_first_quick"]["outcome"] == "passed" and not figures["cut_short"]
+
+
 def test_a_box_set_below_the_smallest_is_skipped_saying_so(tmp_path):
     """It said "only 180 s left of the 200 s budget", as if the day's time had run out."""
     env, out = {**_fakes(tmp_path), "FAKE_GPUS": "1"}, tmp_path / "day"
