@@ -44,9 +44,18 @@ note() { echo "worker.sh: $*" >&2 || true; }
 # A SIGTERM before torchrun starts (the checks, the wait for node 0) finds nothing to checkpoint: stop
 # at once. Without a trap, bash as a container's PID 1 would ignore it, and `docker stop` would end
 # in SIGKILL after its grace period. Replaced below, once torchrun runs, by the forwarding trap.
-trap 'note "stopped by SIGTERM before training started: nothing to checkpoint"; exit 143' TERM
-trap 'note "stopped by SIGINT before training started: nothing to checkpoint"; exit 130' INT
-trap 'note "stopped by SIGHUP before training started: nothing to checkpoint"; exit 129' HUP
+# (The store probe, below, runs in the background for this: bash runs a trap only once its
+# foreground child ends, and the probe may wait up to RDZV_TIMEOUT; a review saw 117 s.)
+probe=""
+# shellcheck disable=SC2329  # called by the traps below
+stopped_early() {
+  note "stopped by $1 before training started: nothing to checkpoint"
+  [[ -z $probe ]] || kill "$probe" 2> /dev/null || true
+  exit "$2"
+}
+trap 'stopped_early SIGTERM 143' TERM
+trap 'stopped_early SIGINT 130' INT
+trap 'stopped_early SIGHUP 129' HUP
 
 # pick TARGET VAR...: set TARGET to the value of the first VAR that is set and not empty, and
 # TARGET_FROM to that VAR's name, so that error messages can say where a value came from.
@@ -448,7 +457,11 @@ if ((node_rank > 0)); then
   # take minutes; at least 10 of them: node 0's checks answer the first tries while it starts.
   left=$((deadline - SECONDS))
   ((left >= 10)) || left=10
-  if ! "$python" -m distqa.store_probe "$master_addr" "$master_port" "$left" 2>/dev/null; then
+  "$python" -m distqa.store_probe "$master_addr" "$master_port" "$left" 2>/dev/null &
+  probe=$! probed=0
+  wait "$probe" 2> /dev/null || probed=$? # (without bash's "Alarm clock" line for it)
+  probe=""
+  if ((probed != 0)); then
     die "master $master_addr:$master_port (from $master_addr_FROM) accepts connections but did not answer as node 0's rendezvous store within ${left}s: is that node 0's address and port, and does another program hold that port there?" 3
   fi
 fi

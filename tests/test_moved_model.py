@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from conftest import SMALL, TESTS, load_weights, max_abs_diff
 from distqa.cli import main
 from distqa.errors import ConfigError
-from distqa.moved_model import check_vouched
+from distqa.moved_model import check_vouched, warn_of_folder_dropout
 from distqa.registry import load_config
+from distqa.resume import check_model_settings
 from distqa.trainer import train
 
 SAMPLE = TESTS / "fixtures" / "nq" / "simplified-nq-sample.jsonl"
@@ -74,6 +75,11 @@ def swap_two_words(folder) -> None:
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
 
 
+def pads_on_the_left(folder) -> None:
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "padding_side": "left"}))
+
+
 def other_activation(folder) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu_new"}))
@@ -85,6 +91,7 @@ def test_an_export_refuses_other_files_and_other_settings(moved, tmp_path, capsy
     export = ["export", "--checkpoint", str(run / "checkpoints" / "step-2"), "--output", str(tmp_path / "out")]
     cases = [
         (f"model.name={edited_copy(new, tmp_path / 'words', swap_two_words)}", "another tokenizer than"),
+        (f"model.name={edited_copy(new, tmp_path / 'left', pads_on_the_left)}", "another tokenizer than"),
         (f"model.name={edited_copy(new, tmp_path / 'act', other_activation)}", "another model config than"),
         (f"model.name={tmp_path / 'nowhere'}", f"model.name={tmp_path / 'nowhere'}: there is no such folder"),
         ("train.lr=1", "distqa export takes model.name=DIR and model.tokenizer=DIR alone (given: train.lr=1)"),
@@ -126,3 +133,26 @@ def test_the_records_must_hold_the_same_entries_on_both_sides(tmp_path):
         check_vouched(tmp_path, state, {}, {"hidden_size": 8}, ["model.name"], "fix it")
     with pytest.raises(ConfigError, match="keeps no record of its model's config and tokenizer"):
         check_vouched(tmp_path, {"task_identity": {}}, {}, {"hidden_size": 8}, ["model.name"], "fix it")
+
+
+def test_the_folder_s_own_dropout_changed_is_said_as_applied_and_model_dropout_given_is_not(capsys, tmp_path):
+    """With model.dropout unset then and now the rates are the folder's: a copy with others trained
+    on with them, unsaid (a review). Given then or now, model.dropout's own change is the one said."""
+    state = {
+        "step": 2,
+        "config": {"model": {"dropout": None}},
+        "model_settings": {"hidden_size": 8, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1},
+    }
+    now = {"hidden_size": 8, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.1}
+    warn_of_folder_dropout(tmp_path, state, now, None)
+    assert capsys.readouterr().out.strip() == (
+        f"warning: resuming {tmp_path} with other dropout rates in model.name's config, applied from step 2 on: "
+        "hidden_dropout_prob: 0.1 then, 0.0 now (model.dropout=RATE sets one rate for all)"
+    )
+    warn_of_folder_dropout(tmp_path, state, now, 0.0)
+    warn_of_folder_dropout(tmp_path, {**state, "config": {"model": {"dropout": 0.1}}}, now, None)
+    warn_of_folder_dropout(tmp_path, state, dict(state["model_settings"]), None)
+    warn_of_folder_dropout(tmp_path, {**state, "model_settings": {"hidden_size": 8}}, now, None)  # an older record
+    assert capsys.readouterr().out == ""
+    # Nor is it a refusal: the model's config check leaves the rates to this line.
+    check_model_settings(tmp_path, state["model_settings"], now, "than this run builds")

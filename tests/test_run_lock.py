@@ -77,6 +77,11 @@ def test_a_copy_of_a_live_run_s_folder_is_refused_and_told_where_its_lock_was_ta
         with pytest.raises(DistqaError) as raised:  # the folder itself: no such advice
             RunLock(live).acquire()
         assert "took the lock in" not in str(raised.value)
+        alias = tmp_path / "alias"  # nor the same folder through a symlink (it advised deleting the live lock)
+        alias.symlink_to(live)
+        with pytest.raises(DistqaError) as raised:
+            RunLock(alias).acquire()
+        assert "is in use by another run" in str(raised.value) and "took the lock in" not in str(raised.value)
     finally:
         first.release()
 

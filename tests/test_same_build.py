@@ -199,6 +199,12 @@ def test_the_identities_see_what_changes_the_computation_and_nothing_else(tmp_pa
     assert tokenizer_hash(tok) == before
     assert tokenizer_hash(PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok-swapped")) != before
     assert tokenizer_hash(object()) is None  # a fork's own kind of tokenizer: its identity() says
+    # How a call pads, truncates and what it returns (tokenizer_config.json): a left-padding copy
+    # moved every padded text's positions, exit 0 (a review). The class's own values hash as before.
+    assert tokenizer_hash(PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok", padding_side="right")) == before
+    for name, value in (("padding_side", "left"), ("truncation_side", "left"), ("model_input_names", ["input_ids"])):
+        edited = PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok", **{name: value})
+        assert tokenizer_hash(edited) != before, name
 
     def built(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

@@ -476,7 +476,67 @@ def test_a_port_that_accepts_but_is_not_node_0_s_store_fails_in_time_with_one_li
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"worker.sh: error: master 127.0.0.1:{port} (from MASTER_ADDR) accepts connections but did")
     assert "did not answer as node 0's rendezvous store within 10s" in last and "Traceback" not in proc.stderr
+    assert "Alarm clock" not in proc.stderr  # bash's own line for the probe its alarm ended
     assert elapsed < 30
+
+
+@pytest.mark.launch  # torch's import in the probe, then a signal: seconds
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_probe_waits_stops_at_once_leaving_no_probe(tmp_path, sig):
+    """A platform's SIGTERM to worker.sh alone (PID 1) waited for the probe's end, up to
+    RDZV_TIMEOUT (117 s in a review, past Docker's 10 s grace), and a Ctrl-C was lost."""
+    with socket.socket() as server:  # accepts, never replies: the probe waits on it
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        proc = subprocess.Popen(
+            [str(WORKER)],
+            env=base_env(
+                tmp_path,
+                WORKER_DRY_RUN="0",
+                TORCHRUN=str(tmp_path / "must-not-run"),
+                NNODES="2",
+                NODE_RANK="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(server.getsockname()[1]),
+                RDZV_TIMEOUT="120",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        probe = None
+        deadline = time.monotonic() + 60
+        while probe is None and time.monotonic() < deadline:
+            found = subprocess.run(
+                ["pgrep", "-f", f"distqa.store_probe 127.0.0.1 {server.getsockname()[1]}"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            probe = int(found[0]) if found else time.sleep(0.2)
+        assert probe is not None, "the probe never started"
+        time.sleep(1)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 5, stderr
+    assert proc.returncode == 128 + sig, stderr
+    name = signal.Signals(sig).name
+    assert (
+        stderr.strip().splitlines()[-1]
+        == f"worker.sh: stopped by {name} before training started: nothing to checkpoint"
+    )
+    deadline = time.monotonic() + 2  # a killed process's end is at once; two seconds of slack
+    while running(probe) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(probe), f"the probe {probe} outlived worker.sh"
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie, ended and not yet reaped, has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # ---- the deploy/ examples, each as its scheduler would run it --------------------------------

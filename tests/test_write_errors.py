@@ -91,6 +91,13 @@ def test_a_full_disk_s_advice_names_the_checkpoints_that_may_go(tmp_path):
         "removed) and run again to resume"
     ), message
     assert "keep_checkpoints" not in message
+    # The best model's folder is kept by pruning, and by this advice (it named it: a review).
+    save(root, 6)
+    (root / "best").symlink_to("step-2")
+    assert _cannot_write(root / "step-8", root, full).endswith(
+        "free space in output_dir (the checkpoints before step-6 may be removed, but not step-2: checkpoints/best "
+        "names it) and run again to resume"
+    )
 
 
 @pytest.mark.parametrize("case", ERRORS)

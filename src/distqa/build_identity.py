@@ -162,8 +162,8 @@ def config_identity(model: nn.Module) -> dict[str, str]:
 # Keys of a Hugging Face config that do not decide what the trained model computes: where it came
 # from and with which version, flags of what a forward returns, how weights are initialised (they
 # come from the checkpoint), the feed-forward's chunking (the same numbers, computed in pieces), the
-# class names (a head of another size fails to load anyway), and the dropout rates (model.dropout
-# sets them, applied on resume).
+# class names (a head of another size fails to load anyway). The dropout rates are kept, and
+# compared apart (`DROPOUT`): model.dropout sets them, a change applied on resume.
 _NOT_COMPUTED = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "use_cache",
     "return_dict", "output_attentions", "output_hidden_states", "gradient_checkpointing", "initializer_range",
@@ -171,9 +171,14 @@ _NOT_COMPUTED = {
 }  # fmt: skip
 
 
+def dropout_keys(settings: dict[str, Any]) -> list[str]:
+    """The dropout rates among `model_settings`' keys (names differ between architectures)."""
+    return sorted(key for key in settings if "dropout" in key)
+
+
 def model_settings(model: nn.Module) -> dict[str, Any] | None:
-    """The model's Hugging Face config as JSON values, less `_NOT_COMPUTED` and the dropout rates;
-    None for a model without one. Checkpoints keep it: a resume or an export builds the model again
+    """The model's Hugging Face config as JSON values, less `_NOT_COMPUTED`; None for a model
+    without one. Checkpoints keep it: a resume or an export builds the model again
     from model.name's files, and a config.json edited since (another activation, layer_norm_eps or
     position embedding) loads the same tensors into another computation
     (`resume.check_model_settings`)."""
@@ -181,7 +186,7 @@ def model_settings(model: nn.Module) -> dict[str, Any] | None:
     if not hasattr(config, "to_dict"):
         return None
     values = json.loads(_config_text(config))
-    return {key: value for key, value in values.items() if key not in _NOT_COMPUTED and "dropout" not in key}
+    return {key: value for key, value in values.items() if key not in _NOT_COMPUTED}
 
 
 def weight_summary(model: nn.Module) -> dict[str, tuple[float, float, float]]:
@@ -211,6 +216,9 @@ def weights_differ(mine: dict[str, tuple[float, ...]], reference: dict[str, tupl
     return differ
 
 
+_CALL = ("padding_side", "truncation_side", "model_input_names")
+
+
 def tokenizer_hash(tokenizer: Any) -> str | None:
     """What turns text into ids: a fast tokenizer's whole definition (vocabulary, normalization,
     splitting, post-processing, added tokens) without its truncation and padding state, which
@@ -229,6 +237,12 @@ def tokenizer_hash(tokenizer: Any) -> str | None:
     else:
         return None
     state["special"] = getattr(tokenizer, "special_tokens_map", None)
+    # How a call pads, truncates and what it returns, set in tokenizer_config.json outside the
+    # backend's definition: a copy that pads on the left moved every padded text's positions, exit 0
+    # (a review). Hashed only where it is not the class's own, so a usual tokenizer's hash stays.
+    call = {name: getattr(tokenizer, name, None) for name in _CALL}
+    if call != {name: getattr(type(tokenizer), name, None) for name in _CALL}:
+        state["call"] = call
     return hashlib.sha256(json.dumps(state, sort_keys=True, default=repr).encode()).hexdigest()
 
 

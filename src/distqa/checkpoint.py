@@ -40,6 +40,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from distqa import sharded as sharded_ckpt
+from distqa.best import pointed
 from distqa.checkpoint_verify import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -301,7 +302,10 @@ def _cannot_write(final: Path, root: Path, err: BaseException) -> str:
     fix = fix_for(err)
     if fix.startswith("free space") and len(previous) > 1:
         # Not "lower train.keep_checkpoints": it prunes only after a save, so the same save fails again.
-        fix += f" (the checkpoints before {previous[-1]} may be removed)"
+        # Nor the best model's folder, which pruning keeps too: the advice named it (a review).
+        best = pointed(root)
+        but = f", but not {best.name}: {root.name}/best names it" if best and best.name in previous[:-1] else ""
+        fix += f" (the checkpoints before {previous[-1]} may be removed{but})"
     return (
         f"cannot write checkpoint {final} ({why[:300]}); "
         + (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")

@@ -97,8 +97,10 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
         )
     else:
         where = f"Check the network: the Hugging Face hub ({constants.ENDPOINT}, HF_ENDPOINT) must be reachable"
+    # A relative folder from another working directory reads as a hub id too: said, with where it was looked for.
     return DistqaError(
-        f"cannot load {what} {name!r} ({reason}). {where}; "
+        f"cannot load {what} {name!r} ({reason}). It is no folder in {os.getcwd()}, so it was read as a "
+        f"Hugging Face hub id. {where}; "
         f"or set HF_HOME to a cache that holds it (now {constants.HF_HOME}); or set {key} to a local folder"
     )
 
@@ -141,6 +143,9 @@ def hf_config(cfg: ModelConfig, **overrides: Any) -> PretrainedConfig:
             config = AutoConfig.from_pretrained(cfg.name)
         except (OSError, ValueError, TypeError) as err:  # TypeError: a config.json that is no JSON object
             raise load_error("model", cfg.name, err, "model.name") from err
+    # Every task reads a forward's outputs by name: a folder's config.json with "return_dict": false
+    # gave tuples, and a traceback at the first step (a review).
+    config.return_dict = True
     for key, value in overrides.items():
         setattr(config, key, value)
     if cfg.dropout is not None:

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from distqa.build_identity import dropout_keys
+from distqa.dist import print0
 from distqa.errors import ConfigError
 from distqa.models import RANDOM_MODELS
 
@@ -70,3 +72,22 @@ def check_vouched(
 
 def _entries(names: list[str]) -> str:
     return ", ".join(f"a {name}" for name in names) if names else "no tokenizer"
+
+
+def warn_of_folder_dropout(
+    directory: Path, state: dict[str, Any], now: dict[str, Any] | None, dropout: float | None
+) -> None:
+    """With model.dropout unset then and now, the dropout rates are model.name's own config's: a
+    folder moved to another copy, or edited, with other rates trained on with them, unsaid (a
+    review). Said as a setting applied from the resume step; `dropout` is this run's model.dropout."""
+    saved, config = state.get("model_settings"), state.get("config")
+    then = config.get("model", {}).get("dropout") if isinstance(config, dict) else None
+    if dropout is not None or then is not None or not isinstance(saved, dict) or now is None:
+        return
+    differ = [key for key in dropout_keys(now) if key in saved and saved[key] != now[key]]
+    if differ:
+        shown = "; ".join(f"{key}: {saved[key]!r} then, {now[key]!r} now" for key in differ)
+        print0(
+            f"warning: resuming {directory} with other dropout rates in model.name's config, applied from step "
+            f"{state['step']} on: {shown} (model.dropout=RATE sets one rate for all)"
+        )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from distqa.agreement import flatten
+from distqa.build_identity import dropout_keys
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
 from distqa.checkpoint_verify import none_on_any_rank, same_on_every_rank
 from distqa.config import Config
@@ -29,7 +30,7 @@ from distqa.config_layers import setting_field
 from distqa.data_agreement import same_identity
 from distqa.dist import DistInfo, print0
 from distqa.errors import ConfigError
-from distqa.moved_model import check_vouched, moved_keys
+from distqa.moved_model import check_vouched, moved_keys, warn_of_folder_dropout
 from distqa.optim import SCHEDULES, rate_after, warmup_steps
 from distqa.rank0 import on_rank0, reason
 from distqa.set_aside import set_aside_earlier_run, undo_killed_move
@@ -256,6 +257,7 @@ def check_continuation(
     # The tokenizer first: NQ's features, made by it, would show as other data.
     check_task_identity(directory, state.get("task_identity"), task_identity or {}, "than this run builds")
     check_model_settings(directory, state.get("model_settings"), model_settings, "than this run builds")
+    warn_of_folder_dropout(directory, state, model_settings, cfg.model.dropout)
     _check_data(directory, state.get("data"), data, cfg)
     _refuse_finished_with_other_settings(state, cfg, total_steps)
     if state["step"] == total_steps:
@@ -334,7 +336,7 @@ def check_model_settings(
     """As `check_task_identity`, for the model's config (`build_identity.model_settings`). A key
     one of them lacks is left alone: another version of transformers adds or drops keys of its own
     (a checkpoint from before these were kept has none)."""
-    differ = _differing(saved, now)
+    differ = [key for key in _differing(saved, now) if key not in dropout_keys(now or {})]  # (applied ones)
     if differ:
         shown = "; ".join(f"{key}: {saved[key]!r} then, {now[key]!r} now" for key in differ[:4])
         more = f"; and {len(differ) - 4} more" if len(differ) > 4 else ""

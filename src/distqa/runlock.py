@@ -212,8 +212,13 @@ class RunLock:
     def _held(self, holder: dict[str, Any] | None) -> DistqaError:
         taken_in = holder.get("output_dir") if holder else None
         copied = ""
-        if isinstance(taken_in, str) and taken_in != os.path.abspath(self.output_dir):
-            # Never broken for it: another node may mount the very same folder at another path.
+        if (
+            isinstance(taken_in, str)
+            and taken_in != os.path.abspath(self.output_dir)
+            and not _same(taken_in, self.output_dir)
+        ):
+            # Never broken for it: another node may mount the very same folder at another path. (Where
+            # that path is here and is the same folder, a symlink's, it is no copy: no hint to delete.)
             copied = (
                 f" (it took the lock in {taken_in}: if this folder is a copy of that one, not the same folder "
                 f"mounted at another path, delete {self.path})"
@@ -293,3 +298,11 @@ class RunLock:
                 self.path.unlink()
         except OSError:
             pass  # already gone, or the folder is unwritable now: a later run sees the lock as stale
+
+
+def _same(one: str, other: str | Path) -> bool:
+    """Whether two paths are the same folder on this host (False where either cannot be read)."""
+    try:
+        return os.path.samefile(one, other)
+    except OSError:
+        return False

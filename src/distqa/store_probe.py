@@ -47,6 +47,7 @@ def main(argv: list[str]) -> int:
     # The store's handshake waits for a reply without a limit: the alarm's default action ends the
     # process (exit status 142) however it waits. Set here, not inherited: a parent may ignore it.
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ctrl-C ends it too, not only worker.sh's trap
     signal.alarm(max(1, math.ceil(seconds)))
     return 0 if answers(addr, port, seconds) else 1
 
