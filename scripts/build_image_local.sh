@@ -7,7 +7,7 @@
 #
 #   scripts/build_image_local.sh TAG          e.g. scripts/build_image_local.sh distqa:local
 #   scripts/build_image_local.sh --base-only  the stand-in base alone (CI makes it beside make test)
-#   docker run --rm -v "$PWD/results:/app/results" TAG    trains the tiny model on the CPU
+#   docker run --rm --user "$(id -u):$(id -g)" -v "$PWD/results:/app/results" TAG    trains the tiny model on the CPU
 #
 # The stand-in base is tagged after requirements.txt's torch pin (distqa-stand-in-base:torch-2.13.0)
 # and reused by later builds; `docker rmi` it to make it again. Making it needs root, debootstrap,
@@ -100,4 +100,4 @@ say "building $root/Dockerfile as $tag"
 # that a BuildKit builder prints the steps' output (pip's lines) as the classic builder does.
 BUILDKIT_PROGRESS=plain docker build --network host --build-arg BASE_IMAGE="$base" -t "$tag" "$root" ||
   die "the image build failed (its output is above)" 1
-say "built $tag on $base: docker run --rm -v \"\$PWD/results:/app/results\" $tag"
+say "built $tag on $base: docker run --rm --user \"\$(id -u):\$(id -g)\" -v \"\$PWD/results:/app/results\" $tag"

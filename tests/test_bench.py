@@ -447,3 +447,27 @@ def test_bench_runs_a_forked_task_without_a_flops_shape(tmp_path):
     assert phases["forward_backward"] >= toy_task.SleepyTask.LOSS_MS
     assert row["flops_per_token"] is None and row["mfu"] is None and "Task.model_shape" in result["flops_note"]
     assert "no FLOPs or MFU" in proc.stdout
+
+
+@pytest.mark.launch  # a launch started, then stopped: seconds
+def test_a_sigterm_to_bench_stops_its_launch_too(tmp_path):
+    """The launch runs in a session of its own (so that a timeout stops torchrun and its workers);
+    a SIGTERM to the bench ended it alone, and the launch trained on, orphaned (a review)."""
+    out = tmp_path / "bench"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distqa", "bench", "--nproc", "2", "--steps", "3000", "--repeats", "1",
+         "--output", str(out), "model.name=tiny", "task.max_seq_len=32", "train.batch_size=4"],
+        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    log = out / "runs" / "np2-trainer-0.log"
+    deadline = time.monotonic() + 120
+    while "step" not in (log.read_text() if log.is_file() else "") and time.monotonic() < deadline:
+        time.sleep(0.5)  # the workers are training
+    proc.terminate()
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == (
+        f"distqa: error: bench stopped by SIGTERM, its launch with it: no bench.json written (logs in {out}/runs)"
+    )
+    left = subprocess.run(["pgrep", "-f", f"--output-dir={out}"], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes of the launch outlived the bench: {left}"

@@ -296,6 +296,15 @@ def test_a_config_that_is_a_pipe_is_called_one_not_missing(tmp_path):
             load_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
+    # The command line's first look for the file's task (for --help's keys) read the pipe, and
+    # waited for a writer for ever (a review).
+    proc = subprocess.run(
+        [sys.executable, "-m", "distqa", "train", "--config", str(fifo), "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and f"config file {fifo} is not a regular file" in proc.stderr, proc.stderr
 
 
 def test_the_global_batch_derives_grad_accum_for_each_process_count():

@@ -86,6 +86,36 @@ def test_an_export_without_a_source_or_with_a_damaged_one_is_not_the_final_one(t
     assert not exported_from(model, final)
 
 
+def test_a_source_record_of_the_wrong_shape_is_damage_not_a_pass(tmp_path):
+    """A record that parsed to a mapping without a `files` mapping vouched for nothing, and every
+    check of the export's files passed: flipped weights predicted, exit 0 (a review)."""
+    from distqa.checkpoint_verify import export_damage
+
+    out = tmp_path / "run"
+    train(load_config(None, [*TOY, f"output_dir={out}", "train.max_steps=2"]))
+    model = out / "model"
+    whole = (model / SOURCE_FILE).read_text()
+    assert export_damage(model) is None
+    for shape in (
+        "{}",
+        '{"files": []}',
+        '{"files": null}',
+        '{"files": "x"}',
+        '{"files": {}}',
+        '{"step": 2}',
+        '{"checkpoint": "step-2", "files": []}',
+    ):
+        (model / SOURCE_FILE).write_text(shape)
+        assert export_damage(model) == f"{SOURCE_FILE} records no files", shape
+    (model / SOURCE_FILE).write_text(whole)
+    assert export_damage(model) is None
+    older = {key: value for key, value in json.loads(whole).items() if key != "files"}  # names no files yet
+    (model / SOURCE_FILE).write_text(json.dumps(older))
+    assert export_damage(model) is None
+    (model / SOURCE_FILE).unlink()
+    assert export_damage(model) is None  # an export of an older distqa: predict says it is unchecked
+
+
 def test_an_export_replaces_only_an_earlier_export_never_a_run_or_a_file(tmp_path, capsys):
     from distqa.errors import DistqaError
     from distqa.export import export_checkpoint

@@ -264,3 +264,72 @@ def test_a_model_stored_in_bf16_is_trained_from_fp32_weights(minilm_dir, tmp_pat
     loaded = dict(classifier.named_parameters())
     found = next(v for k, v in loaded.items() if k.endswith("word_embeddings.weight"))
     assert torch.equal(found, weights[name].float())
+
+
+def test_damaged_or_edited_model_files_are_one_line_each(minilm_dir, tmp_path):
+    """Files of the wrong shape failed in transformers' own code with any kind of error, each a
+    traceback; a folder's own vocabulary cut short trained on, every later word [UNK], exit 0; a
+    config.json edited against its weights failed while the model was built (a review)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification
+
+    from distqa.config import ModelConfig
+    from distqa.errors import DistqaError
+    from distqa.models import build_hf_model, check_model_fits, load_tokenizer
+
+    def copy(name: str, edit) -> ModelConfig:
+        folder = tmp_path / name
+        shutil.copytree(minilm_dir, folder)
+        edit(folder)
+        return ModelConfig(name=str(folder))
+
+    def write(file: str, text: str):
+        return lambda folder: (folder / file).write_text(text)
+
+    def config(**changes):
+        return lambda folder: (folder / "config.json").write_text(
+            json.dumps({**json.loads((minilm_dir / "config.json").read_text()), **changes})
+        )
+
+    for cfg in (
+        copy("list", write("tokenizer_config.json", "[1]")),
+        copy("string", write("tokenizer.json", '"x"')),
+        copy("specials", write("special_tokens_map.json", "5")),
+        copy("deep", write("tokenizer_config.json", "[" * 100_000 + "]" * 100_000)),
+    ):
+        with pytest.raises(DistqaError, match=f"^cannot load tokenizer from the folder {cfg.name} "):
+            load_tokenizer(cfg)
+    for cfg in (
+        copy("size", config(hidden_size="x")),
+        copy("act", config(hidden_act="nope")),
+        copy("vocab", config(vocab_size=100)),
+    ):
+        with pytest.raises(DistqaError, match=f"^cannot load model from the folder {cfg.name} "):
+            build_hf_model(AutoModelForSequenceClassification, cfg, num_labels=2)
+    layers = copy("layers", config(num_hidden_layers=0))
+    with pytest.raises(DistqaError, match="has num_hidden_layers=0 in its config.json"):
+        check_model_fits(
+            build_hf_model(AutoModelForSequenceClassification, layers, num_labels=2),
+            layers,
+            max_seq_len=32,
+            tokenizer=None,
+        )
+
+    def cut_vocabulary(folder):
+        (folder / "tokenizer.json").unlink()
+        (folder / "vocab.txt").write_text("\n".join((minilm_dir / "vocab.txt").read_text().splitlines()[:13_000]))
+
+    short = copy("short", cut_vocabulary)
+    model = build_hf_model(AutoModelForSequenceClassification, ModelConfig(name=str(minilm_dir)), num_labels=2)
+    with pytest.raises(
+        DistqaError, match=r"the tokenizer saved with model '.*short' has 13000 entries but the model's"
+    ):
+        check_model_fits(model, short, max_seq_len=32, tokenizer=load_tokenizer(short))
+    check_model_fits(
+        model,
+        ModelConfig(name=str(minilm_dir)),
+        max_seq_len=32,
+        tokenizer=load_tokenizer(ModelConfig(name=str(minilm_dir))),
+    )

@@ -342,3 +342,32 @@ def test_a_preparation_process_that_dies_is_said_not_taken_for_a_blank_file(tmp_
     with pytest.raises(DistqaError, match=r"a process preparing \S+ ended before finishing .*run again"):
         prepare_features(SAMPLE, out, tokenizer_name=str(minilm_dir), settings=SETTINGS, num_proc=2)
     assert not (out / FINGERPRINT_FILE).exists()
+
+
+def test_unreadable_inputs_of_score_and_predict_are_one_line(shared_tmp):
+    """A submission, a gold file or a model folder the user may not read: PermissionError
+    tracebacks (score opened the submission outside its checks, read_gold caught no OSError,
+    predict's first look into the folder raised), found by a review."""
+    env = subprocess_env(HF_HOME=str(shared_tmp / "hf"))
+    prefix = unprivileged(env)
+    submission, gold, model = shared_tmp / "submission.csv", shared_tmp / "gold.jsonl", shared_tmp / "model"
+    settings = shared_tmp / "settings.yaml"  # ("is not valid YAML: Permission denied")
+    settings.write_text("train:\n  lr: 0.001\n")
+    submission.write_text("example_id,PredictionString\n")
+    shutil.copy(SAMPLE, gold)
+    model.mkdir()
+    (shared_tmp / "w").mkdir(mode=0o777)
+    (shared_tmp / "w").chmod(0o777)
+    for path in (submission, gold, model, settings):
+        path.chmod(0)
+    readable = TESTS / "fixtures" / "nq" / "submission.csv"
+    commands = [
+        ["score", "--pred", str(submission), "--gold", str(SAMPLE)],
+        ["score", "--pred", str(readable), "--gold", str(gold)],
+        ["predict", "--input", str(SAMPLE), "--checkpoint", str(model), "--output", str(shared_tmp / "w" / "out.csv")],
+        ["train", "--config", str(settings), "--check-config"],
+    ]
+    results = commands_in_one_process(prefix, env, shared_tmp, commands)
+    for (rc, _, err), path in zip(results, (submission, gold, model, settings), strict=True):
+        assert_one_line_error(rc, err, path)
+        assert "cannot be read (Permission denied)" in err.strip().splitlines()[-1], err

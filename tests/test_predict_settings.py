@@ -152,7 +152,11 @@ def test_a_file_s_value_other_than_the_trained_one_is_refused_naming_the_file(tm
         ('{"format": 1, "task": {"max_seq_len": "long"}}', "task.max_seq_len"),
         ('{"format": 1, "task": {"name": "textcls"}}', "give task.name=textcls"),
         ('{"format": 9, "task": {}}', "format 9"),
+        ('{"format": 1, "task": {"name": 5}}', "its task name 5 is not a name"),  # (tracebacks: a review)
+        ('{"format": 1, "task": {"name": ["nq"]}}', "its task name ['nq'] is not a name"),
+        ("[" * 100_000 + "]" * 100_000, "cannot be read (maximum recursion depth"),
     ],
+    ids=range(9),
 )
 def test_a_damaged_or_foreign_settings_file_is_one_line(tmp_path, content, expected):
     (tmp_path / SETTINGS_FILE).write_text(content)
@@ -160,6 +164,20 @@ def test_a_damaged_or_foreign_settings_file_is_one_line(tmp_path, content, expec
         with_trained_settings(load_config(None, []), tmp_path)
     message = str(caught.value)
     assert expected in message and str(tmp_path / SETTINGS_FILE) in message and "\n" not in message, message
+
+
+def test_a_setting_the_file_lacks_is_said_with_the_value_used(tmp_path, capsys):
+    """An export of a distqa with fewer settings (or a file edited, which its export's record
+    refuses): the default was used without a word (a review)."""
+    (tmp_path / SETTINGS_FILE).write_text('{"format": 1, "task": {"name": "nq", "max_seq_len": 128, "doc_stride": 64}}')
+    capsys.readouterr()
+    cfg = with_trained_settings(load_config(None, ["task.max_query_len=32"]), tmp_path, {"max_query_len"})
+    assert cfg.task.max_seq_len == 128
+    said = warnings(capsys.readouterr().err)
+    assert len(said) == 1 and said[0].startswith(
+        f"distqa: warning: {tmp_path / SETTINGS_FILE} does not hold task.keep_unknown"
+    ), said
+    assert "task.max_query_len" not in said[0] and f"task.keep_unknown={cfg.task.keep_unknown}" in said[0]
 
 
 @pytest.mark.safety

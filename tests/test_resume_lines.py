@@ -156,6 +156,26 @@ def test_a_checkpoint_from_elsewhere_moves_the_run_in_output_dir_aside(tmp_path)
     assert set_aside_other_line(out, elsewhere, "auto", ONE) is None  # auto and never choose their own
 
 
+def test_a_resume_folder_that_is_no_checkpoint_is_not_called_damaged(tmp_path):
+    """train.resume= a run's output_dir, its checkpoints/ or model/ (easy mistakes) said "the
+    checkpoint is damaged (no manifest)", and a user may delete a good run for it (a review)."""
+    done = tmp_path / "done"
+    run(done, "train.max_steps=4")
+    newest = done / "checkpoints" / "step-4"
+    for folder in (done, done / "checkpoints"):
+        with pytest.raises(ConfigError) as refused:
+            run(tmp_path / "new", f"train.resume={folder}", "train.max_steps=6")
+        assert str(refused.value) == (
+            f"train.resume={folder}: this folder is not a checkpoint (a step-N folder under an output_dir's "
+            f"checkpoints/): name one of its checkpoints, the newest {newest}"
+        )
+    with pytest.raises(ConfigError, match=r"model: this folder is not a checkpoint .*: it holds none$"):
+        run(tmp_path / "new", f"train.resume={done / 'model'}", "train.max_steps=6")
+    (newest / "manifest.json").unlink()  # a step-N folder without its manifest is a damaged checkpoint
+    with pytest.raises(ConfigError, match=r"step-4: the checkpoint is damaged \(no manifest\)$"):
+        run(tmp_path / "new", f"train.resume={newest}", "train.max_steps=6")
+
+
 def test_an_attention_kernel_changed_on_resume_is_named_as_applied(capsys):
     """eager and SDPA round differently (3.7e-9 on the tiny model): no silent change."""
     before = load_config()

@@ -15,6 +15,7 @@ import difflib
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
@@ -123,6 +124,8 @@ def _task_in_yaml(path: str) -> tuple[str | None, str]:
     """`task.name` (or the shorthand `task: NAME`) of a YAML file, read without the schema: cheap, and a
     file that is not even YAML leaves `--help` working."""
     try:
+        if not Path(path).is_file():  # a FIFO or a device blocks the read for ever (a review)
+            raise ValueError("not a regular file")
         layer = OmegaConf.load(path)
         task = layer.get("task") if isinstance(layer, DictConfig) else None
         name = task.get("name") if isinstance(task, DictConfig) else task

@@ -237,7 +237,13 @@ def export_damage(export: Path, names: Collection[str] | None = None, *, removab
     recorded = recorded_source(export)
     if recorded is None and (source.exists() or source.is_symlink()):
         return f"{SOURCE_FILE} is damaged"
-    files = (recorded or {}).get("files")
+    if recorded is None:
+        return None
+    # An older export's record names its checkpoint and no files; one that names neither, or files
+    # of no shape, vouched for nothing, and every check passed (a review).
+    files = recorded.get("files")
+    if ("files" in recorded and (not isinstance(files, dict) or not files)) or not (files or "checkpoint" in recorded):
+        return f"{SOURCE_FILE} records no files"
     if not isinstance(files, dict):
         return None
     try:

@@ -62,6 +62,8 @@ def _read_yaml(path: str) -> DictConfig:
         mark = err.problem_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"config file {path} is not valid YAML: {err.problem or err.context}{where}") from err
+    except OSError as err:  # its permissions: not a YAML problem (a review)
+        raise ConfigError(f"config file {path} cannot be read ({err.strerror or err})") from err
     except Exception as err:  # yaml's other errors: report the file, not the internals
         raise ConfigError(f"config file {path} is not valid YAML: {str(err).splitlines()[0]}") from err
     if not isinstance(layer, DictConfig):

@@ -141,7 +141,10 @@ def hf_config(cfg: ModelConfig, **overrides: Any) -> PretrainedConfig:
     else:
         try:
             config = AutoConfig.from_pretrained(cfg.name)
-        except (OSError, ValueError, TypeError) as err:  # TypeError: a config.json that is no JSON object
+        # Any: a config.json of the wrong shape or types fails in transformers' own code with any
+        # kind of error (AttributeError, KeyError, its dataclass validation, RecursionError): each is
+        # the folder's fault, said in one line (a review).
+        except Exception as err:
             raise load_error("model", cfg.name, err, "model.name") from err
     # Every task reads a forward's outputs by name: a folder's config.json with "return_dict": false
     # gave tuples, and a traceback at the first step (a review).
@@ -189,6 +192,10 @@ def build_hf_model(
         ) from err
     except ValueError as err:  # e.g. an architecture without this kind of head
         raise DistqaError(f"model.name={cfg.name!r} cannot be used as {auto_class.__name__}: {err}") from err
+    except (RuntimeError, KeyError, AttributeError, TypeError, IndexError) as err:
+        # A config.json edited against its weights (another vocab_size: "ignore_mismatched_sizes"; an
+        # activation transformers does not know: a KeyError) fails while the model is built.
+        raise load_error("model", cfg.name, err, "model.name") from err
 
 
 def load_tokenizer(cfg: ModelConfig, *, required: bool = False) -> Any | None:
@@ -208,7 +215,7 @@ def load_tokenizer(cfg: ModelConfig, *, required: bool = False) -> Any | None:
         return None
     try:
         return AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError, TypeError) as err:  # TypeError: its config.json is no JSON object
+    except Exception as err:  # as hf_config's: tokenizer files of the wrong shape fail with any kind
         raise load_error("tokenizer", name, err, "model.tokenizer" if cfg.tokenizer else "model.name") from err
 
 
@@ -236,6 +243,11 @@ def check_model_fits(
     if max_positions is not None and max_seq_len > max_positions:
         said = length_said or f"task.max_seq_len={max_seq_len}"
         raise DistqaError(f"{said} exceeds the {max_positions} positions model {cfg.name!r} was built for")
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:  # an edited config.json: an index error at the first forward
+        raise DistqaError(
+            f"model {cfg.name!r} has num_hidden_layers={layers} in its config.json: an encoder needs one or more"
+        )
     types = getattr(config, "type_vocab_size", None)
     # (0: no token-type table at all, as DeBERTa-v3's: the model ignores segment ids.)
     if isinstance(types, int) and 0 < types < token_types:
@@ -259,6 +271,14 @@ def check_model_fits(
         )
     if not exported and cfg.name not in RANDOM_MODELS and cfg.tokenizer and cfg.tokenizer != cfg.name:
         _check_pretrained_tokenizer(cfg, tokenizer, vocab_size)
+    elif not exported and cfg.name not in RANDOM_MODELS and size < 0.95 * vocab_size:
+        # The folder's own tokenizer, cut short (a copy interrupted; vocab.txt alone, as older
+        # folders ship it): every later word read as [UNK], the run trained on, exit 0 (a review).
+        raise DistqaError(
+            f"the tokenizer saved with model {cfg.name!r} has {size} entries but the model's vocabulary has "
+            f"{vocab_size}: its tokenizer files (vocab.txt, tokenizer.json) are cut short or another model's; put "
+            "back the model's own, or set model.tokenizer to the tokenizer it was pretrained with"
+        )
 
 
 def _check_pretrained_tokenizer(cfg: ModelConfig, tokenizer: Any, vocab_size: int) -> None:

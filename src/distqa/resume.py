@@ -24,7 +24,7 @@ from typing import Any
 from distqa.agreement import flatten
 from distqa.build_identity import dropout_keys
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
-from distqa.checkpoint_verify import none_on_any_rank, same_on_every_rank
+from distqa.checkpoint_verify import folder_step, none_on_any_rank, same_on_every_rank
 from distqa.config import Config
 from distqa.config_layers import setting_field
 from distqa.data_agreement import same_identity
@@ -83,6 +83,14 @@ def _inside(path: Path, folder: Path) -> Path | None:
         return None
 
 
+def _not_a_checkpoint(path: Path) -> str:
+    """What a train.resume folder that is no checkpoint is (a run's output_dir, its checkpoints/,
+    its model/), and the checkpoint to name instead."""
+    found = [c for c in list_checkpoints(path) + list_checkpoints(path / "checkpoints") if verify_checkpoint(c) is None]
+    instead = f"name one of its checkpoints, the newest {max(found, key=folder_step)}" if found else "it holds none"
+    return f"this folder is not a checkpoint (a step-N folder under an output_dir's checkpoints/): {instead}"
+
+
 def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:
     undone = undo_killed_move(output_dir)  # first: every choice below sees the earlier run whole
     for staging in undone:  # a checkpoint named inside the stopped move's folder is back in place
@@ -99,6 +107,12 @@ def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:
         return None
     if mode != "auto":
         damage = verify_checkpoint(Path(mode))
+        if (
+            damage == "no manifest"
+            and folder_step(Path(mode)) is None
+            and not (Path(mode) / "trainer_state.json").exists()
+        ):
+            raise ConfigError(f"train.resume={mode}: {_not_a_checkpoint(Path(mode))}")  # not "damaged": a review
         if damage is not None:
             raise ConfigError(f"train.resume={mode}: the checkpoint is damaged ({damage})")
         return Path(mode)

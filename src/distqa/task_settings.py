@@ -84,10 +84,12 @@ def read_task_settings(directory: Path) -> dict[str, Any] | None:
     try:
         text = path.read_text(encoding="utf-8")
         record = json.loads(text, parse_constant=_no_constants, object_pairs_hook=unique_keys)
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise DistqaError(f"{path} cannot be read ({str(err).splitlines()[0]}): {_FIX}") from err
     if not isinstance(record, dict) or not isinstance(record.get("task"), dict):
         raise DistqaError(f"{path} holds no 'task' mapping of settings: {_FIX}")
+    if not isinstance(record["task"].get("name", ""), str):
+        raise DistqaError(f"{path}: its task name {record['task']['name']!r} is not a name: {_FIX}")
     if record.get("format") != SETTINGS_FORMAT:
         raise DistqaError(
             f"{path} is of format {record.get('format')!r}, this distqa reads format {SETTINGS_FORMAT}: "
@@ -188,6 +190,14 @@ def with_trained_settings(cfg: RunConfig, directory: Path, given: Collection[str
             taken[key] = value
         elif _plain(getattr(cfg.task, key)) != value:
             _differs(key, _shown(getattr(cfg.task, key)), _shown(value), directory, given)
+    lacking = [key for key in model_keys if key not in saved and key not in given]
+    if lacking:  # (an export of a distqa that had fewer settings; or an edited file, refused by its hash)
+        _warn(
+            f"{path} does not hold "
+            + ", ".join(f"task.{k}" for k in lacking)
+            + ": using "
+            + ", ".join(f"task.{k}={_shown(getattr(cfg.task, k))}" for k in lacking)
+        )
     before = cfg.task
     cfg.task = _merged(cfg.task, taken, path)
     changed = [key for key in taken if getattr(cfg.task, key) != getattr(before, key)]

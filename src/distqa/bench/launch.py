@@ -22,6 +22,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -295,7 +296,39 @@ def _result(args: Any, cfg: Config, nprocs: list[int], runs: dict[tuple[int, str
     return result
 
 
+class _Signalled(BaseException):
+    """A SIGTERM or SIGHUP to distqa bench, raised where it waits: the launch, in a session of its
+    own, is stopped on the way out (`_launch`). Without it the bench ended alone and its launch
+    trained on, orphaned (a review: a BERT-base launch grew to 23 GB until the kernel killed it)."""
+
+
+@contextlib.contextmanager
+def _launches_stopped_on_signals(out: Path) -> Any:
+    def handler(signum: int, _frame: Any) -> None:
+        raise _Signalled(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # (signal handlers are the main thread's)
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    except _Signalled as stopped:
+        name = signal.Signals(stopped.args[0]).name
+        err = DistqaError(f"bench stopped by {name}, its launch with it: no bench.json written (logs in {out}/runs)")
+        err.exit_code = 128 + stopped.args[0]
+        raise err from None
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
+
+
 def run_bench(args: Any) -> dict[str, Any]:
+    with _launches_stopped_on_signals(Path(args.output)):
+        return _run_bench(args)
+
+
+def _run_bench(args: Any) -> dict[str, Any]:
     nprocs, cfg = _checked(args)
     out = Path(args.output)
     try:

@@ -160,6 +160,8 @@ def read_gold(path: str | Path) -> Gold:
                 raise DistqaError(f"{path}, line {line_no}: {err}") from None
     except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error) as err:  # zlib: damaged compressed data
         raise DistqaError(f"{path}: cannot be read as UTF-8 JSON lines ({err})") from None
+    except OSError as err:  # unreadable (its permissions), or a read that failed
+        raise DistqaError(f"{path} cannot be read ({err.strerror or err})") from None
     if not gold:
         raise DistqaError(f"{path} holds no examples")
     return gold
@@ -177,8 +179,12 @@ def read_submission(path: str | Path) -> dict[str, str]:
     if not path.is_file():
         raise DistqaError(f"{path} does not exist or is not a file")
     rows: dict[str, str] = {}
-    # utf-8-sig: a spreadsheet may have saved the file with a byte-order mark.
-    with path.open("r", encoding="utf-8-sig", newline="") as f:
+    try:
+        # utf-8-sig: a spreadsheet may have saved the file with a byte-order mark.
+        f = path.open("r", encoding="utf-8-sig", newline="")
+    except OSError as err:  # unreadable (its permissions)
+        raise DistqaError(f"{path} cannot be read ({err.strerror or err})") from None
+    with f:
         reader = csv.reader(f)
         try:
             header = next(reader, None)

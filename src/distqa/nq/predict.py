@@ -29,6 +29,12 @@ from distqa.task_settings import read_task_settings, with_trained_settings
 def model_folder(path: str | Path) -> Path:
     """Accept the exported `model/` folder itself, or the training run's output_dir holding it."""
     folder = Path(path)
+    try:
+        os.listdir(folder)  # a folder it may not read made every check below a PermissionError traceback
+    except PermissionError as err:
+        raise DistqaError(f"--checkpoint {folder} cannot be read ({err.strerror or err})") from None
+    except OSError:  # not there, or a file: said below
+        pass
     for candidate in (folder, folder / "model"):
         if (candidate / "config.json").is_file():
             return candidate
@@ -165,6 +171,8 @@ def predict(
     damage = export_damage(folder, removable=(THRESHOLDS_FILE,))
     if damage is not None:
         raise DistqaError(f"the model in {folder} is damaged ({damage}): export it again (distqa export)")
+    if "files" not in (recorded_source(folder) or {}):
+        print(f"warning: {folder} records no hashes of its files (an export of an older distqa): they go unchecked")
     # Windows of another length or stride than training's give a plausible, wrong submission.
     cfg = with_trained_settings(cfg, folder, given)
     tokenizer = model_tokenizer(cfg, folder)
