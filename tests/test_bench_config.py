@@ -4,6 +4,7 @@ steady-state training steps are timed."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +46,19 @@ def test_mfu_of_fp32_without_tf32_is_not_taken_against_the_tf32_peak():
     # bf16 runs are not affected by the fp32 setting; an older result without the field reads as TF32.
     assert summarize(1, [bench_result(1.0, fp32_matmul="highest")], [], None)["peak_tflops_per_process"] == 989.4
     assert summarize(1, [bench_result(1.0, precision="fp32")], [], None)["peak_tflops_per_process"] == 494.7
+
+
+def test_a_hang_up_ignored_as_under_nohup_stays_ignored():
+    """The bench stops its launch on a SIGTERM or SIGHUP, but not on a hang-up nohup told it to ignore."""
+    import signal
+
+    from distqa.bench.launch import _launches_stopped_on_signals
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _launches_stopped_on_signals(Path("out")):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert callable(signal.getsignal(signal.SIGTERM))  # the bench's own handler
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)

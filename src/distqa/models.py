@@ -141,9 +141,11 @@ def hf_config(cfg: ModelConfig, **overrides: Any) -> PretrainedConfig:
     else:
         try:
             config = AutoConfig.from_pretrained(cfg.name)
-        # Any: a config.json of the wrong shape or types fails in transformers' own code with any
-        # kind of error (AttributeError, KeyError, its dataclass validation, RecursionError): each is
-        # the folder's fault, said in one line (a review).
+        except ImportError:  # a package the model's code needs: its own message names it
+            raise
+        # Any other: a config.json of the wrong shape or types fails in transformers' own code with
+        # any kind of error (AttributeError, KeyError, its dataclass validation, RecursionError): each
+        # is the folder's fault, said in one line (a review).
         except Exception as err:
             raise load_error("model", cfg.name, err, "model.name") from err
     # Every task reads a forward's outputs by name: a folder's config.json with "return_dict": false
@@ -215,6 +217,8 @@ def load_tokenizer(cfg: ModelConfig, *, required: bool = False) -> Any | None:
         return None
     try:
         return AutoTokenizer.from_pretrained(name)
+    except ImportError:  # a package the tokenizer needs (sentencepiece, say): its own message names it
+        raise
     except Exception as err:  # as hf_config's: tokenizer files of the wrong shape fail with any kind
         raise load_error("tokenizer", name, err, "model.tokenizer" if cfg.tokenizer else "model.name") from err
 

@@ -310,7 +310,9 @@ def _launches_stopped_on_signals(out: Path) -> Any:
     if threading.current_thread() is not threading.main_thread():  # (signal handlers are the main thread's)
         yield
         return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # (One ignored stays ignored: under nohup a hang-up must not stop the bench.)
+    ignored = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP) if sig not in ignored}
     try:
         yield
     except _Signalled as stopped:
