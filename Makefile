@@ -206,11 +206,13 @@ gpu-day:
 .PHONY: gpu-wheels
 GPU_WHEELS = transformers==5.23.0 datasets==5.2.0 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19 \
 	regex==2026.11.19 fsspec==2026.9.0
-# Made afresh each time: a wheel left from an earlier version beside the new one stops the whole
-# install on the GPU machine (pip's ResolutionImpossible, naming neither), and a call is spent (a review).
+# Made afresh each time, and put in place whole: a wheel left from an earlier version beside the new
+# one stops the whole install on the GPU machine (pip's ResolutionImpossible, naming neither), and a
+# call is spent (a review).
 gpu-wheels:
-	rm -rf .whl
+	rm -rf .whl.new
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl $(GPU_WHEELS)
+		-d .whl.new $(GPU_WHEELS)
+	rm -rf .whl && mv .whl.new .whl # (a failed download leaves the earlier set)
 	@du -sh .whl

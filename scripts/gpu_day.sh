@@ -94,7 +94,7 @@ PYTHON=${PYTHON:-python3}
 # The GPUs torch sees (CUDA_VISIBLE_DEVICES applied), not those nvidia-smi lists: `distqa bench
 # --nproc 1,2` refuses a count it cannot see. (GPU_DAY_GPUS: the tests' stand-in for a GPU count.)
 # (The count is the last line printed: a library may print on import before it.)
-gpus=${GPU_DAY_GPUS:-$("$PYTHON" -c 'import torch; print(); print(torch.cuda.device_count())' 2> /dev/null | tail -n 1)}
+gpus=${GPU_DAY_GPUS:-$({ "$PYTHON" -c 'import torch; print(); print(torch.cuda.device_count())' 2> /dev/null || true; } | tail -n 1)}
 [[ $gpus =~ ^[0-9]+$ ]] || gpus=0
 if ((gpus == 0)); then
   echo "gpu_day.sh: no GPU visible (torch.cuda.device_count() is 0 for $PYTHON): nothing to run, nothing written" >&2

@@ -56,9 +56,24 @@ def test_a_hang_up_ignored_as_under_nohup_stays_ignored():
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with _launches_stopped_on_signals(Path("out")):
+        with _launches_stopped_on_signals(Path("out"), []):
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert callable(signal.getsignal(signal.SIGTERM))  # the bench's own handler
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_signal_after_bench_json_was_written_says_it_was():
+    """--profile's launches come after bench.json: a SIGTERM during them said "no bench.json
+    written" of a file that was there, whole (a review)."""
+    import signal
+
+    from distqa.bench.launch import _launches_stopped_on_signals, _Signalled
+    from distqa.errors import DistqaError
+
+    for written, said in (([], "no bench.json written"), ([Path("out/bench.json")], "out/bench.json written")):
+        with pytest.raises(DistqaError) as stopped, _launches_stopped_on_signals(Path("out"), written):
+            raise _Signalled(signal.SIGTERM)
+        assert str(stopped.value) == f"bench stopped by SIGTERM, its launch with it: {said} (logs in out/runs)"
+        assert stopped.value.exit_code == 143

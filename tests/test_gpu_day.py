@@ -107,11 +107,15 @@ def _run(env: dict[str, str], out: Path, **extra: str) -> subprocess.CompletedPr
 
 
 def test_without_a_gpu_it_exits_2_with_one_line_and_writes_nothing(tmp_path):
-    proc = _run(_fakes(tmp_path), tmp_path / "day", FAKE_GPUS="0")
+    fakes = _fakes(tmp_path)
+    proc = _run(fakes, tmp_path / "day", FAKE_GPUS="0")
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1
     assert "no GPU visible (torch.cuda.device_count() is 0 for" in proc.stderr
     assert not (tmp_path / "day").exists()
+    # A Python that cannot import torch: the same line (its failed count ended the script, silent).
+    proc = _run(fakes, tmp_path / "day", PYTHON="false")
+    assert proc.returncode == 2 and "no GPU visible (torch.cuda.device_count() is 0 for false)" in proc.stderr
 
 
 def _formula(model: str, parallel: str, ac: bool, gpus: int = 1) -> int:

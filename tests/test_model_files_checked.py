@@ -203,3 +203,16 @@ def test_a_damaged_config_json_in_the_hugging_face_cache_is_named_not_said_to_be
         f"({snapshot / 'config.json'}) holds an array, where a config is a JSON object; delete {entry} and "
         "download it again, or set model.name to a local folder"  # (the key that named it: model.tokenizer unset)
     ), said.stdout + said.stderr
+    # A config.json of the wrong types there: not "download it once" nor "set HF_HOME to a cache
+    # that holds it", which it does (a review).
+    config = json.loads((minilm_dir / "config.json").read_text())
+    (snapshot / "config.json").write_text(json.dumps({**config, "layer_norm_eps": "small"}))
+    said = subprocess.run(
+        [sys.executable, "-c", code.replace("load_tokenizer", "hf_config")], capture_output=True, text=True,
+        env=subprocess_env(**env),
+    )  # fmt: skip
+    assert said.stdout.strip().startswith("cannot load model 'acme/tinybert' from the Hugging Face cache ("), said
+    assert said.stdout.strip().endswith(
+        f"its files there do not load as a model; delete {entry} and download it again, or set model.name to a "
+        "local folder"
+    ), said.stdout

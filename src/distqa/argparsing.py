@@ -124,7 +124,7 @@ def _task_in_yaml(path: str) -> tuple[str | None, str]:
     """`task.name` (or the shorthand `task: NAME`) of a YAML file, read without the schema: cheap, and a
     file that is not even YAML leaves `--help` working."""
     try:
-        if not Path(path).is_file():  # a FIFO or a device blocks the read for ever (a review)
+        if Path(path).exists() and not Path(path).is_file():  # a FIFO or a device blocks the read for ever (a review)
             raise ValueError("not a regular file")
         layer = OmegaConf.load(path)
         task = layer.get("task") if isinstance(layer, DictConfig) else None

@@ -163,7 +163,7 @@ def config_identity(model: nn.Module) -> dict[str, str]:
 # from and with which version, flags of what a forward returns, how weights are initialised (they
 # come from the checkpoint), the feed-forward's chunking (the same numbers, computed in pieces), the
 # class names (a head of another size fails to load anyway). The dropout rates are kept, and
-# compared apart (`DROPOUT`): model.dropout sets them, a change applied on resume.
+# compared apart (`dropout_keys`): model.dropout sets them, a change applied on resume.
 _NOT_COMPUTED = {
     "transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "use_cache",
     "return_dict", "output_attentions", "output_hidden_states", "gradient_checkpointing", "initializer_range",

@@ -71,6 +71,11 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
                 f"cannot load {what} from the folder {name}: its config.json {broken}; set {key} to a folder "
                 "that holds a whole model, or put back its config.json"
             )
+        if not isinstance(err, OSError):  # its files are there and fail to load together (an edit, a damage)
+            return DistqaError(
+                f"cannot load {what} from the folder {name} ({reason}): its files do not load as a {what}; set "
+                f"{key} to a whole, unedited copy"
+            )
         return DistqaError(
             f"cannot load {what} from the folder {name} ({reason}): it does not hold a whole {what}; "
             f"set {key} to a folder that does"
@@ -89,6 +94,12 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
         return DistqaError(
             f"cannot load {what} {name!r}: its config.json in the Hugging Face cache ({cached}) {broken}; "
             f"delete {entry} and download it again, or set {key} to a local folder"
+        )
+    if cached is not None and not isinstance(err, OSError):  # downloaded, and its files fail to load (a review)
+        entry = next((up for up in cached.parents if up.name.startswith("models--")), cached.parent)
+        return DistqaError(
+            f"cannot load {what} {name!r} from the Hugging Face cache ({reason}): its files there do not load as a "
+            f"{what}; delete {entry} and download it again, or set {key} to a local folder"
         )
     offline = os.environ.get("HF_HUB_OFFLINE", "")
     if offline.upper() in ("1", "ON", "YES", "TRUE"):

@@ -303,7 +303,7 @@ class _Signalled(BaseException):
 
 
 @contextlib.contextmanager
-def _launches_stopped_on_signals(out: Path) -> Any:
+def _launches_stopped_on_signals(out: Path, written: list[Path]) -> Any:
     def handler(signum: int, _frame: Any) -> None:
         raise _Signalled(signum)
 
@@ -317,7 +317,9 @@ def _launches_stopped_on_signals(out: Path) -> Any:
         yield
     except _Signalled as stopped:
         name = signal.Signals(stopped.args[0]).name
-        err = DistqaError(f"bench stopped by {name}, its launch with it: no bench.json written (logs in {out}/runs)")
+        # (--profile's launches come after bench.json: then it is there, whole.)
+        wrote = f"{written[0]} written" if written else "no bench.json written"
+        err = DistqaError(f"bench stopped by {name}, its launch with it: {wrote} (logs in {out}/runs)")
         err.exit_code = 128 + stopped.args[0]
         raise err from None
     finally:
@@ -326,11 +328,12 @@ def _launches_stopped_on_signals(out: Path) -> Any:
 
 
 def run_bench(args: Any) -> dict[str, Any]:
-    with _launches_stopped_on_signals(Path(args.output)):
-        return _run_bench(args)
+    written: list[Path] = []
+    with _launches_stopped_on_signals(Path(args.output), written):
+        return _run_bench(args, written)
 
 
-def _run_bench(args: Any) -> dict[str, Any]:
+def _run_bench(args: Any, written: list[Path]) -> dict[str, Any]:
     nprocs, cfg = _checked(args)
     out = Path(args.output)
     try:
@@ -340,6 +343,7 @@ def _run_bench(args: Any) -> dict[str, Any]:
     result = _result(args, cfg, nprocs, _rounds(nprocs, args, out))
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / "bench.png")
+    written.append(out / "bench.json")
     for nproc in nprocs if getattr(args, "profile", False) else []:
         _launch(nproc, "trainer", 0, args, out, profile=out / f"profile-np{nproc}")
         print(f"distqa bench: profile of {nproc} process(es) in {out / f'profile-np{nproc}'}", flush=True)
