@@ -490,16 +490,7 @@ def test_a_signal_while_the_probe_waits_stops_at_once_leaving_no_probe(tmp_path,
         server.listen()
         proc = subprocess.Popen(
             [str(WORKER)],
-            env=base_env(
-                tmp_path,
-                WORKER_DRY_RUN="0",
-                TORCHRUN=str(tmp_path / "must-not-run"),
-                NNODES="2",
-                NODE_RANK="1",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(server.getsockname()[1]),
-                RDZV_TIMEOUT="120",
-            ),
+            env=node_1_env(tmp_path, server.getsockname()[1], "120", TORCHRUN=str(tmp_path / "must-not-run")),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -645,6 +636,23 @@ def test_pytorchjob_example(tmp_path):
 # ---- checks before torchrun starts (all with a stand-in torchrun that records its start) --------
 
 
+def node_1_env(tmp_path: Path, port: int, rdzv_timeout: str, **extra: str) -> dict[str, str]:
+    """A worker node's environment (node 1 of 2, a recording torchrun) whose node 0 is 127.0.0.1:`port`."""
+    return base_env(
+        tmp_path,
+        **{
+            "WORKER_DRY_RUN": "0",
+            "TORCHRUN": str(recording_torchrun(tmp_path)),
+            "NNODES": "2",
+            "NODE_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RDZV_TIMEOUT": rdzv_timeout,
+            **extra,
+        },
+    )
+
+
 def recording_torchrun(tmp_path: Path) -> Path:
     fake = tmp_path / "torchrun"
     fake.write_text(f'#!/bin/sh\necho "torchrun $*"\ntouch "{tmp_path}/torchrun-started"\n')
@@ -749,16 +757,7 @@ def test_worker_waits_for_a_master_that_starts_late(tmp_path):
     start = time.monotonic()
     proc = subprocess.Popen(
         [str(WORKER), "train.lr=1e-4"],
-        env=base_env(
-            tmp_path,
-            WORKER_DRY_RUN="0",
-            TORCHRUN=str(recording_torchrun(tmp_path)),
-            NNODES="2",
-            NODE_RANK="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RDZV_TIMEOUT="20",
-        ),
+        env=node_1_env(tmp_path, port, "20"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -791,19 +790,7 @@ def test_a_store_that_answers_is_found_however_long_the_probe_s_torch_import_tak
     store = TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
     proc = subprocess.run(
         [str(WORKER), "train.lr=1e-4"],
-        env={
-            **base_env(
-                tmp_path,
-                WORKER_DRY_RUN="0",
-                TORCHRUN=str(recording_torchrun(tmp_path)),
-                NNODES="2",
-                NODE_RANK="1",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RDZV_TIMEOUT="10",
-            ),
-            "PYTHONPATH": str(slow),
-        },
+        env={**node_1_env(tmp_path, port, "10"), "PYTHONPATH": str(slow)},
         capture_output=True,
         text=True,
         timeout=120,

@@ -71,7 +71,7 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
                 f"cannot load {what} from the folder {name}: its config.json {broken}; set {key} to a folder "
                 "that holds a whole model, or put back its config.json"
             )
-        if not isinstance(err, OSError):  # its files are there and fail to load together (an edit, a damage)
+        if not isinstance(err, OSError | ValueError | TypeError):  # there, and failing to load together (an edit)
             return DistqaError(
                 f"cannot load {what} from the folder {name} ({reason}): its files do not load as a {what}; set "
                 f"{key} to a whole, unedited copy"
