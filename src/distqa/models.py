@@ -88,15 +88,14 @@ def load_error(what: str, name: str, err: Exception, key: str) -> DistqaError:
             f"mounted here); set {key} to the folder that holds it now"
         )
     cached = _cached_file(name, "config.json")
+    # The whole entry: its snapshot links to content-named blobs, which a download would reuse.
+    entry = cached and next((up for up in cached.parents if up.name.startswith("models--")), cached.parent)
     if cached is not None and (broken := _damaged_config(cached)):  # not "download it": it is there, damaged
-        # The whole entry: its snapshot links to content-named blobs, which a download would reuse.
-        entry = next((up for up in cached.parents if up.name.startswith("models--")), cached.parent)
         return DistqaError(
             f"cannot load {what} {name!r}: its config.json in the Hugging Face cache ({cached}) {broken}; "
             f"delete {entry} and download it again, or set {key} to a local folder"
         )
     if cached is not None and not isinstance(err, OSError):  # downloaded, and its files fail to load (a review)
-        entry = next((up for up in cached.parents if up.name.startswith("models--")), cached.parent)
         return DistqaError(
             f"cannot load {what} {name!r} from the Hugging Face cache ({reason}): its files there do not load as a "
             f"{what}; delete {entry} and download it again, or set {key} to a local folder"

@@ -24,7 +24,7 @@ from typing import Any
 from distqa.agreement import flatten
 from distqa.build_identity import dropout_keys
 from distqa.checkpoint import list_checkpoints, read_trainer_state, step_folders, verify_checkpoint
-from distqa.checkpoint_verify import folder_step, none_on_any_rank, same_on_every_rank
+from distqa.checkpoint_verify import STATE_FILE, folder_step, none_on_any_rank, same_on_every_rank
 from distqa.config import Config
 from distqa.config_layers import setting_field
 from distqa.data_agreement import same_identity
@@ -86,8 +86,10 @@ def _inside(path: Path, folder: Path) -> Path | None:
 def _not_a_checkpoint(path: Path) -> str:
     """What a train.resume folder that is no checkpoint is (a run's output_dir, its checkpoints/,
     its model/), and the checkpoint to name instead."""
-    found = [c for c in list_checkpoints(path) + list_checkpoints(path / "checkpoints") if verify_checkpoint(c) is None]
-    instead = f"name one of its checkpoints, the newest {max(found, key=folder_step)}" if found else "it holds none"
+    # Newest first, each verified only until one passes: verifying hashes every file of a checkpoint.
+    found = sorted(list_checkpoints(path) + list_checkpoints(path / "checkpoints"), key=folder_step, reverse=True)
+    newest = next((c for c in found if verify_checkpoint(c) is None), None)
+    instead = f"name one of its checkpoints, the newest {newest}" if newest else "it holds none"
     return f"this folder is not a checkpoint (a step-N folder under an output_dir's checkpoints/): {instead}"
 
 
@@ -106,16 +108,13 @@ def _choose(output_dir: Path, root: Path, mode: str) -> Path | None:
             print(f"train.resume=never: the earlier run in {output_dir} was moved to {moved}", flush=True)
         return None
     if mode != "auto":
-        damage = verify_checkpoint(Path(mode))
-        if (
-            damage == "no manifest"
-            and folder_step(Path(mode)) is None
-            and not (Path(mode) / "trainer_state.json").exists()
-        ):
-            raise ConfigError(f"train.resume={mode}: {_not_a_checkpoint(Path(mode))}")  # not "damaged": a review
+        path = Path(mode)
+        damage = verify_checkpoint(path)
+        if damage == "no manifest" and folder_step(path) is None and not (path / STATE_FILE).exists():
+            raise ConfigError(f"train.resume={mode}: {_not_a_checkpoint(path)}")  # not "damaged": a review
         if damage is not None:
             raise ConfigError(f"train.resume={mode}: the checkpoint is damaged ({damage})")
-        return Path(mode)
+        return path
     skipped = []
     for candidate in reversed(list_checkpoints(root)):
         damage = verify_checkpoint(candidate)
@@ -350,7 +349,8 @@ def check_model_settings(
     """As `check_task_identity`, for the model's config (`build_identity.model_settings`). A key
     one of them lacks is left alone: another version of transformers adds or drops keys of its own
     (a checkpoint from before these were kept has none)."""
-    differ = [key for key in _differing(saved, now) if key not in dropout_keys(now or {})]  # (applied ones)
+    applied = set(dropout_keys(now or {}))  # (compared apart: model.dropout's change is applied)
+    differ = [key for key in _differing(saved, now) if key not in applied]
     if differ:
         shown = "; ".join(f"{key}: {saved[key]!r} then, {now[key]!r} now" for key in differ[:4])
         more = f"; and {len(differ) - 4} more" if len(differ) > 4 else ""
